@@ -1,0 +1,107 @@
+"""Resumable checkpoints and the exported model.
+
+Layout under output_dir:
+  checkpoints/step_<N>/   accelerate.save_state (model, optimizer, scheduler, RNG per rank)
+                          + trainer_state.json (step, data position, counters) + run_config.yaml
+  checkpoints/latest      text file naming the newest *complete* checkpoint
+  final/                  a standard HF model directory + tokenizer + run_config.yaml
+
+Everything is written to a hidden temporary directory first and renamed into place, so a run
+killed while saving leaves the previous checkpoint (and `latest`) intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Any
+
+import yaml
+
+LATEST = "latest"
+STATE_FILE = "trainer_state.json"
+CONFIG_FILE = "run_config.yaml"
+
+
+def checkpoints_dir(output_dir: str) -> str:
+    return os.path.join(output_dir, "checkpoints")
+
+
+def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of complete checkpoints, oldest first."""
+    root = checkpoints_dir(output_dir)
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root)
+             if (m := re.fullmatch(r"step_(\d+)", name)) and os.path.isfile(os.path.join(root, name, STATE_FILE))]
+    return sorted(found)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(accelerator, output_dir: str, step: int, trainer_state: dict[str, Any],
+                    run_config: dict[str, Any], save_total_limit: int | None) -> str:
+    """Save a resumable checkpoint on every rank, atomically; update `latest`; prune old ones."""
+    root = checkpoints_dir(output_dir)
+    final = os.path.join(root, f"step_{step}")
+    tmp = os.path.join(root, f".tmp_step_{step}")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp, safe_serialization=True)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        _write_atomic(os.path.join(tmp, CONFIG_FILE), yaml.safe_dump(run_config, sort_keys=False))
+        _write_atomic(os.path.join(tmp, STATE_FILE), json.dumps(trainer_state, indent=2))
+        if os.path.exists(final):  # e.g. a resumed run saving the step it resumed from
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_atomic(os.path.join(root, LATEST), f"step_{step}\n")
+        if save_total_limit:
+            for _, path in list_checkpoints(output_dir)[:-save_total_limit]:
+                if path != final:
+                    shutil.rmtree(path, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def resolve_resume(output_dir: str, spec: str) -> str:
+    """The checkpoint directory that `resume_from_checkpoint` (latest or a path) names."""
+    if spec != LATEST:
+        return spec
+    with open(os.path.join(checkpoints_dir(output_dir), LATEST)) as f:
+        return os.path.join(checkpoints_dir(output_dir), f.read().strip())
+
+
+def load_checkpoint(accelerator, path: str) -> dict[str, Any]:
+    """Restore model, optimizer, scheduler and RNG on every rank; return the trainer state."""
+    accelerator.load_state(path)
+    with open(os.path.join(path, STATE_FILE)) as f:
+        return json.load(f)
+
+
+def export(accelerator, model, tokenizer, run_config: dict[str, Any], output_dir: str) -> str:
+    """Write final/: a full HF model directory that loads with from_pretrained, plus tokenizer and config."""
+    final = os.path.join(output_dir, "final")
+    tmp = os.path.join(output_dir, ".tmp_final")
+    state_dict = accelerator.get_state_dict(model)  # a collective: every rank takes part
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        _write_atomic(os.path.join(tmp, CONFIG_FILE), yaml.safe_dump(run_config, sort_keys=False))
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    accelerator.wait_for_everyone()
+    return final

@@ -1,0 +1,112 @@
+"""Command line: the only reader of argv. argv + YAML -> typed, validated config -> run.
+
+    finetune --config RUN.yaml [--<field> VALUE ...]            train (any launcher)
+    accelerate launch --config_file accelerate_configs/ddp.yaml finetune --config RUN.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import sys
+
+from finetune.config import SECTIONS, ConfigError, _type_of, all_fields, build_config, load_yaml, parse_cli_value
+
+DESCRIPTION = """\
+Fine-tune a Hugging Face model. The run config (YAML, --config) says what to train; every field
+can be overridden on the command line. The parallelism is chosen by the Accelerate config:
+
+  finetune --config examples/sft.yaml                                     # one process
+  accelerate launch --config_file accelerate_configs/ddp.yaml finetune --config examples/sft.yaml --max_steps 50
+"""
+
+EPILOG = """\
+Outputs (under output_dir): metrics.jsonl (one JSON row per logged step and per eval),
+checkpoints/step_N (resumable; checkpoints/latest names the newest), final/ (a standard HF model
+directory with tokenizer and the effective run config). Exit code 2 means bad input."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="finetune", description=DESCRIPTION, epilog=EPILOG, allow_abbrev=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", metavar="FILE.yaml", help="Run config (YAML mapping of the fields below).")
+    for section, cls in SECTIONS.items():
+        group = parser.add_argument_group(f"{section} ({cls.__doc__.strip()})")
+        for f in dataclasses.fields(cls):
+            base, optional, item = _type_of(section, f.name)
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            shown = "required" if default == "" else f"default: {default!r}"
+            kw: dict = {"metavar": (item or base).__name__.upper() + ("[,...]" if item else "")}
+            if base is bool:
+                kw = {"nargs": "?", "const": "true", "metavar": "BOOL"}
+            group.add_argument(f"--{f.name}", default=argparse.SUPPRESS, help=f"{f.metadata['help']} ({shown})", **kw)
+    return parser
+
+
+def parse(argv: list[str]):
+    """argv -> RunConfig. Raises ConfigError listing every problem (file, unknown flags, values)."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    problems: list[tuple[str, str]] = []
+    flags = [f"--{name}" for name in all_fields()]
+    for token in unknown:
+        if token.startswith("-"):
+            close = difflib.get_close_matches(token.split("=")[0], flags, n=1, cutoff=0.6)
+            problems.append((token, "unknown option" + (f"; did you mean {close[0]}?" if close else "; see finetune --help")))
+        else:
+            problems.append((token, "unexpected argument; options take the form --field value"))
+    values = {}
+    if args.config:
+        values = load_yaml(args.config)
+    elif not problems:
+        problems.append(("--config", "missing: pass a run-config YAML (see examples/), or give --model and --dataset"))
+        if "model" in vars(args) and "dataset" in vars(args):
+            problems.pop()
+    overrides = {k: parse_cli_value(v) for k, v in vars(args).items() if k != "config"}
+    try:
+        cfg = build_config({**values, **overrides})
+    except ConfigError as e:
+        raise ConfigError(problems + e.problems) from None
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def _is_main_rank() -> bool:
+    return os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def run_cli(argv: list[str] | None = None) -> int:
+    """Parse and run; returns the exit code. Bad input: one clear message, exit code 2, no traceback."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = parse(argv)
+        from finetune.run import run
+
+        run(cfg)
+    except ConfigError as e:
+        if _is_main_rank():
+            print(e.render(), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("finetune: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def main() -> None:
+    """Console entry point. Exits hard once output is flushed: torch's process-group threads have
+    been seen to abort the interpreter at exit ("terminate called without an active exception")."""
+    code = run_cli()
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # shutting down anyway
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,381 @@
+"""The run config: what to train. Typed, documented, parsed and validated once at the edge.
+
+A run config is a flat YAML mapping (``model: ...``, ``dataset: ...``, ``learning_rate: ...``).
+Every field below can also be given on the command line as ``--<field> <value>``, which wins
+over the file. Field names follow transformers' ``TrainingArguments`` where one exists.
+
+The parallelism is *not* here: it is in the Accelerate config file given to ``accelerate launch``.
+
+This module imports no torch: a bad file fails in well under a second, before any model loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+TASKS = ("causal_lm", "classification")
+FORMATS = ("auto", "text", "instruction", "chat", "classification")
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+# Files whose presence in output_dir means "a previous run lives here".
+RUN_MARKERS = ("metrics.jsonl", "checkpoints", "final", "run_config.yaml")
+
+
+class ConfigError(Exception):
+    """One or more problems with the user's input. Each is (key, message) and names the fix."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = problems
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        n = len(self.problems)
+        lines = [f"finetune: {n} problem{'s' if n > 1 else ''} in the run config:"]
+        lines += [f"  - {key}: {msg}" for key, msg in self.problems]
+        return "\n".join(lines)
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ModelArgs:
+    """Which model to fine-tune and how to load it."""
+
+    model: str = _f("", "Hub id or local directory of the base model (required).")
+    task: str = _f("causal_lm", f"What to train: one of {', '.join(TASKS)}.")
+    torch_dtype: str = _f(
+        "float32",
+        "dtype the weights are loaded in: float32 (recommended; mixed precision comes from the "
+        "Accelerate config), bfloat16, float16 or auto (the checkpoint's own).",
+    )
+    trust_remote_code: bool = _f(False, "Run model/tokenizer code shipped with the checkpoint. Off unless asked.")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+    attn_implementation: str | None = _f(None, "Attention kernel (eager, sdpa, flash_attention_2); default: transformers' choice.")
+    chat_template: str | None = _f(None, "Jinja chat template (text or a file path) for tokenizers without one.")
+
+
+@dataclass
+class DataArgs:
+    """Where the examples come from and how they become token ids."""
+
+    dataset: str = _f("", "Hub dataset id, or a local .json/.jsonl/.csv/.parquet/.txt file, glob or directory (required).")
+    dataset_config: str | None = _f(None, "Hub dataset configuration name.")
+    train_split: str = _f("train", "Split used for training.")
+    eval_dataset: str | None = _f(None, "Separate eval data (same forms as `dataset`).")
+    eval_split: str | None = _f(None, "Split of `dataset` (or `eval_dataset`) used for eval.")
+    eval_fraction: float = _f(
+        0.05, "When no eval data/split is given: fraction of train held out for eval (deterministic from seed); 0 disables eval."
+    )
+    format: str = _f("auto", f"Example format: one of {', '.join(FORMATS)}; auto picks from the columns.")
+    text_column: str = _f("text", "Column with raw text (text and classification formats).")
+    text_pair_column: str | None = _f(None, "Optional second text column (classification of sentence pairs).")
+    prompt_column: str = _f("prompt", "Instruction format: prompt column (alpaca's instruction/input also accepted).")
+    prompt_template: str = _f(
+        "### Instruction:\n{prompt}\n\n### Response:\n",
+        "Instruction format: how a prompt is shown to the model; must contain {prompt}.",
+    )
+    response_column: str = _f("response", "Instruction format: response column (alpaca's output also accepted).")
+    messages_column: str = _f("messages", "Chat format: column of [{role, content}] lists.")
+    label_column: str = _f("label", "Classification format: label column (int ids or strings).")
+    max_seq_length: int = _f(512, "Tokens per example; longer examples are truncated, raw text is chunked to it.")
+    packing: bool = _f(False, "Pack several short examples into each row (causal LM), attention kept per example.")
+    max_train_samples: int | None = _f(None, "Use only the first N training examples (debugging).")
+    preprocessing_num_workers: int | None = _f(None, "Processes for tokenization (datasets.map num_proc).")
+
+
+@dataclass
+class TrainArgs:
+    """The optimisation: schedule, batch sizes, logging, checkpoints."""
+
+    output_dir: str = _f("outputs/run", "Where metrics.jsonl, checkpoints/ and final/ are written.")
+    overwrite_output_dir: bool = _f(False, "Replace a previous run in output_dir (refused otherwise).")
+    max_steps: int = _f(-1, "Optimizer steps to run; -1 uses num_train_epochs.")
+    num_train_epochs: float = _f(1.0, "Epochs to run when max_steps is -1.")
+    per_device_train_batch_size: int = _f(8, "Micro batch per process.")
+    per_device_eval_batch_size: int = _f(8, "Eval batch per process.")
+    gradient_accumulation_steps: int = _f(1, "Micro batches per optimizer step on each process.")
+    learning_rate: float = _f(5e-5, "Peak learning rate (AdamW).")
+    weight_decay: float = _f(0.0, "AdamW weight decay (not applied to biases and norm weights).")
+    adam_beta1: float = _f(0.9, "AdamW beta1.")
+    adam_beta2: float = _f(0.999, "AdamW beta2.")
+    adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
+    lr_scheduler_type: str = _f("linear", f"One of {', '.join(SCHEDULERS)}.")
+    warmup_steps: int = _f(0, "Linear warmup steps (wins over warmup_ratio when > 0).")
+    warmup_ratio: float = _f(0.0, "Warmup as a fraction of the total steps.")
+    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
+    logging_steps: int = _f(10, "Log a metrics.jsonl row every N optimizer steps.")
+    eval_steps: int | None = _f(None, "Evaluate every N optimizer steps (always at the end when there is eval data).")
+    eval_on_start: bool = _f(False, "Evaluate once before training (shows the starting point).")
+    save_steps: int | None = _f(500, "Checkpoint every N optimizer steps (always at the end).")
+    save_total_limit: int | None = _f(None, "Keep only the newest N checkpoints.")
+    seed: int = _f(42, "Seed for init, data order and dropout; results do not depend on the world size.")
+    resume_from_checkpoint: str | None = _f(None, "'latest' or a checkpoint directory to resume from.")
+    metrics: list[str] | None = _f(
+        None, "Eval metrics: names shipped with finetune (accuracy, f1) or any evaluate.load name; default by task."
+    )
+    ddp_find_unused_parameters: bool = _f(False, "DDP: detect parameters that get no gradient (slower; needed by some models).")
+    sync_batchnorm: bool = _f(False, "DDP: convert BatchNorm layers to SyncBatchNorm.")
+    dataloader_num_workers: int = _f(0, "Worker processes per data loader.")
+    report_to: list[str] = _f([], "Extra trackers for accelerate (e.g. [tensorboard]); metrics.jsonl is always written.")
+    disable_tqdm: bool = _f(False, "No progress bar (a log line every logging_steps instead).")
+
+
+SECTIONS = {"model": ModelArgs, "data": DataArgs, "train": TrainArgs}
+
+
+@dataclass
+class RunConfig:
+    """The whole run config: one section per builder. Flat in YAML and on the command line."""
+
+    model: ModelArgs = field(default_factory=ModelArgs)
+    data: DataArgs = field(default_factory=DataArgs)
+    train: TrainArgs = field(default_factory=TrainArgs)
+
+    def to_flat(self) -> dict[str, Any]:
+        """The effective config as a flat dict (what is written next to every export)."""
+        flat: dict[str, Any] = {}
+        for name in SECTIONS:
+            flat.update(dataclasses.asdict(getattr(self, name)))
+        return flat
+
+
+def all_fields() -> dict[str, tuple[str, dataclasses.Field]]:
+    """field name -> (section, dataclasses.Field), for every run-config field."""
+    out = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert f.name not in out, f"duplicate field {f.name}"
+            out[f.name] = (section, f)
+    return out
+
+
+def _type_of(section: str, name: str) -> tuple[type, bool, type | None]:
+    """(base type, optional?, list item type) of a field, from its annotation."""
+    hint = typing.get_type_hints(SECTIONS[section])[name]
+    optional = False
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        optional = type(None) in args
+        hint = next(a for a in args if a is not type(None))
+    if typing.get_origin(hint) is list:
+        return list, optional, typing.get_args(hint)[0]
+    return hint, optional, None
+
+
+def _coerce(section: str, name: str, value: Any) -> tuple[Any, str | None]:
+    """Check `value` against the field's type. Returns (value, error message or None)."""
+    base, optional, item = _type_of(section, name)
+    if value is None:
+        return (None, None) if optional else (value, f"must not be empty (expected {base.__name__})")
+    if base is bool:
+        if isinstance(value, bool):
+            return value, None
+        return value, f"expected true or false, got {value!r}"
+    if base is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            return value, f"expected an integer, got {value!r}"
+        return int(value), None
+    if base is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return value, f"expected a number, got {value!r}"
+        return float(value), None
+    if base is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
+            return value, f"expected a list of {item.__name__}, got {value!r}"
+        return value, None
+    if base is str:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value), None
+        if not isinstance(value, str):
+            return value, f"expected a string, got {value!r}"
+        return value, None
+    raise AssertionError(f"unhandled type {base} for {name}")
+
+
+def parse_cli_value(text: str) -> Any:
+    """A command-line value, typed as YAML would type it (`--max_steps 10` -> 10, `--x null` -> None)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a run-config YAML file into a dict, with a clear error when it cannot be."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError([("--config", f"file {str(p)!r} does not exist; pass the path of a run-config YAML")])
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError([("--config", f"{p} is not valid YAML{where}: {getattr(e, 'problem', e)}")]) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError([("--config", f"cannot read {p}: {e}")]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([("--config", f"{p} must hold a mapping of field: value, got a {type(data).__name__}")])
+    return data
+
+
+def build_config(values: dict[str, Any], *, check_filesystem: bool = True) -> RunConfig:
+    """Turn a flat {field: value} dict (YAML merged with overrides) into a validated RunConfig.
+
+    Every problem is collected and raised together as one ConfigError.
+    """
+    fields = all_fields()
+    problems: list[tuple[str, str]] = []
+    sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    for key, value in values.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else "; see `finetune --help` for the fields"
+            problems.append((str(key), f"unknown field{hint}"))
+            continue
+        section = fields[key][0]
+        coerced, err = _coerce(section, key, value)
+        if err:
+            problems.append((key, err))
+        else:
+            sections[section][key] = coerced
+    cfg = RunConfig(**{s: cls(**sections[s]) for s, cls in SECTIONS.items()})
+    problems += validate(cfg, values.keys(), check_filesystem=check_filesystem)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def _choice(problems: list, key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        close = difflib.get_close_matches(value, choices, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        problems.append((key, f"{value!r} is not one of {', '.join(choices)}{hint}"))
+
+
+def looks_local(spec: str) -> bool:
+    """True when a model/dataset spec names a local path rather than a Hub id."""
+    return (
+        spec.startswith((".", "/", "~"))
+        or Path(spec).suffix.lower() in DATA_EXTENSIONS
+        or any(c in spec for c in "*?[")
+        or spec.count("/") > 1
+        or os.path.exists(spec)
+    )
+
+
+def _check_data_path(problems: list, key: str, spec: str) -> None:
+    if not looks_local(spec):
+        return
+    import glob
+
+    paths = [p for p in glob.glob(os.path.expanduser(spec)) if os.path.isfile(p) or os.path.isdir(p)]
+    if not paths:
+        problems.append((key, f"no file or directory matches {spec!r}; give an existing path or a Hub dataset id"))
+        return
+    for p in paths:
+        if os.path.isfile(p) and Path(p).suffix.lower() not in DATA_EXTENSIONS:
+            problems.append((key, f"{p!r} has an unsupported extension; use one of {', '.join(DATA_EXTENSIONS)}"))
+        elif os.path.isfile(p) and not os.access(p, os.R_OK):
+            problems.append((key, f"{p!r} is not readable; fix its permissions"))
+
+
+def previous_run_in(output_dir: str) -> list[str]:
+    """The markers of a previous run found in output_dir (empty if none)."""
+    return [m for m in RUN_MARKERS if os.path.exists(os.path.join(output_dir, m))]
+
+
+def validate(cfg: RunConfig, given: typing.Iterable[str] = (), *, check_filesystem: bool = True) -> list[tuple[str, str]]:
+    """Every problem with a typed config, as (key, message naming the fix)."""
+    m, d, t = cfg.model, cfg.data, cfg.train
+    p: list[tuple[str, str]] = []
+    if not m.model:
+        p.append(("model", "is required: a Hub model id or a local model directory"))
+    if not d.dataset:
+        p.append(("dataset", "is required: a Hub dataset id or local data files"))
+    _choice(p, "task", m.task, TASKS)
+    _choice(p, "torch_dtype", m.torch_dtype, DTYPES)
+    _choice(p, "format", d.format, FORMATS)
+    _choice(p, "lr_scheduler_type", t.lr_scheduler_type, SCHEDULERS)
+    if m.task == "classification" and d.format not in ("auto", "classification"):
+        p.append(("format", f"{d.format!r} is a causal-LM format; task classification needs format classification (or auto)"))
+    if m.task == "causal_lm" and d.format == "classification":
+        p.append(("format", "classification data needs `task: classification`"))
+    if "{prompt}" not in d.prompt_template:
+        p.append(("prompt_template", "must contain the placeholder {prompt}"))
+    if d.packing and m.task != "causal_lm":
+        p.append(("packing", "packing applies to causal LM only; set packing: false"))
+    for key in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                "max_seq_length", "logging_steps"):
+        section = {**dataclasses.asdict(d), **dataclasses.asdict(t)}
+        if section[key] < 1:
+            p.append((key, f"must be >= 1, got {section[key]}"))
+    for key, value in (("eval_steps", t.eval_steps), ("save_steps", t.save_steps), ("save_total_limit", t.save_total_limit),
+                       ("max_train_samples", d.max_train_samples), ("preprocessing_num_workers", d.preprocessing_num_workers)):
+        if value is not None and value < 1:
+            p.append((key, f"must be >= 1 or null (off), got {value}"))
+    if t.max_steps == 0 or t.max_steps < -1:
+        p.append(("max_steps", f"must be >= 1, or -1 to use num_train_epochs; got {t.max_steps}"))
+    if t.max_steps == -1 and t.num_train_epochs <= 0:
+        p.append(("num_train_epochs", f"must be > 0 when max_steps is -1; got {t.num_train_epochs}"))
+    if not t.learning_rate > 0:
+        p.append(("learning_rate", f"must be > 0, got {t.learning_rate}"))
+    for key in ("weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon", "dataloader_num_workers"):
+        if getattr(t, key) < 0:
+            p.append((key, f"must be >= 0, got {getattr(t, key)}"))
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(t, key) < 1:
+            p.append((key, f"must be in [0, 1), got {getattr(t, key)}"))
+    if not 0 <= t.warmup_ratio < 1:
+        p.append(("warmup_ratio", f"must be in [0, 1), got {t.warmup_ratio}"))
+    if not 0 <= d.eval_fraction < 1:
+        p.append(("eval_fraction", f"must be in [0, 1), got {d.eval_fraction}"))
+    if t.eval_steps and not (d.eval_dataset or d.eval_split or d.eval_fraction > 0):
+        p.append(("eval_steps", "is set but there is no eval data; give eval_dataset, eval_split or eval_fraction > 0"))
+    if t.eval_on_start and not (d.eval_dataset or d.eval_split or d.eval_fraction > 0):
+        p.append(("eval_on_start", "is set but there is no eval data; give eval_dataset, eval_split or eval_fraction > 0"))
+    if not t.output_dir:
+        p.append(("output_dir", "is required"))
+    if not check_filesystem:
+        return p
+    if m.model and looks_local(m.model) and not os.path.isdir(os.path.expanduser(m.model)):
+        p.append(("model", f"directory {m.model!r} does not exist; give a model directory (with config.json) or a Hub id"))
+    elif m.model and os.path.isdir(m.model) and not os.path.isfile(os.path.join(m.model, "config.json")):
+        p.append(("model", f"{m.model!r} has no config.json; point at a directory saved with save_pretrained"))
+    if m.chat_template and len(m.chat_template) < 256 and "{" not in m.chat_template and not os.path.isfile(m.chat_template):
+        p.append(("chat_template", f"{m.chat_template!r} is neither a Jinja template nor an existing file"))
+    if d.dataset:
+        _check_data_path(p, "dataset", d.dataset)
+    if d.eval_dataset:
+        _check_data_path(p, "eval_dataset", d.eval_dataset)
+    resume = t.resume_from_checkpoint
+    if resume and resume != "latest" and not os.path.isdir(resume):
+        p.append(("resume_from_checkpoint", f"{resume!r} is not a directory; give 'latest' or a checkpoints/step_N path"))
+    if resume == "latest" and not os.path.exists(os.path.join(t.output_dir, "checkpoints", "latest")):
+        p.append(("resume_from_checkpoint", f"'latest' but {t.output_dir}/checkpoints has no complete checkpoint; "
+                                            "drop resume_from_checkpoint to start fresh"))
+    if t.output_dir and os.path.isfile(t.output_dir):
+        p.append(("output_dir", f"{t.output_dir!r} is a file; give a directory"))
+    elif t.output_dir and not resume and not t.overwrite_output_dir:
+        found = previous_run_in(t.output_dir)
+        if found:
+            p.append(("output_dir", f"{t.output_dir!r} holds a previous run ({', '.join(found)}); pick a new output_dir, "
+                                    "resume it with --resume_from_checkpoint latest, or replace it with --overwrite_output_dir"))
+    return p

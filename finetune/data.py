@@ -1,0 +1,365 @@
+"""Data: load (Hub id or local files), format, tokenize (cached, once), pack, collate, order.
+
+Formats and what the loss sees (labels = -100 are not supervised):
+  text            raw text, tokenized, joined with EOS and cut into max_seq_length blocks; every token
+  instruction     prompt (through prompt_template) + response + EOS; only response and EOS
+  chat            `messages` through the tokenizer's chat template; only assistant turns
+  classification text (+ optional pair) and one label per example
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ContextManager
+
+import torch
+
+from finetune.config import DATA_EXTENSIONS, ConfigError, DataArgs, looks_local
+
+IGNORE = -100
+logger = logging.getLogger("finetune")
+
+
+@dataclass
+class Datasets:
+    """What the data builder hands the run: tokenized splits plus facts the model builder needs."""
+
+    train: Any
+    eval: Any | None
+    format: str
+    label_names: list[str] | None  # classification: id -> name
+    supervised_tokens: int  # in train, after truncation
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _load(spec: str, data: DataArgs, split: str | None) -> Any:
+    """Load one split from a Hub id or local files. Errors are ConfigErrors naming the key."""
+    import datasets
+
+    key = "dataset" if spec == data.dataset else "eval_dataset"
+    if looks_local(spec):
+        files = sorted(glob.glob(os.path.expanduser(spec)))
+        files = [f for p in files for f in (_files_in(p) if os.path.isdir(p) else [p])]
+        kinds = {DATA_EXTENSIONS.get(Path(f).suffix.lower()) for f in files}
+        if not files or None in kinds or len(kinds) != 1:
+            raise ConfigError([(key, f"{spec!r} must name files of one kind ({', '.join(DATA_EXTENSIONS)})")])
+        try:
+            return datasets.load_dataset(kinds.pop(), data_files=files, split="train")
+        except Exception as e:  # datasets raises many types for malformed files
+            raise ConfigError([(key, f"could not read {spec!r}: {_first_line(e)}")]) from None
+    try:
+        return datasets.load_dataset(spec, data.dataset_config, split=split or data.train_split)
+    except Exception as e:
+        raise ConfigError([(key, f"could not load Hub dataset {spec!r} (split {split or data.train_split!r}): "
+                                 f"{_first_line(e)}. Check the id and split, or give local files")]) from None
+
+
+def _files_in(directory: str) -> list[str]:
+    return sorted(str(p) for p in Path(directory).rglob("*") if p.suffix.lower() in DATA_EXTENSIONS)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def load_splits(data: DataArgs, seed: int) -> tuple[Any, Any | None]:
+    """(train, eval or None) raw datasets, eval from a file, a split, or a seeded held-out fraction."""
+    train = _load(data.dataset, data, None if looks_local(data.dataset) else data.train_split)
+    if len(train) == 0:
+        raise ConfigError([("dataset", f"{data.dataset!r} has no examples")])
+    if data.eval_dataset:
+        evalset = _load(data.eval_dataset, data, data.eval_split)
+    elif data.eval_split:
+        if looks_local(data.dataset):
+            raise ConfigError([("eval_split", "local files have one split; give eval_dataset or eval_fraction instead")])
+        evalset = _load(data.dataset, data, data.eval_split)
+    elif data.eval_fraction > 0:
+        n_eval = max(1, round(len(train) * data.eval_fraction))
+        if n_eval >= len(train):
+            raise ConfigError([("eval_fraction", f"leaves no training data out of {len(train)} examples; lower it")])
+        parts = train.train_test_split(test_size=n_eval, seed=seed, shuffle=True)
+        train, evalset = parts["train"], parts["test"]
+    else:
+        evalset = None
+    if data.max_train_samples:
+        train = train.select(range(min(data.max_train_samples, len(train))))
+    return train, evalset
+
+
+# ---------------------------------------------------------------- formats
+
+
+def detect_format(columns: list[str], data: DataArgs, task: str) -> str:
+    """The format named in config, or the one the columns imply."""
+    if data.format != "auto":
+        return data.format
+    if task == "classification":
+        return "classification"
+    if data.messages_column in columns:
+        return "chat"
+    if data.prompt_column in columns or "instruction" in columns:
+        return "instruction"
+    if data.text_column in columns:
+        return "text"
+    raise ConfigError([("format", f"cannot tell the format from columns {columns}; set format "
+                                  "(text/instruction/chat) and the matching *_column fields")])
+
+
+def required_columns(fmt: str, columns: list[str], data: DataArgs) -> list[tuple[str, str]]:
+    """Problems with the columns a format needs, each naming the config key to fix."""
+    need: list[tuple[str, str]] = []
+    if fmt in ("text", "classification"):
+        need.append(("text_column", data.text_column))
+    if fmt == "classification":
+        need.append(("label_column", data.label_column))
+        if data.text_pair_column:
+            need.append(("text_pair_column", data.text_pair_column))
+    if fmt == "chat":
+        need.append(("messages_column", data.messages_column))
+    if fmt == "instruction":
+        alpaca = "instruction" in columns and "output" in columns
+        if not alpaca:
+            need += [("prompt_column", data.prompt_column), ("response_column", data.response_column)]
+    return [(key, f"column {col!r} not in the data (columns: {columns}); set {key}") for key, col in need
+            if col not in columns]
+
+
+def _instruction(tokenizer, data: DataArgs, max_len: int) -> Callable:
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+    def fn(ex: dict) -> dict:
+        if data.prompt_column in ex and ex[data.prompt_column] is not None:
+            prompt, response = ex[data.prompt_column], ex[data.response_column]
+        else:  # alpaca: instruction / input / output
+            prompt = ex["instruction"] + (f"\n\n{ex['input']}" if ex.get("input") else "")
+            response = ex["output"]
+        p = tokenizer(data.prompt_template.format(prompt=prompt), add_special_tokens=True)["input_ids"]
+        r = tokenizer(str(response), add_special_tokens=False)["input_ids"] + eos
+        ids = (p + r)[:max_len]
+        labels = ([IGNORE] * len(p) + r)[:max_len]
+        return {"input_ids": ids, "labels": labels}
+
+    return fn
+
+
+def _chat(tokenizer, data: DataArgs, max_len: int) -> Callable:
+    """Render with the chat template; supervise exactly the tokens each assistant turn adds.
+
+    Works with any template whose rendering of a conversation prefix is a token prefix of the
+    whole rendering (true of the usual ChatML/Llama/Mistral templates); others are refused.
+    """
+
+    def render(messages: list[dict], gen: bool = False) -> list[int]:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def fn(ex: dict) -> dict:
+        messages = ex[data.messages_column]
+        ids: list[int] = []
+        labels: list[int] = []
+        for k, msg in enumerate(messages):
+            steps = [(render(messages[:k], gen=True), False)] if msg["role"] == "assistant" and k else []
+            steps.append((render(messages[: k + 1]), msg["role"] == "assistant"))
+            for new, supervised in steps:
+                if new[: len(ids)] != ids:
+                    raise ValueError("the chat template does not render a conversation prefix as a token prefix; "
+                                     "set chat_template to one that does")
+                labels += new[len(ids):] if supervised else [IGNORE] * (len(new) - len(ids))
+                ids = new
+        return {"input_ids": ids[:max_len], "labels": labels[:max_len]}
+
+    return fn
+
+
+def _classification(tokenizer, data: DataArgs, max_len: int, label_ids: dict | None) -> Callable:
+    def fn(batch: dict) -> dict:
+        pair = batch[data.text_pair_column] if data.text_pair_column else None
+        enc = tokenizer(batch[data.text_column], pair, truncation=True, max_length=max_len)
+        labels = batch[data.label_column]
+        return {"input_ids": enc["input_ids"], "labels": [label_ids[v] if label_ids else v for v in labels]}
+
+    return fn
+
+
+def _text(tokenizer, data: DataArgs, max_len: int) -> Callable:
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+    def fn(batch: dict) -> dict:
+        stream = [t for ids in tokenizer(batch[data.text_column])["input_ids"] for t in ids + eos]
+        n = max(len(stream) // max_len, 1)  # a short batch still yields one (shorter) block
+        blocks = [stream[i * max_len:(i + 1) * max_len] for i in range(n)]
+        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+
+    return fn
+
+
+def label_names_of(train, data: DataArgs) -> tuple[list[str], dict | None]:
+    """Names of the classes and, for string labels, the name -> id map (sorted, so stable)."""
+    values = train.unique(data.label_column)
+    if any(v is None for v in values):
+        raise ConfigError([("label_column", f"column {data.label_column!r} has empty labels; fill or drop those rows")])
+    if all(isinstance(v, str) for v in values):
+        names = sorted(values)
+        return names, {n: i for i, n in enumerate(names)}
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        if min(values) < 0:
+            raise ConfigError([("label_column", f"label {min(values)} is negative; labels must be 0..N-1 or strings")])
+        return [str(i) for i in range(max(values) + 1)], None
+    raise ConfigError([("label_column", f"labels must be all ints or all strings, got {sorted(map(repr, values))[:5]}")])
+
+
+def supervised_count(labels: list[int], task: str) -> int:
+    """Tokens (causal LM: after the one-token shift) or examples the loss is taken over."""
+    if task == "classification":
+        return 1
+    return sum(1 for t in labels[1:] if t != IGNORE)
+
+
+# ---------------------------------------------------------------- packing and collation
+
+
+def pack(batch: dict, max_len: int) -> dict:
+    """Greedy, order-preserving packing into rows of at most max_len tokens.
+
+    Each example keeps its own position_ids (0..n-1); transformers turns position_ids that restart
+    into a block-diagonal causal mask, so packed examples never attend to each other.
+    """
+    rows: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
+    cur: dict[str, list] = {k: [] for k in rows}
+    for ids, labels in zip(batch["input_ids"], batch["labels"]):
+        if cur["input_ids"] and len(cur["input_ids"]) + len(ids) > max_len:
+            for k in rows:
+                rows[k].append(cur[k])
+            cur = {k: [] for k in rows}
+        cur["input_ids"] += ids
+        # The first token of a later example would be "predicted" from the previous example: mask it.
+        cur["labels"] += ([IGNORE] + labels[1:]) if cur["labels"] else labels
+        cur["position_ids"] += list(range(len(ids)))
+    if cur["input_ids"]:
+        for k in rows:
+            rows[k].append(cur[k])
+    return rows
+
+
+class Collator:
+    """Pad a list of examples to the longest one (rounded up to a multiple of 8), plus batch facts.
+
+    Padded labels are -100. Unpacked batches get an attention_mask; packed ones get position_ids
+    instead (padding becomes one more, unsupervised, segment).
+    """
+
+    def __init__(self, pad_token_id: int, multiple_of: int = 8):
+        self.pad = pad_token_id
+        self.multiple_of = multiple_of
+
+    def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        longest = max(len(e["input_ids"]) for e in examples)
+        width = -(-longest // self.multiple_of) * self.multiple_of
+        per_token = isinstance(examples[0]["labels"], list)  # causal LM; classification has one int
+        packed = "position_ids" in examples[0]
+        ids, labels, extra = [], [], []
+        for e in examples:
+            n = len(e["input_ids"])
+            gap = width - n
+            ids.append(list(e["input_ids"]) + [self.pad] * gap)
+            labels.append(list(e["labels"]) + [IGNORE] * gap if per_token else e["labels"])
+            extra.append(list(e["position_ids"]) + list(range(gap)) if packed else [1] * n + [0] * gap)
+        labels_t = torch.tensor(labels, dtype=torch.long)
+        return {
+            "input_ids": torch.tensor(ids, dtype=torch.long),
+            "labels": labels_t,
+            ("position_ids" if packed else "attention_mask"): torch.tensor(extra, dtype=torch.long),
+            # Batch facts for the loop (popped before the forward): real input tokens, and what the
+            # model's mean loss is taken over (causal LM: labels after the one-token shift).
+            "num_tokens": torch.tensor(sum(len(e["input_ids"]) for e in examples)),
+            "num_supervised": (labels_t[:, 1:] != IGNORE).sum() if per_token else torch.tensor(len(examples)),
+        }
+
+
+class EpochSampler(torch.utils.data.Sampler):
+    """A shuffle that depends only on (seed, epoch): identical on every rank and every world size.
+
+    Deliberately not a RandomSampler (accelerate would swap it) and without a `generator`
+    attribute (accelerate would broadcast it): there is nothing to synchronise.
+    """
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+
+# ---------------------------------------------------------------- the builder
+
+
+def build_datasets(data: DataArgs, task: str, tokenizer, seed: int, main_first: Callable[[], ContextManager]) -> Datasets:
+    """Load, format, tokenize (main process first, so the others hit the datasets cache), filter, pack."""
+    with main_first():
+        train_raw, eval_raw = load_splits(data, seed)
+    columns = list(train_raw.column_names)
+    fmt = detect_format(columns, data, task)
+    problems = required_columns(fmt, columns, data)
+    if eval_raw is not None:
+        problems += [(k, f"eval data: {m}") for k, m in required_columns(fmt, list(eval_raw.column_names), data)]
+    if problems:
+        raise ConfigError(problems)
+    if fmt == "chat" and not tokenizer.chat_template:
+        raise ConfigError([("chat_template", "chat data needs a chat template and this tokenizer has none; "
+                                             "set chat_template (Jinja text or a file)")])
+    label_names, label_ids = label_names_of(train_raw, data) if fmt == "classification" else (None, None)
+    if label_names and eval_raw is not None:
+        unknown = set(eval_raw.unique(data.label_column)) - set(label_ids or range(len(label_names)))
+        if unknown:
+            raise ConfigError([("label_column", f"eval labels {sorted(map(str, unknown))[:5]} never occur in train; "
+                                                "fix the eval data or its labels")])
+    max_len = data.max_seq_length
+    fn, batched = {
+        "text": (_text(tokenizer, data, max_len), True),
+        "instruction": (_instruction(tokenizer, data, max_len), False),
+        "chat": (_chat(tokenizer, data, max_len), False),
+        "classification": (_classification(tokenizer, data, max_len, label_ids), True),
+    }[fmt]
+
+    def tokenize(ds, name: str):
+        try:
+            ds = ds.map(fn, batched=batched, remove_columns=ds.column_names, num_proc=data.preprocessing_num_workers,
+                        desc=f"tokenizing {name}")
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError([("dataset" if name == "train" else "eval_dataset",
+                                f"{fmt} formatting failed: {_first_line(e)}")]) from None
+        ds = ds.filter(lambda ex: supervised_count(ex["labels"], task) > 0,
+                       desc=f"dropping {name} examples with nothing to learn")
+        return ds
+
+    with main_first():
+        train = tokenize(train_raw, "train")
+        evalset = tokenize(eval_raw, "eval") if eval_raw is not None else None
+        dropped = len(train_raw) - len(train) if fmt != "text" else 0
+        if len(train) == 0:
+            raise ConfigError([("dataset", "no training example has a supervised token left after truncation to "
+                                           f"max_seq_length={max_len}; raise max_seq_length or check the response columns")])
+        if dropped:
+            logger.warning("dropped %d of %d training examples with no supervised token (truncated away?)",
+                           dropped, len(train_raw))
+        if data.packing:
+            train = train.map(pack, batched=True, batch_size=1000, fn_kwargs={"max_len": max_len}, desc="packing")
+    if fmt == "classification":
+        n_super = len(train)
+    else:
+        n_super = sum(supervised_count(lab, task) for lab in train["labels"])
+    return Datasets(train=train, eval=evalset, format=fmt, label_names=label_names, supervised_tokens=n_super)

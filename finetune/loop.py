@@ -1,0 +1,187 @@
+"""The training loop: one loop for every backend, speaking only accelerate.
+
+A reader can follow a run from here to `optimizer.step()`: `train` walks epochs and optimizer
+steps; `train_step` runs the micro batches of one optimizer step; `evaluate` runs the eval set.
+Backend and layout differences live in parallel.py, never here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from finetune.config import TrainArgs
+from finetune.metrics import MetricsLog, per_example_stats, summarize
+from finetune.parallel import Plan, global_batch_index
+
+logger = logging.getLogger("finetune")
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint must restore besides accelerate's state: where we are in the data."""
+
+    step: int = 0  # optimizer steps done
+    tokens_seen: int = 0  # non-padding input tokens, all ranks
+    supervised_seen: int = 0  # tokens (or examples) the loss was taken over, all ranks
+
+
+@dataclass
+class Run:
+    """The prepared objects and settings the loop needs, built by run.py."""
+
+    accelerator: Any
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    train_loader: Any
+    sampler: Any  # finetune.data.EpochSampler: the order of an epoch depends only on (seed, epoch)
+    eval_loader: Any | None
+    plan: Plan
+    args: TrainArgs
+    task: str
+    metrics: dict[str, Any]
+    n_labels: int | None
+    log: MetricsLog
+    save: Callable[[TrainState], None]
+    extra: dict[str, Any] = field(default_factory=dict)  # constant facts added to every log row
+
+
+def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: int):
+    """One optimizer step over this rank's micro batches.
+
+    The loss is the mean over the supervised tokens of the whole global batch (every micro batch
+    on every rank): each micro batch's mean loss is turned back into a sum and divided by the
+    global count. accelerate divides by the accumulation steps and DDP averages over ranks, so we
+    multiply those back in. Hence 2 ranks x GA 1 and 1 rank x GA 2 give the same update.
+    """
+    acc, ga = run.accelerator, run.plan.gradient_accumulation_steps
+    counts = [b.pop("num_supervised") for b in micro_batches]
+    tokens = sum(b.pop("num_tokens") for b in micro_batches)
+    global_count = acc.reduce(torch.stack(counts).sum().float(), reduction="sum")
+    scale = acc.num_processes * ga / global_count
+    nll_sum, grad_norm = 0.0, None
+    for i, (batch, n) in enumerate(zip(micro_batches, counts)):
+        # Dropout is seeded by the micro batch's place in the global data order, not by the rank
+        # layout: any world size / accumulation split of the same global batch draws the same masks.
+        torch.manual_seed(hash((run.args.seed, epoch, global_batch_index(run.plan, step_in_epoch, i, acc.process_index)))
+                          & (2**63 - 1))
+        with acc.accumulate(run.model):
+            loss = run.model(**batch).loss
+            acc.backward(loss * (n * scale))
+            if acc.sync_gradients:  # true on the last micro batch only
+                grad_norm = acc.clip_grad_norm_(run.model.parameters(), run.args.max_grad_norm or float("inf"))
+            run.optimizer.step()
+            run.scheduler.step()
+            run.optimizer.zero_grad(set_to_none=True)
+        nll_sum = nll_sum + loss.detach().float() * n
+    return nll_sum, global_count, tokens, grad_norm
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> dict[str, float]:
+    """Eval loss (mean over supervised tokens or examples) and metrics, over the whole eval set."""
+    acc = run.accelerator
+    run.model.eval()
+    parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+    for batch in run.eval_loader:
+        batch.pop("num_supervised"), batch.pop("num_tokens")
+        labels = batch.pop("labels")
+        stats = per_example_stats(run.model(**batch).logits, labels, run.task)
+        for k, v in acc.gather_for_metrics(stats).items():  # drops the padding of an uneven last batch
+            parts[k].append(v.cpu())
+    run.model.train()
+    return summarize({k: torch.cat(v) for k, v in parts.items()}, run.metrics, run.n_labels)
+
+
+class _Window:
+    """Running sums between two log rows (kept as tensors: no host sync per step)."""
+
+    def __init__(self) -> None:
+        self.nll, self.count, self.tokens, self.steps, self.t0 = 0.0, 0.0, 0, 0, time.perf_counter()
+
+
+def train(run: Run, state: TrainState) -> dict[str, float]:
+    """Run optimizer steps from state.step to plan.total_steps; log, evaluate and checkpoint."""
+    acc, plan, args = run.accelerator, run.plan, run.args
+    bar = tqdm(total=plan.total_steps, initial=state.step, unit="step", dynamic_ncols=True,
+               disable=not acc.is_main_process or args.disable_tqdm)
+    last_eval: dict[str, float] = {}
+    if args.eval_on_start and state.step == 0 and run.eval_loader is not None:
+        last_eval = _log_eval(run, state, bar)
+    run.model.train()
+    win = _Window()
+    while state.step < plan.total_steps:
+        epoch, start = divmod(state.step, plan.steps_per_epoch)
+        run.sampler.set_epoch(epoch)
+        skip = start * plan.gradient_accumulation_steps  # resuming inside an epoch
+        batches = iter(acc.skip_first_batches(run.train_loader, skip) if skip else run.train_loader)
+        for step_in_epoch in range(start, plan.steps_per_epoch):
+            micro = [next(batches) for _ in range(plan.gradient_accumulation_steps)]
+            nll, count, tokens, grad_norm = train_step(run, micro, epoch, step_in_epoch)
+            state.step += 1
+            win.nll, win.count, win.tokens, win.steps = win.nll + nll, win.count + count, win.tokens + tokens, win.steps + 1
+            done = state.step == plan.total_steps
+            bar.update(1)
+            if state.step % args.logging_steps == 0 or done:
+                _log_train(run, state, win, grad_norm, bar)
+                win = _Window()
+            if run.eval_loader is not None and (done or (args.eval_steps and state.step % args.eval_steps == 0)):
+                last_eval = _log_eval(run, state, bar)
+            if done or (args.save_steps and state.step % args.save_steps == 0):
+                run.save(state)
+            if done:
+                break
+    bar.close()
+    return last_eval
+
+
+def _log_train(run: Run, state: TrainState, win: _Window, grad_norm, bar) -> None:
+    acc = run.accelerator
+    nll, tokens = acc.reduce(torch.stack([torch.as_tensor(win.nll, device=acc.device).float(),
+                                          torch.as_tensor(win.tokens, device=acc.device).float()]), reduction="sum")
+    count = float(win.count)  # already global
+    state.tokens_seen += int(tokens.item())
+    state.supervised_seen += int(count)
+    seconds = time.perf_counter() - win.t0
+    row = {
+        "step": state.step,
+        "loss": nll.item() / count,
+        "learning_rate": run.scheduler.get_last_lr()[0],
+        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "tokens_seen": state.tokens_seen,
+        "tokens_per_s": tokens.item() / seconds,
+        "step_time_s": seconds / win.steps,
+        "epoch": state.step / run.plan.steps_per_epoch,
+        **run.extra,
+    }
+    run.log.write(row)
+    if run.args.report_to:
+        acc.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=state.step)
+    postfix = {"loss": f"{row['loss']:.4f}", "lr": f"{row['learning_rate']:.2e}", "tok/s": f"{row['tokens_per_s']:.0f}"}
+    if bar.disable:
+        if acc.is_main_process:
+            logger.info("step %d/%d  %s", state.step, run.plan.total_steps, "  ".join(f"{k} {v}" for k, v in postfix.items()))
+    else:
+        bar.set_postfix(postfix, refresh=False)
+
+
+def _log_eval(run: Run, state: TrainState, bar) -> dict[str, float]:
+    result = evaluate(run)
+    run.log.write({"step": state.step, **result})
+    if run.args.report_to:
+        run.accelerator.log(result, step=state.step)
+    if run.accelerator.is_main_process:
+        text = "  ".join(f"{k} {v:.4f}" for k, v in result.items())
+        (bar.write if not bar.disable else logger.info)(f"eval @ step {state.step}: {text}")
+    return result
+
+
+def state_dict_of(state: TrainState) -> dict[str, Any]:
+    return asdict(state)

@@ -1,0 +1,102 @@
+"""Eval metrics (through `evaluate`), per-example eval statistics, memory and the metrics log."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune.config import ConfigError
+
+SHIPPED = Path(__file__).parent / "metric_modules"  # evaluate modules that work offline
+DEFAULT_METRICS = {"causal_lm": [], "classification": ["accuracy", "f1"]}
+
+
+def load_metrics(names: list[str] | None, task: str) -> dict[str, Any]:
+    """name -> evaluate module. Shipped names load from the package; others via evaluate.load."""
+    import evaluate
+
+    out = {}
+    for name in DEFAULT_METRICS[task] if names is None else names:
+        path = SHIPPED / name
+        try:
+            out[name] = evaluate.load(str(path) if path.is_dir() else name)
+        except Exception as e:
+            raise ConfigError([("metrics", f"could not load metric {name!r} ({type(e).__name__}: "
+                                           f"{(str(e).splitlines() or [''])[0]}); shipped offline: "
+                                           f"{', '.join(sorted(p.name for p in SHIPPED.iterdir() if p.is_dir()))}")]) from None
+    return out
+
+
+def per_example_stats(logits: torch.Tensor, labels: torch.Tensor, task: str) -> dict[str, torch.Tensor]:
+    """Per-example sums, so that `gather_for_metrics` can drop the duplicates of an uneven last batch.
+
+    causal LM: summed next-token NLL and supervised-token count per row.
+    classification: NLL, prediction and reference per example.
+    """
+    logits = logits.float()
+    if task == "classification":
+        nll = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+        return {"nll": nll, "count": torch.ones_like(nll), "pred": logits.argmax(-1), "ref": labels}
+    shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
+    nll = torch.nn.functional.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1), ignore_index=-100, reduction="none"
+    ).view(shift_labels.shape)
+    return {"nll": nll.sum(-1), "count": (shift_labels != -100).sum(-1).float()}
+
+
+def summarize(stats: dict[str, torch.Tensor], metrics: dict[str, Any], n_labels: int | None) -> dict[str, float]:
+    """eval_loss (mean over supervised tokens/examples), perplexity for LM, and each metric."""
+    loss = (stats["nll"].double().sum() / stats["count"].double().sum()).item()
+    out = {"eval_loss": loss}
+    if "pred" not in stats:
+        out["eval_perplexity"] = math.exp(min(loss, 50.0))
+    for name, module in metrics.items():
+        kwargs = {"average": "macro"} if name == "f1" and (n_labels or 2) > 2 else {}
+        result = module.compute(predictions=stats["pred"].tolist(), references=stats["ref"].tolist(), **kwargs)
+        out.update({f"eval_{k}": v for k, v in result.items() if isinstance(v, (int, float))})
+    return out
+
+
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """This process's peak host RSS, and accelerator memory where there is one, in GB."""
+    out = {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}  # ru_maxrss is KiB on Linux
+    if device.type == "cuda":
+        out["peak_gpu_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        out["peak_gpu_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
+    return out
+
+
+class MetricsLog:
+    """`<output_dir>/metrics.jsonl`, written by the main process only; one JSON object per row."""
+
+    def __init__(self, output_dir: str, enabled: bool):
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.enabled = enabled
+
+    def truncate_after(self, step: int) -> None:
+        """On resume: drop rows logged after the checkpoint, so the log continues without duplicates."""
+        if not self.enabled or not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(rows)
+        os.replace(tmp, self.path)
+
+    def write(self, row: dict[str, Any]) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+def read_metrics(output_dir: str) -> list[dict[str, Any]]:
+    """All rows of a run's metrics.jsonl (for tests, parity and users' scripts)."""
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]

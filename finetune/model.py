@@ -1,0 +1,86 @@
+"""Model and tokenizer: from a Hub id or a local directory, through transformers' Auto classes.
+
+Nothing here is architecture-specific: any model that AutoModelForCausalLM or
+AutoModelForSequenceClassification loads can be fine-tuned.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from finetune.config import ConfigError, ModelArgs
+
+logger = logging.getLogger("finetune")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
+
+
+def _load_error(what: str, spec: str, e: Exception) -> ConfigError:
+    first = (str(e).strip().splitlines() or [""])[0]
+    hint = ("; it is not a local directory and the Hub is unreachable or offline (HF_HUB_OFFLINE)"
+            if not os.path.isdir(spec) else "")
+    return ConfigError([("model", f"could not load the {what} from {spec!r}{hint}: {type(e).__name__}: {first}")])
+
+
+def load_tokenizer(m: ModelArgs):
+    """Tokenizer with a pad token (EOS when it has none) and right padding; chat template override."""
+    from transformers import AutoTokenizer
+
+    if m.trust_remote_code:
+        logger.warning("trust_remote_code is on: code shipped with %s will run", m.model)
+    try:
+        tok = AutoTokenizer.from_pretrained(m.model, trust_remote_code=m.trust_remote_code)
+    except (OSError, ValueError, KeyError) as e:
+        raise _load_error("tokenizer", m.model, e) from None
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ConfigError([("model", f"the tokenizer of {m.model!r} has neither a pad nor an EOS token; add one "
+                                         "with tokenizer.add_special_tokens and save it")])
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "right"
+    if m.chat_template:
+        tok.chat_template = open(m.chat_template).read() if os.path.isfile(m.chat_template) else m.chat_template
+    return tok
+
+
+def build_model(m: ModelArgs, tokenizer, label_names: list[str] | None, max_seq_length: int):
+    """Load the model for the task; a classifier gets a head sized to the labels in the data."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    try:
+        config = AutoConfig.from_pretrained(m.model, trust_remote_code=m.trust_remote_code)
+    except (OSError, ValueError, KeyError) as e:
+        raise _load_error("model config", m.model, e) from None
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit and max_seq_length > limit:
+        raise ConfigError([("max_seq_length", f"{max_seq_length} is beyond what {m.model!r} supports "
+                                              f"(max_position_embeddings={limit}); set max_seq_length <= {limit}")])
+    kwargs = {"dtype": DTYPES[m.torch_dtype], "trust_remote_code": m.trust_remote_code}
+    if m.attn_implementation:
+        kwargs["attn_implementation"] = m.attn_implementation
+    if label_names is not None:
+        cls = AutoModelForSequenceClassification
+        kwargs.update(num_labels=len(label_names), id2label=dict(enumerate(label_names)),
+                      label2id={n: i for i, n in enumerate(label_names)}, ignore_mismatched_sizes=True)
+    else:
+        cls = AutoModelForCausalLM
+    try:
+        model = cls.from_pretrained(m.model, **kwargs)
+    except (OSError, ValueError, KeyError) as e:
+        raise _load_error("model", m.model, e) from None
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if m.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, total

@@ -1,0 +1,165 @@
+"""The one place that knows backends and layouts differ.
+
+Everything else (the loop, the builders) is written once for all Accelerate configs. What is
+here, and why:
+
+- `prepare_environment`: the same Accelerate config file must run on a GPU node (nccl) and on a
+  CPU-only machine (gloo). accelerate's MULTI_CPU launcher needs MPI, so our configs use the
+  torchrun launcher (`distributed_type: MULTI_GPU`); on a machine without a GPU each rank is then
+  told to come up on the CPU.
+- `make_accelerator`: gradient accumulation owned by accelerate with an exact boundary every
+  `gradient_accumulation_steps` micro batches (never "whenever the data loader ends"), gloo when
+  there is no CUDA (DeepSpeed otherwise believes every rank is alone), DDP options.
+- `Plan`: all step arithmetic (steps per epoch, total steps, warmup, scheduler length) in one
+  function, so nothing multiplies by `num_processes` anywhere else.
+- `global_batch_index`: which micro batch of the global order a rank is holding, so dropout can
+  be seeded by data position and not by rank layout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from finetune.config import TrainArgs
+
+logger = logging.getLogger("finetune")
+
+
+def has_accelerator_device() -> bool:
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+def is_distributed_launch() -> bool:
+    """Started by a launcher that runs several processes (torchrun, deepspeed, MPI)."""
+    world = next((os.environ[k] for k in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE") if k in os.environ), "1")
+    return int(world) > 1 or int(os.environ.get("LOCAL_RANK", -1)) != -1
+
+
+def prepare_environment() -> None:
+    """Environment a rank needs before accelerate reads it. Idempotent; call before Accelerator()."""
+    # DeepSpeed runs on the CPU through its own init path (with gloo, below); forcing accelerate's
+    # CPU mode would silently turn a DeepSpeed config into plain MULTI_CPU.
+    if not has_accelerator_device() and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def make_accelerator(train: TrainArgs):
+    """The Accelerator for a run. The parallelism itself comes from `accelerate launch`'s config."""
+    from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs
+    from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs
+
+    handlers = [DistributedDataParallelKwargs(find_unused_parameters=train.ddp_find_unused_parameters)]
+    if not has_accelerator_device() and is_distributed_launch():
+        handlers.append(InitProcessGroupKwargs(backend="gloo", timeout=datetime.timedelta(minutes=10)))
+    return Accelerator(
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=train.gradient_accumulation_steps, sync_with_dataloader=False
+        ),
+        # Our sampler is already identical on every rank; accelerate only shards its batches.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=False, even_batches=True),
+        kwargs_handlers=handlers,
+        log_with=train.report_to or None,
+        project_dir=train.output_dir,
+    )
+
+
+def describe(accelerator) -> dict:
+    """Facts every run logs at start (and tests assert): no silent fallback to one process."""
+    from accelerate.utils import gather_object
+
+    state = accelerator.state
+    devices = gather_object([f"rank{accelerator.process_index}:{accelerator.device}"])
+    return {
+        "distributed_type": str(state.distributed_type).split(".")[-1],
+        "world_size": accelerator.num_processes,
+        "backend": state.backend or "none",
+        "mixed_precision": accelerator.mixed_precision,
+        "devices": devices,
+    }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Step arithmetic for a run. `step` always means optimizer step; `micro` means one micro batch."""
+
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    world_size: int
+    steps_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.gradient_accumulation_steps * self.world_size
+
+    @property
+    def scheduler_steps(self) -> tuple[int, int]:
+        """(warmup, total) to build the LR scheduler with. A prepared scheduler is stepped once per
+        process per optimizer step by accelerate (AcceleratedScheduler, split_batches=False)."""
+        return self.warmup_steps * self.world_size, self.total_steps * self.world_size
+
+
+def make_plan(train: TrainArgs, n_train_rows: int, world_size: int) -> Plan:
+    """How many optimizer steps, from the data size, batch layout and max_steps/epochs.
+
+    An epoch is the largest whole number of global batches in the data; the rest of an epoch's
+    shuffle is not used, so every layout of the same global batch sees the same examples.
+    """
+    micro, ga = train.per_device_train_batch_size, train.gradient_accumulation_steps
+    steps_per_epoch = (n_train_rows // micro) // (world_size * ga)
+    if steps_per_epoch == 0:
+        from finetune.config import ConfigError
+
+        raise ConfigError([("per_device_train_batch_size",
+                            f"one global batch needs {micro * ga * world_size} rows (micro {micro} x accumulation {ga} x "
+                            f"{world_size} processes) but the training data has {n_train_rows}; use smaller batches or more data")])
+    if train.max_steps > 0:
+        total = train.max_steps
+    else:
+        total = max(1, math.ceil(train.num_train_epochs * steps_per_epoch))
+    warmup = train.warmup_steps if train.warmup_steps > 0 else math.ceil(train.warmup_ratio * total)
+    return Plan(micro, ga, world_size, steps_per_epoch, total, warmup)
+
+
+def global_batch_index(plan: Plan, step_in_epoch: int, micro: int, process_index: int) -> int:
+    """Position, in the epoch's batch order, of the micro batch a rank is holding.
+
+    accelerate's BatchSamplerShard deals batches round-robin: rank r's j-th batch is batch
+    j * world_size + r. So 2 ranks x GA 1 and 1 rank x GA 2 hold the same batches at the same step.
+    """
+    j = step_in_epoch * plan.gradient_accumulation_steps + micro
+    return j * plan.world_size + process_index
+
+
+def maybe_sync_batchnorm(model, train: TrainArgs, accelerator):
+    """DDP option: SyncBatchNorm. torch implements it for GPU/XPU only; on CPU we say so and go on."""
+    if not train.sync_batchnorm or accelerator.num_processes == 1:
+        return model
+    if not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        logger.warning("sync_batchnorm: the model has no BatchNorm layer; nothing to convert")
+        return model
+    if accelerator.device.type == "cpu":
+        logger.warning("sync_batchnorm: torch supports SyncBatchNorm on GPU/XPU only; BatchNorm stays per-rank on CPU")
+        return model
+    return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+
+UNUSED_PARAMETER_HINTS = ("find_unused_parameters", "Expected to have finished reduction in the prior iteration")
+
+
+def explain_ddp_error(err: RuntimeError) -> str | None:
+    """A user-facing fix for DDP errors that a run-config option solves, or None."""
+    text = str(err)
+    if any(h in text for h in UNUSED_PARAMETER_HINTS):
+        return ("DDP found parameters that received no gradient in this step (a branch of the model that the data "
+                "did not use). Set `ddp_find_unused_parameters: true` in the run config (or pass "
+                "--ddp_find_unused_parameters true).")
+    return None
