@@ -185,6 +185,11 @@ def _coerce(section: str, name: str, value: Any) -> tuple[Any, str | None]:
         if isinstance(value, bool):
             return value, None
         return value, f"expected true or false, got {value!r}"
+    if base in (int, float) and isinstance(value, str):
+        try:  # YAML 1.1 reads 1e-3 (no dot) as a string; users write it anyway
+            value = float(value) if base is float else int(value)
+        except ValueError:
+            pass
     if base is int:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
             return value, f"expected an integer, got {value!r}"

@@ -119,9 +119,14 @@ def train(run: Run, state: TrainState) -> dict[str, float]:
     win = _Window()
     while state.step < plan.total_steps:
         epoch, start = divmod(state.step, plan.steps_per_epoch)
-        run.sampler.set_epoch(epoch)
         skip = start * plan.gradient_accumulation_steps  # resuming inside an epoch
-        batches = iter(acc.skip_first_batches(run.train_loader, skip) if skip else run.train_loader)
+        loader = acc.skip_first_batches(run.train_loader, skip) if skip else run.train_loader
+        # accelerate's loader re-applies its own epoch counter to the sampler at every iter(); it
+        # only advances when an iteration runs to exhaustion (ours stop at the last whole global
+        # batch) and starts at 0 in a skipping loader. Set it explicitly, on the loader itself.
+        loader.set_epoch(epoch)
+        run.sampler.set_epoch(epoch)
+        batches = iter(loader)
         for step_in_epoch in range(start, plan.steps_per_epoch):
             micro = [next(batches) for _ in range(plan.gradient_accumulation_steps)]
             nll, count, tokens, grad_norm = train_step(run, micro, epoch, step_in_epoch)

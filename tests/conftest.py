@@ -1,0 +1,115 @@
+"""Shared fixtures: tiny models and datasets built locally (no Hub), and a launcher for real runs.
+
+Every integration test goes through the same entry points a user runs: `accelerate launch
+--config_file accelerate_configs/<x>.yaml -m finetune ...` or `python -m finetune ...`, in a
+subprocess with a timeout, and asserts the world size and distributed type the run reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# What each shipped Accelerate config must come up as on this CPU-only machine.
+EXPECTED = {"single": ("NO", 1), "ddp": ("MULTI_CPU", 2)}
+
+
+@dataclass
+class Assets:
+    root: Path
+    tokenizer: object
+    llama: str
+    gpt2: str
+    bert: str
+    text: str
+    instruction: str
+    alpaca: str
+    chat: str
+    classification: str
+    classification_eval: str
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory) -> Assets:
+    from finetune import demo
+
+    root = tmp_path_factory.mktemp("assets")
+    tok = demo.build_tokenizer(root / "tokenizer")
+    text_rows = [{"text": " ".join(e["text"] for e in demo.topic_examples(6, seed=i))} for i in range(60)]
+    alpaca = [{"instruction": "Name the topic.", "input": e["text"], "output": e["label"]}
+              for e in demo.topic_examples(200, seed=5)]
+    return Assets(
+        root=root,
+        tokenizer=tok,
+        llama=demo.build_model("llama", root / "llama", tok),
+        gpt2=demo.build_model("gpt2", root / "gpt2", tok),
+        bert=demo.build_model("bert", root / "bert", tok),
+        text=demo.write_jsonl(text_rows, root / "text.jsonl"),
+        instruction=demo.write_jsonl(demo.instruction_examples(400, seed=3), root / "instruction.jsonl"),
+        alpaca=demo.write_jsonl(alpaca, root / "alpaca.jsonl"),
+        chat=demo.write_jsonl(demo.chat_examples(200, seed=4), root / "chat.jsonl"),
+        classification=demo.write_jsonl(demo.topic_examples(600, seed=1), root / "cls_train.jsonl"),
+        classification_eval=demo.write_jsonl(demo.topic_examples(120, seed=2), root / "cls_eval.jsonl"),
+    )
+
+
+@dataclass
+class Result:
+    returncode: int
+    output: str
+    output_dir: Path
+
+    @property
+    def rows(self) -> list[dict]:
+        path = self.output_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    @property
+    def train_rows(self) -> list[dict]:
+        return [r for r in self.rows if "loss" in r]
+
+    @property
+    def eval_rows(self) -> list[dict]:
+        return [r for r in self.rows if "eval_loss" in r]
+
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.train_rows]
+
+
+def finetune(output_dir: Path, *args: str, launcher: str = "single", timeout: int = 300,
+             expect_ok: bool = True, extra_env: dict | None = None, launch_args: tuple[str, ...] = ()) -> Result:
+    """Run finetune the way a user does. launcher: 'python' (python -m finetune) or an accelerate
+    config name under accelerate_configs/ (accelerate launch --config_file ... -m finetune)."""
+    if launcher == "python":
+        cmd = [sys.executable, "-m", "finetune"]
+    else:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(ROOT / "accelerate_configs" / f"{launcher}.yaml"), *launch_args, "-m", "finetune"]
+    cmd += ["--output_dir", str(output_dir), "--disable_tqdm", "true", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    result = Result(proc.returncode, proc.stdout + proc.stderr, Path(output_dir))
+    if expect_ok:
+        assert proc.returncode == 0, f"finetune failed ({proc.returncode}):\n{result.output[-6000:]}"
+        if launcher in EXPECTED:  # no silent fallback to another distributed type or one process
+            dist_type, world = EXPECTED[launcher]
+            assert f"distributed: {dist_type}, world size {world}," in result.output, result.output[-3000:]
+            assert all(r["world_size"] == world and r["distributed_type"] == dist_type for r in result.train_rows)
+    return result
+
+
+def base_args(model: str, dataset: str, *more: str) -> list[str]:
+    """Arguments every small run shares: tiny batches, fp32, log every step."""
+    return ["--model", model, "--dataset", dataset, "--per_device_train_batch_size", "4", "--logging_steps", "1",
+            "--max_seq_length", "64", "--learning_rate", "1e-3", "--save_steps", "null", *more]

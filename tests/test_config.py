@@ -1,0 +1,205 @@
+"""The run config at the edge: every problem reported at once with its key, through the API and the CLI;
+every shipped YAML loads; overrides are typed; --help documents every field with its default."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from finetune.cli import parse
+from finetune.config import (
+    RUN_MARKERS,
+    ConfigError,
+    RunConfig,
+    all_fields,
+    build_config,
+    load_yaml,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_CONFIGS = sorted((ROOT / "examples").glob("*.yaml"))
+ACCELERATE_CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
+
+
+@pytest.fixture
+def valid(tmp_path) -> dict:
+    """A config that passes every check, filesystem included: a model dir, a data file, a fresh output_dir."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    dataset = tmp_path / "train.jsonl"
+    dataset.write_text(json.dumps({"prompt": "p", "response": "r"}) + "\n")
+    return {"model": str(model), "dataset": str(dataset), "output_dir": str(tmp_path / "out")}
+
+
+def write_yaml(path: Path, values: dict) -> str:
+    path.write_text(yaml.safe_dump(values))
+    return str(path)
+
+
+def problems_of(values: dict, **kw) -> dict[str, str]:
+    with pytest.raises(ConfigError) as info:
+        build_config(values, **kw)
+    keys = [k for k, _ in info.value.problems]
+    assert len(keys) == len(set(keys)), f"a key reported twice: {info.value.problems}"
+    return dict(info.value.problems)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "1000"}
+    return subprocess.run(
+        [sys.executable, "-m", "finetune", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+SEVERAL_PROBLEMS = {
+    "learning_rat": 1e-4,  # typo of learning_rate
+    "max_steps": "ten",  # wrong type
+    "per_device_train_batch_size": -4,  # out of range
+    "lr_scheduler_type": "cosin",  # not a choice
+}
+
+
+def test_every_problem_is_reported_at_once_with_its_key(valid):
+    problems = problems_of({**valid, **SEVERAL_PROBLEMS})
+    assert set(problems) == set(SEVERAL_PROBLEMS)
+    assert "did you mean 'learning_rate'" in problems["learning_rat"]
+    assert "integer" in problems["max_steps"] and "'ten'" in problems["max_steps"]
+    assert "-4" in problems["per_device_train_batch_size"]
+    assert "did you mean 'cosine'" in problems["lr_scheduler_type"]
+
+
+def test_cli_reports_every_problem_exit_2_without_traceback(tmp_path, valid):
+    proc = run_cli("--config", write_yaml(tmp_path / "bad.yaml", {**valid, **SEVERAL_PROBLEMS}))
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    for key in SEVERAL_PROBLEMS:
+        assert f"- {key}:" in proc.stderr, proc.stderr
+    assert "did you mean 'learning_rate'" in proc.stderr
+    assert "4 problems" in proc.stderr
+
+
+def test_cli_malformed_yaml_names_the_line(tmp_path):
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("model: m\ndataset: d\nmax_steps: 3: 4\n")
+    proc = run_cli("--config", str(bad))
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "not valid YAML" in proc.stderr and "line 3" in proc.stderr, proc.stderr
+
+
+def test_cli_missing_config_file(tmp_path):
+    missing = tmp_path / "nowhere.yaml"
+    proc = run_cli("--config", str(missing))
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "--config" in proc.stderr and str(missing) in proc.stderr
+
+
+def test_cli_unknown_flag_suggests_the_field(tmp_path, valid):
+    proc = run_cli("--config", write_yaml(tmp_path / "ok.yaml", valid), "--max_step", "3")
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "--max_step: unknown option; did you mean --max_steps?" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("marker", RUN_MARKERS)
+def test_output_dir_with_a_previous_run_is_refused(valid, marker):
+    out = Path(valid["output_dir"])
+    out.mkdir()
+    (out / marker).mkdir() if marker in ("checkpoints", "final") else (out / marker).write_text("")
+    problems = problems_of(valid)
+    assert list(problems) == ["output_dir"]
+    assert marker in problems["output_dir"] and "--overwrite_output_dir" in problems["output_dir"]
+
+
+@pytest.mark.parametrize("allow", ["overwrite", "resume_latest", "resume_dir"])
+def test_previous_run_is_accepted_when_overwriting_or_resuming(valid, allow):
+    out = Path(valid["output_dir"])
+    (out / "checkpoints" / "step_2").mkdir(parents=True)
+    (out / "checkpoints" / "latest").write_text("step_2")
+    (out / "metrics.jsonl").write_text("")
+    extra = {
+        "overwrite": {"overwrite_output_dir": True},
+        "resume_latest": {"resume_from_checkpoint": "latest"},
+        "resume_dir": {"resume_from_checkpoint": str(out / "checkpoints" / "step_2")},
+    }[allow]
+    cfg = build_config({**valid, **extra})
+    assert cfg.train.output_dir == str(out)
+
+
+def test_missing_local_dataset_and_model_are_reported_by_key(tmp_path, valid):
+    problems = problems_of({**valid, "dataset": str(tmp_path / "no.jsonl"), "model": str(tmp_path / "no_model")})
+    assert set(problems) == {"dataset", "model"}
+    assert "no.jsonl" in problems["dataset"]
+    assert "no_model" in problems["model"] and "does not exist" in problems["model"]
+
+    (tmp_path / "empty_model").mkdir()
+    problems = problems_of({**valid, "model": str(tmp_path / "empty_model")})
+    assert set(problems) == {"model"} and "config.json" in problems["model"]
+
+
+def test_filesystem_checks_can_be_skipped(tmp_path, valid):
+    cfg = build_config({**valid, "model": str(tmp_path / "no_model")}, check_filesystem=False)
+    assert cfg.model.model == str(tmp_path / "no_model")
+
+
+def test_cli_overrides_win_over_yaml_and_are_typed(tmp_path, valid):
+    path = write_yaml(
+        tmp_path / "run.yaml", {**valid, "max_steps": 100, "eval_steps": 5, "packing": False, "learning_rate": 0.1}
+    )
+    base = parse(["--config", path])
+    assert (base.train.max_steps, base.train.eval_steps, base.data.packing) == (100, 5, False)
+
+    cfg = parse(["--config", path, "--max_steps", "10", "--eval_steps", "null", "--packing", "--learning_rate", "1e-3"])
+    assert cfg.train.max_steps == 10 and type(cfg.train.max_steps) is int
+    assert cfg.train.eval_steps is None
+    assert cfg.data.packing is True
+    assert cfg.train.learning_rate == pytest.approx(1e-3) and type(cfg.train.learning_rate) is float
+    assert cfg.model.model == valid["model"]  # untouched fields come from the file
+
+
+def test_shipped_run_configs_load():
+    assert RUN_CONFIGS, "no examples/*.yaml found"
+    for path in RUN_CONFIGS:
+        values = load_yaml(path)
+        assert values, f"{path} is empty"
+        cfg = build_config(values, check_filesystem=False)
+        assert isinstance(cfg, RunConfig)
+        flat = cfg.to_flat()
+        for key, value in values.items():  # every value in the file reached the typed config
+            assert flat[key] == value, (path.name, key)
+
+
+def test_shipped_accelerate_configs_load_with_accelerate():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    assert ACCELERATE_CONFIGS, "no accelerate_configs/*.yaml found"
+    for path in ACCELERATE_CONFIGS:
+        cfg = load_config_from_file(str(path))
+        assert cfg.distributed_type.value in {"NO", "MULTI_GPU", "DEEPSPEED", "MEGATRON_LM"}, path.name
+        assert cfg.num_processes >= 1
+
+
+def test_help_lists_every_field_with_its_default():
+    proc = run_cli("--help")
+    assert proc.returncode == 0, proc.stderr
+    options = proc.stdout[proc.stdout.index("options:") :]
+    lines = options.splitlines()
+    fields = all_fields()
+    assert len(fields) > 40
+    for name, (_, f) in fields.items():
+        # An option's block: its own line, plus the indented help lines under it.
+        start = next(i for i, line in enumerate(lines) if line.strip().startswith(f"--{name} "))
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].strip().startswith("-")), len(lines))
+        block = " ".join(" ".join(lines[start:end]).split())
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        shown = "(required)" if default == "" else f"(default: {default!r})"
+        assert shown in block, (name, block)

@@ -1,0 +1,380 @@
+"""What the loss sees: label masking per format, truncation, packing, collation, data order and step arithmetic.
+
+Datasets go through the real builder (`build_datasets`) with the offline tokenizer and files from conftest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from finetune.config import ConfigError, DataArgs, TrainArgs
+from finetune.data import IGNORE, Collator, EpochSampler, build_datasets, pack, supervised_count
+from finetune.demo import write_jsonl
+from finetune.parallel import global_batch_index, make_plan
+
+
+def build(dataset: str, tokenizer, task: str = "causal_lm", **kw):
+    """The real builder, with no held-out eval (so train keeps the file's order) unless asked."""
+    data = DataArgs(dataset=dataset, **{"eval_fraction": 0.0, **kw})
+    return build_datasets(data, task, tokenizer, 0, contextlib.nullcontext)
+
+
+def read_jsonl(path: str) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def config_error_keys(excinfo) -> list[str]:
+    return [k for k, _ in excinfo.value.problems]
+
+
+def spans(labels: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of supervised positions."""
+    out, start = [], None
+    for i, t in enumerate([*labels, IGNORE]):
+        if t != IGNORE and start is None:
+            start = i
+        elif t == IGNORE and start is not None:
+            out.append((start, i))
+            start = None
+    return out
+
+
+# ---------------------------------------------------------------- instruction
+
+
+def test_instruction_supervises_exactly_response_and_eos(assets):
+    tok = assets.tokenizer
+    data = DataArgs(dataset=assets.instruction)
+    ds = build(assets.instruction, tok)
+    raw = read_jsonl(assets.instruction)
+    assert ds.format == "instruction" and len(ds.train) == len(raw) and ds.eval is None
+    for row, ex in zip(ds.train, raw):
+        prompt = tok(data.prompt_template.format(prompt=ex["prompt"]), add_special_tokens=True)["input_ids"]
+        response = tok(ex["response"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        assert row["input_ids"] == prompt + response
+        assert row["labels"] == [IGNORE] * len(prompt) + response
+        supervised = [t for t, lab in zip(row["input_ids"], row["labels"]) if lab != IGNORE]
+        assert tok.decode(supervised) == ex["response"] + tok.eos_token
+    assert ds.supervised_tokens == sum(supervised_count(r, "causal_lm") for r in ds.train["labels"])
+
+
+def test_alpaca_columns_are_accepted(assets):
+    tok = assets.tokenizer
+    template = DataArgs().prompt_template
+    ds = build(assets.alpaca, tok)
+    raw = read_jsonl(assets.alpaca)
+    assert ds.format == "instruction" and len(ds.train) == len(raw)
+    for row, ex in zip(ds.train, raw):
+        cut = next(i for i, t in enumerate(row["labels"]) if t != IGNORE)
+        prompt = template.format(prompt=f"{ex['instruction']}\n\n{ex['input']}")
+        assert tok.decode(row["input_ids"][:cut]) == prompt
+        assert tok.decode(row["input_ids"][cut:]) == ex["output"] + tok.eos_token
+        assert row["labels"][cut:] == row["input_ids"][cut:]
+
+
+# ---------------------------------------------------------------- chat
+
+
+def test_chat_supervises_only_assistant_turns(assets):
+    tok = assets.tokenizer
+    ds = build(assets.chat, tok)
+    raw = read_jsonl(assets.chat)
+    assert ds.format == "chat" and len(ds.train) == len(raw)
+    for row, ex in zip(ds.train, raw):
+        messages = ex["messages"]
+        text = tok.apply_chat_template(messages, tokenize=False)
+        assert row["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]
+        supervised = [tok.decode(row["input_ids"][a:b]) for a, b in spans(row["labels"])]
+        # ChatML closes each turn with <|im_end|> and a newline; both are what the model must learn to emit.
+        assert supervised == [m["content"] + "<|im_end|>\n" for m in messages if m["role"] == "assistant"]
+        for a, b in spans(row["labels"]):
+            assert row["labels"][a:b] == row["input_ids"][a:b]
+        unsupervised = tok.decode([t for t, lab in zip(row["input_ids"], row["labels"]) if lab == IGNORE])
+        for m in messages:
+            if m["role"] != "assistant":
+                assert f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>" in unsupervised
+
+
+def test_chat_without_template_is_a_config_error(assets):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(assets.root / "tokenizer")
+    tok.chat_template = None
+    with pytest.raises(ConfigError) as info:
+        build(assets.chat, tok)
+    assert config_error_keys(info) == ["chat_template"]
+
+
+# ---------------------------------------------------------------- classification
+
+
+def test_classification_string_labels_map_to_sorted_ids(assets):
+    tok = assets.tokenizer
+    ds = build(assets.classification, tok, task="classification", eval_dataset=assets.classification_eval)
+    raw, raw_eval = read_jsonl(assets.classification), read_jsonl(assets.classification_eval)
+    names = sorted({r["label"] for r in raw})
+    assert ds.format == "classification" and ds.label_names == names == ["food", "sports", "tech", "weather"]
+    assert ds.train["labels"] == [names.index(r["label"]) for r in raw]
+    assert ds.eval["labels"] == [names.index(r["label"]) for r in raw_eval]
+    assert ds.train[0]["input_ids"] == tok(raw[0]["text"])["input_ids"]
+    assert ds.supervised_tokens == len(raw)
+
+
+def test_classification_int_labels_are_kept(assets, tmp_path):
+    rows = [{"text": f"sample {i}", "label": i % 3} for i in range(12)]
+    ds = build(write_jsonl(rows, tmp_path / "ints.jsonl"), assets.tokenizer, task="classification")
+    assert ds.label_names == ["0", "1", "2"]
+    assert ds.train["labels"] == [r["label"] for r in rows]
+
+
+def test_classification_missing_label_column(assets):
+    with pytest.raises(ConfigError) as info:
+        build(assets.classification, assets.tokenizer, task="classification", label_column="topic")
+    assert config_error_keys(info) == ["label_column"]
+    assert "'topic'" in info.value.problems[0][1]
+
+
+def test_classification_eval_label_unseen_in_train(assets, tmp_path):
+    evalset = write_jsonl(
+        [{"text": "a song", "label": "music"}, {"text": "a goal", "label": "sports"}], tmp_path / "eval.jsonl"
+    )
+    with pytest.raises(ConfigError) as info:
+        build(assets.classification, assets.tokenizer, task="classification", eval_dataset=evalset)
+    assert config_error_keys(info) == ["label_column"]
+    assert "music" in info.value.problems[0][1]
+
+
+# ---------------------------------------------------------------- text
+
+
+def test_text_is_cut_into_full_blocks_of_max_seq_length(assets):
+    tok = assets.tokenizer
+    ds = build(assets.text, tok, max_seq_length=64)
+    assert ds.format == "text"
+    assert len(ds.train) > 10
+    assert all(len(ids) == 64 for ids in ds.train["input_ids"])
+    assert ds.train["labels"] == ds.train["input_ids"]
+    # The blocks are the token stream of the file (each text + EOS) in order; only the tail is cut off.
+    stream = [t for r in read_jsonl(assets.text) for t in tok(r["text"])["input_ids"] + [tok.eos_token_id]]
+    blocks = [t for ids in ds.train["input_ids"] for t in ids]
+    assert blocks == stream[: len(blocks)] and len(stream) - len(blocks) < 64
+
+
+# ---------------------------------------------------------------- truncation
+
+
+def test_examples_truncated_to_no_response_are_dropped(assets, tmp_path):
+    tok = assets.tokenizer
+    template = DataArgs().prompt_template
+    short, long = "Which topic?", "Which topic is this about? " + "the match was good " * 20
+    max_len = len(tok(template.format(prompt=short))["input_ids"]) + 3
+    assert len(tok(template.format(prompt=long))["input_ids"]) >= max_len
+    rows = [
+        {"prompt": short, "response": "sports"},
+        {"prompt": long, "response": "sports"},
+        {"prompt": short, "response": "It is about the weather, rain and snow, cold."},  # kept, response cut
+        {"prompt": long, "response": "tech"},
+    ]
+    ds = build(write_jsonl(rows, tmp_path / "mixed.jsonl"), tok, max_seq_length=max_len)
+    assert len(ds.train) == 2
+    kept = [tok.decode(ids) for ids in ds.train["input_ids"]]
+    assert all(short in text and "the match" not in text for text in kept)
+    assert all(len(ids) <= max_len for ids in ds.train["input_ids"])
+    assert len(ds.train[1]["input_ids"]) == max_len
+    assert ds.supervised_tokens == sum(supervised_count(r, "causal_lm") for r in ds.train["labels"]) > 0
+
+    only_long = write_jsonl([rows[1], rows[3]], tmp_path / "long.jsonl")
+    with pytest.raises(ConfigError) as info:
+        build(only_long, tok, max_seq_length=max_len)
+    assert config_error_keys(info) == ["dataset"]
+
+
+# ---------------------------------------------------------------- packing
+
+
+def test_pack_keeps_examples_apart():
+    lengths = [5, 3, 7, 2, 6, 8]
+    examples = [list(range(100 * k + 1, 100 * k + 1 + n)) for k, n in enumerate(lengths)]
+    # Labels == input_ids: every token (also each example's first) is a candidate target.
+    rows = pack({"input_ids": examples, "labels": [list(e) for e in examples]}, max_len=10)
+    assert [len(r) for r in rows["input_ids"]] == [8, 9, 6, 8]  # greedy, in order
+    segments = []
+    for ids, labels, pos in zip(rows["input_ids"], rows["labels"], rows["position_ids"]):
+        assert len(ids) == len(labels) == len(pos) <= 10
+        starts = [i for i, p in enumerate(pos) if p == 0]
+        for n, (a, b) in enumerate(zip(starts, [*starts[1:], len(ids)])):
+            assert pos[a:b] == list(range(b - a))
+            seg = ids[a:b]
+            segments.append(seg)
+            # A later example's first token must not be learnt from the previous example.
+            assert labels[a:b] == ([IGNORE] + seg[1:] if n else seg)
+    assert segments == examples
+    per_example = sum(supervised_count(e, "causal_lm") for e in examples)
+    assert per_example == sum(n - 1 for n in lengths)
+    rows_as_examples = [dict(zip(rows, values)) for values in zip(*rows.values())]
+    assert Collator(pad_token_id=0)(rows_as_examples)["num_supervised"].item() == per_example
+
+
+def test_packing_through_the_builder(assets):
+    tok = assets.tokenizer
+    plain = build(assets.instruction, tok, max_seq_length=128)
+    packed = build(assets.instruction, tok, max_seq_length=128, packing=True)
+    assert len(packed.train) <= len(plain.train) // 2  # these examples fit at least two to a row
+    examples = plain.train["input_ids"]
+    segments = []
+    for row in packed.train:
+        assert len(row["input_ids"]) <= 128
+        pos = row["position_ids"]
+        starts = [i for i, p in enumerate(pos) if p == 0]
+        for a, b in zip(starts, [*starts[1:], len(pos)]):
+            assert pos[a:b] == list(range(b - a))
+            segments.append(row["input_ids"][a:b])
+    assert segments == examples
+    collate = Collator(tok.pad_token_id)
+    rows = list(packed.train)
+    reported = sum(collate(rows[i : i + 4])["num_supervised"].item() for i in range(0, len(rows), 4))
+    counted = sum(supervised_count(lab, "causal_lm") for lab in plain.train["labels"])
+    assert reported == counted == packed.supervised_tokens == plain.supervised_tokens
+
+
+# ---------------------------------------------------------------- collation
+
+
+@pytest.mark.parametrize(("lengths", "width"), [([3, 5], 8), ([8, 2], 8), ([9, 1], 16), ([16], 16)])
+def test_collator_pads_unpacked_examples(lengths, width):
+    examples = [
+        {"input_ids": [10 + i for i in range(n)], "labels": [IGNORE] * (n // 2) + [10 + i for i in range(n // 2, n)]}
+        for n in lengths
+    ]
+    batch = Collator(pad_token_id=7)(examples)
+    assert "position_ids" not in batch
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape == (len(lengths), width)
+    for k, (ex, n) in enumerate(zip(examples, lengths)):
+        assert batch["input_ids"][k].tolist() == ex["input_ids"] + [7] * (width - n)
+        assert batch["labels"][k].tolist() == ex["labels"] + [IGNORE] * (width - n)
+        assert batch["attention_mask"][k].tolist() == [1] * n + [0] * (width - n)
+    assert batch["num_tokens"].item() == sum(lengths)
+    assert batch["num_supervised"].item() == sum(supervised_count(e["labels"], "causal_lm") for e in examples)
+    assert batch["num_supervised"].item() == (batch["labels"][:, 1:] != IGNORE).sum().item()
+
+
+def test_collator_packed_rows_get_position_ids_not_attention_mask():
+    rows = [
+        {"input_ids": [1, 2, 3, 4, 5], "labels": [1, 2, IGNORE, 4, 5], "position_ids": [0, 1, 0, 1, 2]},
+        {"input_ids": [6, 7, 8, 9, 10, 11, 12, 13, 14], "labels": [6] * 9, "position_ids": [0, 1, 2, 3, 0, 1, 2, 3, 4]},
+    ]
+    batch = Collator(pad_token_id=0)(rows)
+    assert "attention_mask" not in batch
+    assert batch["position_ids"].shape == (2, 16)
+    assert batch["position_ids"][0].tolist() == [0, 1, 0, 1, 2] + list(range(11))
+    assert batch["position_ids"][1].tolist() == rows[1]["position_ids"] + list(range(7))
+    assert batch["labels"][0, 5:].eq(IGNORE).all() and batch["labels"][1, 9:].eq(IGNORE).all()
+    assert batch["input_ids"][0, 5:].eq(0).all()
+    assert batch["num_tokens"].item() == 14
+    assert batch["num_supervised"].item() == 3 + 8
+
+
+def test_collator_classification_counts_examples():
+    examples = [
+        {"input_ids": [1, 2, 3], "labels": 2},
+        {"input_ids": [4] * 11, "labels": 0},
+        {"input_ids": [5], "labels": 1},
+    ]
+    batch = Collator(pad_token_id=0)(examples)
+    assert batch["labels"].tolist() == [2, 0, 1]
+    assert batch["input_ids"].shape == batch["attention_mask"].shape == (3, 16)
+    assert batch["attention_mask"].sum(1).tolist() == [3, 11, 1]
+    assert batch["num_tokens"].item() == 15
+    assert batch["num_supervised"].item() == 3
+
+
+# ---------------------------------------------------------------- order
+
+
+def test_epoch_sampler_depends_only_on_seed_and_epoch():
+    a, b = EpochSampler(50, seed=3), EpochSampler(50, seed=3)
+    first = list(a)
+    assert sorted(first) == list(range(50)) and len(a) == 50
+    assert list(b) == first
+    a.set_epoch(1)
+    b.set_epoch(1)
+    second = list(a)
+    assert list(b) == second and sorted(second) == list(range(50))
+    assert second != first
+    assert list(EpochSampler(50, seed=4)) != first
+    a.set_epoch(0)
+    assert list(a) == first
+
+
+# ---------------------------------------------------------------- step arithmetic
+
+
+def train_args(**kw) -> TrainArgs:
+    return TrainArgs(**{"per_device_train_batch_size": 4, **kw})
+
+
+@pytest.mark.parametrize("n_rows", [64, 67, 100, 9])
+def test_steps_per_epoch_depend_on_the_global_batch_only(n_rows):
+    one = make_plan(train_args(gradient_accumulation_steps=2), n_rows, world_size=1)
+    two = make_plan(train_args(gradient_accumulation_steps=1), n_rows, world_size=2)
+    assert one.global_batch_size == two.global_batch_size == 8
+    assert one.steps_per_epoch == two.steps_per_epoch == n_rows // 8
+    assert one.total_steps == two.total_steps == n_rows // 8  # num_train_epochs 1
+
+
+def test_plan_totals_warmup_and_scheduler_steps():
+    assert make_plan(train_args(num_train_epochs=3.0), 100, 1).total_steps == 3 * 25
+    assert make_plan(train_args(num_train_epochs=1.4), 100, 2).total_steps == 17  # ceil(1.4 * 12)
+    plan = make_plan(train_args(max_steps=7, num_train_epochs=100.0, warmup_ratio=0.1), 100, 2)
+    assert (plan.steps_per_epoch, plan.total_steps, plan.warmup_steps) == (12, 7, 1)  # ceil(0.7)
+    assert plan.scheduler_steps == (2, 14)
+    plan = make_plan(train_args(max_steps=10, warmup_ratio=0.25), 100, 4)
+    assert plan.warmup_steps == 3 and plan.scheduler_steps == (12, 40)
+    plan = make_plan(train_args(max_steps=10, warmup_ratio=0.25, warmup_steps=5), 100, 1)
+    assert plan.warmup_steps == 5 and plan.scheduler_steps == (5, 10)
+
+
+def test_plan_refuses_data_smaller_than_one_global_batch():
+    assert make_plan(train_args(), 8, world_size=2).steps_per_epoch == 1
+    with pytest.raises(ConfigError) as info:
+        make_plan(train_args(), 7, world_size=2)
+    assert config_error_keys(info) == ["per_device_train_batch_size"]
+    assert "needs 8 rows" in info.value.problems[0][1] and "has 7" in info.value.problems[0][1]
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_global_batch_index_matches_accelerate_sharding(shuffled):
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler
+
+    n, micro = 70, 4  # 17 micro batches: the last, incomplete global batch is not used
+    order = list(EpochSampler(n, seed=1)) if shuffled else range(n)
+    batches = list(BatchSampler(order, batch_size=micro, drop_last=True))
+    used: dict[tuple[int, int], list[set[int]]] = {}
+    for world, ga in [(1, 2), (2, 1), (1, 4), (2, 2), (4, 1)]:
+        plan = make_plan(train_args(gradient_accumulation_steps=ga), n, world)
+        shards = [
+            list(BatchSamplerShard(BatchSampler(order, batch_size=micro, drop_last=True), world, rank))
+            for rank in range(world)
+        ]
+        assert all(len(s) >= plan.steps_per_epoch * ga for s in shards)
+        steps = []
+        for step in range(plan.steps_per_epoch):
+            positions = set()
+            for rank in range(world):
+                for m in range(ga):
+                    held = shards[rank][step * ga + m]  # what this rank's loader yields at this micro step
+                    index = global_batch_index(plan, step, m, rank)
+                    assert batches[index] == held, (world, ga, step, rank, m)
+                    positions.add(index)
+            assert len(positions) == world * ga
+            steps.append(positions)
+        used[(world, ga)] = steps
+    assert used[(1, 2)] == used[(2, 1)] and len(used[(1, 2)]) == 8
+    assert used[(1, 4)] == used[(2, 2)] == used[(4, 1)] and len(used[(1, 4)]) == 4
+    assert all(torch.tensor(sorted(p)).diff().eq(1).all() for p in used[(2, 2)])
