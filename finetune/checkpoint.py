@@ -34,8 +34,11 @@ def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     root = checkpoints_dir(output_dir)
     if not os.path.isdir(root):
         return []
-    found = [(int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root)
-             if (m := re.fullmatch(r"step_(\d+)", name)) and os.path.isfile(os.path.join(root, name, STATE_FILE))]
+    found = [
+        (int(m.group(1)), os.path.join(root, name))
+        for name in os.listdir(root)
+        if (m := re.fullmatch(r"step_(\d+)", name)) and os.path.isfile(os.path.join(root, name, STATE_FILE))
+    ]
     return sorted(found)
 
 
@@ -48,8 +51,14 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(accelerator, output_dir: str, step: int, trainer_state: dict[str, Any],
-                    run_config: dict[str, Any], save_total_limit: int | None) -> str:
+def save_checkpoint(
+    accelerator,
+    output_dir: str,
+    step: int,
+    trainer_state: dict[str, Any],
+    run_config: dict[str, Any],
+    save_total_limit: int | None,
+) -> str:
     """Save a resumable checkpoint on every rank, atomically; update `latest`; prune old ones."""
     root = checkpoints_dir(output_dir)
     final = os.path.join(root, f"step_{step}")

@@ -1,7 +1,7 @@
 """Command line: the only reader of argv. argv + YAML -> typed, validated config -> run.
 
-    finetune --config RUN.yaml [--<field> VALUE ...]            train (any launcher)
-    accelerate launch --config_file accelerate_configs/ddp.yaml finetune --config RUN.yaml
+finetune --config RUN.yaml [--<field> VALUE ...]            train (any launcher)
+accelerate launch --config_file accelerate_configs/ddp.yaml finetune --config RUN.yaml
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import difflib
 import os
 import sys
 
-from finetune.config import SECTIONS, ConfigError, _type_of, all_fields, build_config, load_yaml, parse_cli_value
+from finetune.config import SECTIONS, ConfigError, all_fields, build_config, field_type, load_yaml, parse_cli_value
 
 DESCRIPTION = """\
 Fine-tune a Hugging Face model. The run config (YAML, --config) says what to train; every field
 can be overridden on the command line. The parallelism is chosen by the Accelerate config:
 
-  finetune --config examples/sft.yaml                                     # one process
+  finetune --config examples/sft.yaml                                      # one process
   accelerate launch --config_file accelerate_configs/ddp.yaml finetune --config examples/sft.yaml --max_steps 50
 """
 
@@ -29,13 +29,18 @@ directory with tokenizer and the effective run config). Exit code 2 means bad in
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="finetune", description=DESCRIPTION, epilog=EPILOG, allow_abbrev=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="finetune",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--config", metavar="FILE.yaml", help="Run config (YAML mapping of the fields below).")
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(f"{section} ({cls.__doc__.strip()})")
         for f in dataclasses.fields(cls):
-            base, optional, item = _type_of(section, f.name)
+            base, optional, item = field_type(section, f.name)
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             shown = "required" if default == "" else f"default: {default!r}"
             kw: dict = {"metavar": (item or base).__name__.upper() + ("[,...]" if item else "")}
@@ -51,11 +56,13 @@ def parse(argv: list[str]):
     args, unknown = parser.parse_known_args(argv)
     problems: list[tuple[str, str]] = []
     flags = [f"--{name}" for name in all_fields()]
-    for token in unknown:
+    for i, token in enumerate(unknown):
         if token.startswith("-"):
             close = difflib.get_close_matches(token.split("=")[0], flags, n=1, cutoff=0.6)
-            problems.append((token, "unknown option" + (f"; did you mean {close[0]}?" if close else "; see finetune --help")))
-        else:
+            problems.append(
+                (token, "unknown option" + (f"; did you mean {close[0]}?" if close else "; see finetune --help"))
+            )
+        elif not (i and unknown[i - 1].startswith("-")):  # not the value of an unknown option
             problems.append((token, "unexpected argument; options take the form --field value"))
     values = {}
     if args.config:
@@ -64,7 +71,7 @@ def parse(argv: list[str]):
         problems.append(("--config", "missing: pass a run-config YAML (see examples/), or give --model and --dataset"))
         if "model" in vars(args) and "dataset" in vars(args):
             problems.pop()
-    overrides = {k: parse_cli_value(v) for k, v in vars(args).items() if k != "config"}
+    overrides = {k: parse_cli_value(k, v) for k, v in vars(args).items() if k != "config"}
     try:
         cfg = build_config({**values, **overrides})
     except ConfigError as e:

@@ -55,7 +55,7 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 class ModelArgs:
     """Which model to fine-tune and how to load it."""
 
-    model: str = _f("", "Hub id or local directory of the base model (required).")
+    model: str = _f("", "Hub id or local directory of the base model.")
     task: str = _f("causal_lm", f"What to train: one of {', '.join(TASKS)}.")
     torch_dtype: str = _f(
         "float32",
@@ -64,7 +64,9 @@ class ModelArgs:
     )
     trust_remote_code: bool = _f(False, "Run model/tokenizer code shipped with the checkpoint. Off unless asked.")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
-    attn_implementation: str | None = _f(None, "Attention kernel (eager, sdpa, flash_attention_2); default: transformers' choice.")
+    attn_implementation: str | None = _f(
+        None, "Attention kernel (eager, sdpa, flash_attention_2); default: transformers' choice."
+    )
     chat_template: str | None = _f(None, "Jinja chat template (text or a file path) for tokenizers without one.")
 
 
@@ -72,13 +74,14 @@ class ModelArgs:
 class DataArgs:
     """Where the examples come from and how they become token ids."""
 
-    dataset: str = _f("", "Hub dataset id, or a local .json/.jsonl/.csv/.parquet/.txt file, glob or directory (required).")
+    dataset: str = _f("", "Hub dataset id, or a local .json/.jsonl/.csv/.parquet/.txt file, glob or directory.")
     dataset_config: str | None = _f(None, "Hub dataset configuration name.")
     train_split: str = _f("train", "Split used for training.")
     eval_dataset: str | None = _f(None, "Separate eval data (same forms as `dataset`).")
     eval_split: str | None = _f(None, "Split of `dataset` (or `eval_dataset`) used for eval.")
     eval_fraction: float = _f(
-        0.05, "When no eval data/split is given: fraction of train held out for eval (deterministic from seed); 0 disables eval."
+        0.05,
+        "When no eval data/split is given: fraction of train held out for eval (deterministic from seed); 0 disables eval.",
     )
     format: str = _f("auto", f"Example format: one of {', '.join(FORMATS)}; auto picks from the columns.")
     text_column: str = _f("text", "Column with raw text (text and classification formats).")
@@ -127,10 +130,14 @@ class TrainArgs:
     metrics: list[str] | None = _f(
         None, "Eval metrics: names shipped with finetune (accuracy, f1) or any evaluate.load name; default by task."
     )
-    ddp_find_unused_parameters: bool = _f(False, "DDP: detect parameters that get no gradient (slower; needed by some models).")
+    ddp_find_unused_parameters: bool = _f(
+        False, "DDP: detect parameters that get no gradient (slower; needed by some models)."
+    )
     sync_batchnorm: bool = _f(False, "DDP: convert BatchNorm layers to SyncBatchNorm.")
     dataloader_num_workers: int = _f(0, "Worker processes per data loader.")
-    report_to: list[str] = _f([], "Extra trackers for accelerate (e.g. [tensorboard]); metrics.jsonl is always written.")
+    report_to: list[str] = _f(
+        [], "Extra trackers for accelerate (e.g. [tensorboard]); metrics.jsonl is always written."
+    )
     disable_tqdm: bool = _f(False, "No progress bar (a log line every logging_steps instead).")
 
 
@@ -163,7 +170,7 @@ def all_fields() -> dict[str, tuple[str, dataclasses.Field]]:
     return out
 
 
-def _type_of(section: str, name: str) -> tuple[type, bool, type | None]:
+def field_type(section: str, name: str) -> tuple[type, bool, type | None]:
     """(base type, optional?, list item type) of a field, from its annotation."""
     hint = typing.get_type_hints(SECTIONS[section])[name]
     optional = False
@@ -178,7 +185,7 @@ def _type_of(section: str, name: str) -> tuple[type, bool, type | None]:
 
 def _coerce(section: str, name: str, value: Any) -> tuple[Any, str | None]:
     """Check `value` against the field's type. Returns (value, error message or None)."""
-    base, optional, item = _type_of(section, name)
+    base, optional, item = field_type(section, name)
     if value is None:
         return (None, None) if optional else (value, f"must not be empty (expected {base.__name__})")
     if base is bool:
@@ -187,7 +194,7 @@ def _coerce(section: str, name: str, value: Any) -> tuple[Any, str | None]:
         return value, f"expected true or false, got {value!r}"
     if base in (int, float) and isinstance(value, str):
         try:  # YAML 1.1 reads 1e-3 (no dot) as a string; users write it anyway
-            value = float(value) if base is float else int(value)
+            value = float(value)
         except ValueError:
             pass
     if base is int:
@@ -213,8 +220,13 @@ def _coerce(section: str, name: str, value: Any) -> tuple[Any, str | None]:
     raise AssertionError(f"unhandled type {base} for {name}")
 
 
-def parse_cli_value(text: str) -> Any:
-    """A command-line value, typed as YAML would type it (`--max_steps 10` -> 10, `--x null` -> None)."""
+def parse_cli_value(name: str, text: str) -> Any:
+    """A command-line value for field `name`: `null`/`~` -> None; text fields stay text verbatim;
+    others are typed as YAML would type them (`--max_steps 10` -> 10, `--packing true` -> True)."""
+    if text in ("null", "~"):
+        return None
+    if name in all_fields() and field_type(all_fields()[name][0], name)[0] in (str, list):
+        return text
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError:
@@ -307,7 +319,9 @@ def previous_run_in(output_dir: str) -> list[str]:
     return [m for m in RUN_MARKERS if os.path.exists(os.path.join(output_dir, m))]
 
 
-def validate(cfg: RunConfig, given: typing.Iterable[str] = (), *, check_filesystem: bool = True) -> list[tuple[str, str]]:
+def validate(
+    cfg: RunConfig, given: typing.Iterable[str] = (), *, check_filesystem: bool = True
+) -> list[tuple[str, str]]:
     """Every problem with a typed config, as (key, message naming the fix)."""
     m, d, t = cfg.model, cfg.data, cfg.train
     p: list[tuple[str, str]] = []
@@ -320,20 +334,32 @@ def validate(cfg: RunConfig, given: typing.Iterable[str] = (), *, check_filesyst
     _choice(p, "format", d.format, FORMATS)
     _choice(p, "lr_scheduler_type", t.lr_scheduler_type, SCHEDULERS)
     if m.task == "classification" and d.format not in ("auto", "classification"):
-        p.append(("format", f"{d.format!r} is a causal-LM format; task classification needs format classification (or auto)"))
+        p.append(
+            ("format", f"{d.format!r} is a causal-LM format; task classification needs format classification (or auto)")
+        )
     if m.task == "causal_lm" and d.format == "classification":
         p.append(("format", "classification data needs `task: classification`"))
     if "{prompt}" not in d.prompt_template:
         p.append(("prompt_template", "must contain the placeholder {prompt}"))
     if d.packing and m.task != "causal_lm":
         p.append(("packing", "packing applies to causal LM only; set packing: false"))
-    for key in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                "max_seq_length", "logging_steps"):
+    for key in (
+        "per_device_train_batch_size",
+        "per_device_eval_batch_size",
+        "gradient_accumulation_steps",
+        "max_seq_length",
+        "logging_steps",
+    ):
         section = {**dataclasses.asdict(d), **dataclasses.asdict(t)}
         if section[key] < 1:
             p.append((key, f"must be >= 1, got {section[key]}"))
-    for key, value in (("eval_steps", t.eval_steps), ("save_steps", t.save_steps), ("save_total_limit", t.save_total_limit),
-                       ("max_train_samples", d.max_train_samples), ("preprocessing_num_workers", d.preprocessing_num_workers)):
+    for key, value in (
+        ("eval_steps", t.eval_steps),
+        ("save_steps", t.save_steps),
+        ("save_total_limit", t.save_total_limit),
+        ("max_train_samples", d.max_train_samples),
+        ("preprocessing_num_workers", d.preprocessing_num_workers),
+    ):
         if value is not None and value < 1:
             p.append((key, f"must be >= 1 or null (off), got {value}"))
     if t.max_steps == 0 or t.max_steps < -1:
@@ -355,16 +381,25 @@ def validate(cfg: RunConfig, given: typing.Iterable[str] = (), *, check_filesyst
     if t.eval_steps and not (d.eval_dataset or d.eval_split or d.eval_fraction > 0):
         p.append(("eval_steps", "is set but there is no eval data; give eval_dataset, eval_split or eval_fraction > 0"))
     if t.eval_on_start and not (d.eval_dataset or d.eval_split or d.eval_fraction > 0):
-        p.append(("eval_on_start", "is set but there is no eval data; give eval_dataset, eval_split or eval_fraction > 0"))
+        p.append(
+            ("eval_on_start", "is set but there is no eval data; give eval_dataset, eval_split or eval_fraction > 0")
+        )
     if not t.output_dir:
         p.append(("output_dir", "is required"))
     if not check_filesystem:
         return p
     if m.model and looks_local(m.model) and not os.path.isdir(os.path.expanduser(m.model)):
-        p.append(("model", f"directory {m.model!r} does not exist; give a model directory (with config.json) or a Hub id"))
+        p.append(
+            ("model", f"directory {m.model!r} does not exist; give a model directory (with config.json) or a Hub id")
+        )
     elif m.model and os.path.isdir(m.model) and not os.path.isfile(os.path.join(m.model, "config.json")):
         p.append(("model", f"{m.model!r} has no config.json; point at a directory saved with save_pretrained"))
-    if m.chat_template and len(m.chat_template) < 256 and "{" not in m.chat_template and not os.path.isfile(m.chat_template):
+    if (
+        m.chat_template
+        and len(m.chat_template) < 256
+        and "{" not in m.chat_template
+        and not os.path.isfile(m.chat_template)
+    ):
         p.append(("chat_template", f"{m.chat_template!r} is neither a Jinja template nor an existing file"))
     if d.dataset:
         _check_data_path(p, "dataset", d.dataset)
@@ -372,15 +407,27 @@ def validate(cfg: RunConfig, given: typing.Iterable[str] = (), *, check_filesyst
         _check_data_path(p, "eval_dataset", d.eval_dataset)
     resume = t.resume_from_checkpoint
     if resume and resume != "latest" and not os.path.isdir(resume):
-        p.append(("resume_from_checkpoint", f"{resume!r} is not a directory; give 'latest' or a checkpoints/step_N path"))
+        p.append(
+            ("resume_from_checkpoint", f"{resume!r} is not a directory; give 'latest' or a checkpoints/step_N path")
+        )
     if resume == "latest" and not os.path.exists(os.path.join(t.output_dir, "checkpoints", "latest")):
-        p.append(("resume_from_checkpoint", f"'latest' but {t.output_dir}/checkpoints has no complete checkpoint; "
-                                            "drop resume_from_checkpoint to start fresh"))
+        p.append(
+            (
+                "resume_from_checkpoint",
+                f"'latest' but {t.output_dir}/checkpoints has no complete checkpoint; "
+                "drop resume_from_checkpoint to start fresh",
+            )
+        )
     if t.output_dir and os.path.isfile(t.output_dir):
         p.append(("output_dir", f"{t.output_dir!r} is a file; give a directory"))
     elif t.output_dir and not resume and not t.overwrite_output_dir:
         found = previous_run_in(t.output_dir)
         if found:
-            p.append(("output_dir", f"{t.output_dir!r} holds a previous run ({', '.join(found)}); pick a new output_dir, "
-                                    "resume it with --resume_from_checkpoint latest, or replace it with --overwrite_output_dir"))
+            p.append(
+                (
+                    "output_dir",
+                    f"{t.output_dir!r} holds a previous run ({', '.join(found)}); pick a new output_dir, "
+                    "resume it with --resume_from_checkpoint latest, or replace it with --overwrite_output_dir",
+                )
+            )
     return p

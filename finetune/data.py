@@ -12,9 +12,11 @@ from __future__ import annotations
 import glob
 import logging
 import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ContextManager
+from typing import Any
 
 import torch
 
@@ -56,8 +58,15 @@ def _load(spec: str, data: DataArgs, split: str | None) -> Any:
     try:
         return datasets.load_dataset(spec, data.dataset_config, split=split or data.train_split)
     except Exception as e:
-        raise ConfigError([(key, f"could not load Hub dataset {spec!r} (split {split or data.train_split!r}): "
-                                 f"{_first_line(e)}. Check the id and split, or give local files")]) from None
+        raise ConfigError(
+            [
+                (
+                    key,
+                    f"could not load Hub dataset {spec!r} (split {split or data.train_split!r}): "
+                    f"{_first_line(e)}. Check the id and split, or give local files",
+                )
+            ]
+        ) from None
 
 
 def _files_in(directory: str) -> list[str]:
@@ -78,7 +87,9 @@ def load_splits(data: DataArgs, seed: int) -> tuple[Any, Any | None]:
         evalset = _load(data.eval_dataset, data, data.eval_split)
     elif data.eval_split:
         if looks_local(data.dataset):
-            raise ConfigError([("eval_split", "local files have one split; give eval_dataset or eval_fraction instead")])
+            raise ConfigError(
+                [("eval_split", "local files have one split; give eval_dataset or eval_fraction instead")]
+            )
         evalset = _load(data.dataset, data, data.eval_split)
     elif data.eval_fraction > 0:
         n_eval = max(1, round(len(train) * data.eval_fraction))
@@ -108,8 +119,15 @@ def detect_format(columns: list[str], data: DataArgs, task: str) -> str:
         return "instruction"
     if data.text_column in columns:
         return "text"
-    raise ConfigError([("format", f"cannot tell the format from columns {columns}; set format "
-                                  "(text/instruction/chat) and the matching *_column fields")])
+    raise ConfigError(
+        [
+            (
+                "format",
+                f"cannot tell the format from columns {columns}; set format "
+                "(text/instruction/chat) and the matching *_column fields",
+            )
+        ]
+    )
 
 
 def required_columns(fmt: str, columns: list[str], data: DataArgs) -> list[tuple[str, str]]:
@@ -127,8 +145,11 @@ def required_columns(fmt: str, columns: list[str], data: DataArgs) -> list[tuple
         alpaca = "instruction" in columns and "output" in columns
         if not alpaca:
             need += [("prompt_column", data.prompt_column), ("response_column", data.response_column)]
-    return [(key, f"column {col!r} not in the data (columns: {columns}); set {key}") for key, col in need
-            if col not in columns]
+    return [
+        (key, f"column {col!r} not in the data (columns: {columns}); set {key}")
+        for key, col in need
+        if col not in columns
+    ]
 
 
 def _instruction(tokenizer, data: DataArgs, max_len: int) -> Callable:
@@ -140,6 +161,8 @@ def _instruction(tokenizer, data: DataArgs, max_len: int) -> Callable:
         else:  # alpaca: instruction / input / output
             prompt = ex["instruction"] + (f"\n\n{ex['input']}" if ex.get("input") else "")
             response = ex["output"]
+        if response is None or prompt is None:  # nothing to learn: dropped (and counted) by the filter
+            return {"input_ids": [], "labels": []}
         p = tokenizer(data.prompt_template.format(prompt=prompt), add_special_tokens=True)["input_ids"]
         r = tokenizer(str(response), add_special_tokens=False)["input_ids"] + eos
         ids = (p + r)[:max_len]
@@ -169,9 +192,11 @@ def _chat(tokenizer, data: DataArgs, max_len: int) -> Callable:
             steps.append((render(messages[: k + 1]), msg["role"] == "assistant"))
             for new, supervised in steps:
                 if new[: len(ids)] != ids:
-                    raise ValueError("the chat template does not render a conversation prefix as a token prefix; "
-                                     "set chat_template to one that does")
-                labels += new[len(ids):] if supervised else [IGNORE] * (len(new) - len(ids))
+                    raise ValueError(
+                        "the chat template does not render a conversation prefix as a token prefix; "
+                        "set chat_template to one that does"
+                    )
+                labels += new[len(ids) :] if supervised else [IGNORE] * (len(new) - len(ids))
                 ids = new
         return {"input_ids": ids[:max_len], "labels": labels[:max_len]}
 
@@ -194,7 +219,7 @@ def _text(tokenizer, data: DataArgs, max_len: int) -> Callable:
     def fn(batch: dict) -> dict:
         stream = [t for ids in tokenizer(batch[data.text_column])["input_ids"] for t in ids + eos]
         n = max(len(stream) // max_len, 1)  # a short batch still yields one (shorter) block
-        blocks = [stream[i * max_len:(i + 1) * max_len] for i in range(n)]
+        blocks = [stream[i * max_len : (i + 1) * max_len] for i in range(n)]
         return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
 
     return fn
@@ -212,7 +237,9 @@ def label_names_of(train, data: DataArgs) -> tuple[list[str], dict | None]:
         if min(values) < 0:
             raise ConfigError([("label_column", f"label {min(values)} is negative; labels must be 0..N-1 or strings")])
         return [str(i) for i in range(max(values) + 1)], None
-    raise ConfigError([("label_column", f"labels must be all ints or all strings, got {sorted(map(repr, values))[:5]}")])
+    raise ConfigError(
+        [("label_column", f"labels must be all ints or all strings, got {sorted(map(repr, values))[:5]}")]
+    )
 
 
 def supervised_count(labels: list[int], task: str) -> int:
@@ -307,7 +334,9 @@ class EpochSampler(torch.utils.data.Sampler):
 # ---------------------------------------------------------------- the builder
 
 
-def build_datasets(data: DataArgs, task: str, tokenizer, seed: int, main_first: Callable[[], ContextManager]) -> Datasets:
+def build_datasets(
+    data: DataArgs, task: str, tokenizer, seed: int, main_first: Callable[[], AbstractContextManager]
+) -> Datasets:
     """Load, format, tokenize (main process first, so the others hit the datasets cache), filter, pack."""
     with main_first():
         train_raw, eval_raw = load_splits(data, seed)
@@ -319,14 +348,28 @@ def build_datasets(data: DataArgs, task: str, tokenizer, seed: int, main_first: 
     if problems:
         raise ConfigError(problems)
     if fmt == "chat" and not tokenizer.chat_template:
-        raise ConfigError([("chat_template", "chat data needs a chat template and this tokenizer has none; "
-                                             "set chat_template (Jinja text or a file)")])
+        raise ConfigError(
+            [
+                (
+                    "chat_template",
+                    "chat data needs a chat template and this tokenizer has none; "
+                    "set chat_template (Jinja text or a file)",
+                )
+            ]
+        )
     label_names, label_ids = label_names_of(train_raw, data) if fmt == "classification" else (None, None)
     if label_names and eval_raw is not None:
         unknown = set(eval_raw.unique(data.label_column)) - set(label_ids or range(len(label_names)))
         if unknown:
-            raise ConfigError([("label_column", f"eval labels {sorted(map(str, unknown))[:5]} never occur in train; "
-                                                "fix the eval data or its labels")])
+            raise ConfigError(
+                [
+                    (
+                        "label_column",
+                        f"eval labels {sorted(map(str, unknown))[:5]} never occur in train; "
+                        "fix the eval data or its labels",
+                    )
+                ]
+            )
     max_len = data.max_seq_length
     fn, batched = {
         "text": (_text(tokenizer, data, max_len), True),
@@ -337,13 +380,20 @@ def build_datasets(data: DataArgs, task: str, tokenizer, seed: int, main_first: 
 
     def tokenize(ds, name: str):
         try:
-            ds = ds.map(fn, batched=batched, remove_columns=ds.column_names, num_proc=data.preprocessing_num_workers,
-                        desc=f"tokenizing {name}")
+            ds = ds.map(
+                fn,
+                batched=batched,
+                remove_columns=ds.column_names,
+                num_proc=data.preprocessing_num_workers,
+                desc=f"tokenizing {name}",
+            )
         except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError([("dataset" if name == "train" else "eval_dataset",
-                                f"{fmt} formatting failed: {_first_line(e)}")]) from None
-        ds = ds.filter(lambda ex: supervised_count(ex["labels"], task) > 0,
-                       desc=f"dropping {name} examples with nothing to learn")
+            raise ConfigError(
+                [("dataset" if name == "train" else "eval_dataset", f"{fmt} formatting failed: {_first_line(e)}")]
+            ) from None
+        ds = ds.filter(
+            lambda ex: supervised_count(ex["labels"], task) > 0, desc=f"dropping {name} examples with nothing to learn"
+        )
         return ds
 
     with main_first():
@@ -351,11 +401,19 @@ def build_datasets(data: DataArgs, task: str, tokenizer, seed: int, main_first: 
         evalset = tokenize(eval_raw, "eval") if eval_raw is not None else None
         dropped = len(train_raw) - len(train) if fmt != "text" else 0
         if len(train) == 0:
-            raise ConfigError([("dataset", "no training example has a supervised token left after truncation to "
-                                           f"max_seq_length={max_len}; raise max_seq_length or check the response columns")])
+            raise ConfigError(
+                [
+                    (
+                        "dataset",
+                        "no training example has a supervised token left after truncation to "
+                        f"max_seq_length={max_len}; raise max_seq_length or check the response columns",
+                    )
+                ]
+            )
         if dropped:
-            logger.warning("dropped %d of %d training examples with no supervised token (truncated away?)",
-                           dropped, len(train_raw))
+            logger.warning(
+                "dropped %d of %d training examples with no supervised token (truncated away?)", dropped, len(train_raw)
+            )
         if data.packing:
             train = train.map(pack, batched=True, batch_size=1000, fn_kwargs={"max_len": max_len}, desc="packing")
     if fmt == "classification":

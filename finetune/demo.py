@@ -26,8 +26,10 @@ TOPICS = {
     "tech": "software laptop chip code server app network robot data battery processor update",
     "food": "recipe bread soup chef spice dinner cheese oven fruit salad butter flavor",
 }
-FILLER = ("the a this that my our their today yesterday again really very quite new old big small good bad "
-          "people city morning evening week news report talk story was is seems looked felt about with").split()
+FILLER = (
+    "the a this that my our their today yesterday again really very quite new old big small good bad "
+    "people city morning evening week news report talk story was is seems looked felt about with"
+).split()
 
 
 def topic_examples(n: int, seed: int) -> list[dict]:
@@ -46,8 +48,10 @@ def topic_examples(n: int, seed: int) -> list[dict]:
 
 def instruction_examples(n: int, seed: int) -> list[dict]:
     """prompt/response pairs: name the topic of a sentence."""
-    return [{"prompt": f"Which topic is this about? {e['text']}", "response": f"It is about {e['label']}."}
-            for e in topic_examples(n, seed)]
+    return [
+        {"prompt": f"Which topic is this about? {e['text']}", "response": f"It is about {e['label']}."}
+        for e in topic_examples(n, seed)
+    ]
 
 
 def chat_examples(n: int, seed: int) -> list[dict]:
@@ -55,13 +59,17 @@ def chat_examples(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     out = []
     for e in topic_examples(n, seed):
-        out.append({"messages": [
-            {"role": "system", "content": "You name topics."},
-            {"role": "user", "content": e["text"]},
-            {"role": "assistant", "content": e["label"]},
-            {"role": "user", "content": "Are you sure?"},
-            {"role": "assistant", "content": rng.choice(["Yes.", "Quite sure.", f"Yes, {e['label']}."])},
-        ]})
+        out.append(
+            {
+                "messages": [
+                    {"role": "system", "content": "You name topics."},
+                    {"role": "user", "content": e["text"]},
+                    {"role": "assistant", "content": e["label"]},
+                    {"role": "user", "content": "Are you sure?"},
+                    {"role": "assistant", "content": rng.choice(["Yes.", "Quite sure.", f"Yes, {e['label']}."])},
+                ]
+            }
+        )
     return out
 
 
@@ -78,16 +86,28 @@ def build_tokenizer(path: str | os.PathLike, vocab_size: int = 600, chat_templat
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    corpus = [e["text"] for e in topic_examples(2000, 0)] + [" ".join(TOPICS)] + [
-        "Which topic is this about? It is about Are you sure? Yes. Quite sure. You name topics. system user assistant"]
+    corpus = (
+        [e["text"] for e in topic_examples(2000, 0)]
+        + [" ".join(TOPICS)]
+        + [
+            "Which topic is this about? It is about Are you sure? Yes. Quite sure. You name topics. system user assistant"
+        ]
+    )
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(corpus, trainer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                 unk_token="<unk>", model_max_length=512)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        model_max_length=512,
+    )
     if chat_template:
         hf.chat_template = CHATML
     hf.save_pretrained(path)
@@ -103,18 +123,38 @@ def build_model(arch: str, path: str | os.PathLike, tokenizer, seed: int = 0, **
     import torch
     from transformers import AutoModel, AutoModelForCausalLM, BertConfig, GPT2Config, LlamaConfig
 
-    ids = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
-           "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    ids = {
+        "vocab_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
     if arch == "llama":
-        config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, **ids)
+        config = LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+            **ids,
+        )
     elif arch == "gpt2":
-        config = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, resid_pdrop=0.0, embd_pdrop=0.0,
-                            attn_pdrop=0.0, **ids)
+        config = GPT2Config(
+            n_embd=64, n_layer=2, n_head=4, n_positions=512, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids
+        )
     elif arch == "bert":
-        config = BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                            max_position_embeddings=512, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                            **ids)
+        config = BertConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=512,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            **ids,
+        )
     else:
         raise ValueError(f"unknown arch {arch!r}; use llama, gpt2 or bert")
     for k, v in overrides.items():
@@ -137,8 +177,9 @@ def prepare(workdir: str | os.PathLike, n_train: int = 4000, n_eval: int = 400) 
 
 
 def _main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m finetune.demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m finetune.demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="build the demo base model, tokenizer and data")
     p.add_argument("--dir", default="demo", help="where to put them (default: demo)")

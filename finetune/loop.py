@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -70,8 +71,10 @@ def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: i
     for i, (batch, n) in enumerate(zip(micro_batches, counts)):
         # Dropout is seeded by the micro batch's place in the global data order, not by the rank
         # layout: any world size / accumulation split of the same global batch draws the same masks.
-        torch.manual_seed(hash((run.args.seed, epoch, global_batch_index(run.plan, step_in_epoch, i, acc.process_index)))
-                          & (2**63 - 1))
+        torch.manual_seed(
+            hash((run.args.seed, epoch, global_batch_index(run.plan, step_in_epoch, i, acc.process_index)))
+            & (2**63 - 1)
+        )
         with acc.accumulate(run.model):
             loss = run.model(**batch).loss
             acc.backward(loss * (n * scale))
@@ -110,8 +113,13 @@ class _Window:
 def train(run: Run, state: TrainState) -> dict[str, float]:
     """Run optimizer steps from state.step to plan.total_steps; log, evaluate and checkpoint."""
     acc, plan, args = run.accelerator, run.plan, run.args
-    bar = tqdm(total=plan.total_steps, initial=state.step, unit="step", dynamic_ncols=True,
-               disable=not acc.is_main_process or args.disable_tqdm)
+    bar = tqdm(
+        total=plan.total_steps,
+        initial=state.step,
+        unit="step",
+        dynamic_ncols=True,
+        disable=not acc.is_main_process or args.disable_tqdm,
+    )
     last_eval: dict[str, float] = {}
     if args.eval_on_start and state.step == 0 and run.eval_loader is not None:
         last_eval = _log_eval(run, state, bar)
@@ -131,7 +139,12 @@ def train(run: Run, state: TrainState) -> dict[str, float]:
             micro = [next(batches) for _ in range(plan.gradient_accumulation_steps)]
             nll, count, tokens, grad_norm = train_step(run, micro, epoch, step_in_epoch)
             state.step += 1
-            win.nll, win.count, win.tokens, win.steps = win.nll + nll, win.count + count, win.tokens + tokens, win.steps + 1
+            win.nll, win.count, win.tokens, win.steps = (
+                win.nll + nll,
+                win.count + count,
+                win.tokens + tokens,
+                win.steps + 1,
+            )
             done = state.step == plan.total_steps
             bar.update(1)
             if state.step % args.logging_steps == 0 or done:
@@ -149,8 +162,15 @@ def train(run: Run, state: TrainState) -> dict[str, float]:
 
 def _log_train(run: Run, state: TrainState, win: _Window, grad_norm, bar) -> None:
     acc = run.accelerator
-    nll, tokens = acc.reduce(torch.stack([torch.as_tensor(win.nll, device=acc.device).float(),
-                                          torch.as_tensor(win.tokens, device=acc.device).float()]), reduction="sum")
+    nll, tokens = acc.reduce(
+        torch.stack(
+            [
+                torch.as_tensor(win.nll, device=acc.device).float(),
+                torch.as_tensor(win.tokens, device=acc.device).float(),
+            ]
+        ),
+        reduction="sum",
+    )
     count = float(win.count)  # already global
     state.tokens_seen += int(tokens.item())
     state.supervised_seen += int(count)
@@ -172,7 +192,9 @@ def _log_train(run: Run, state: TrainState, win: _Window, grad_norm, bar) -> Non
     postfix = {"loss": f"{row['loss']:.4f}", "lr": f"{row['learning_rate']:.2e}", "tok/s": f"{row['tokens_per_s']:.0f}"}
     if bar.disable:
         if acc.is_main_process:
-            logger.info("step %d/%d  %s", state.step, run.plan.total_steps, "  ".join(f"{k} {v}" for k, v in postfix.items()))
+            logger.info(
+                "step %d/%d  %s", state.step, run.plan.total_steps, "  ".join(f"{k} {v}" for k, v in postfix.items())
+            )
     else:
         bar.set_postfix(postfix, refresh=False)
 

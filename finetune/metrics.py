@@ -27,9 +27,16 @@ def load_metrics(names: list[str] | None, task: str) -> dict[str, Any]:
         try:
             out[name] = evaluate.load(str(path) if path.is_dir() else name)
         except Exception as e:
-            raise ConfigError([("metrics", f"could not load metric {name!r} ({type(e).__name__}: "
-                                           f"{(str(e).splitlines() or [''])[0]}); shipped offline: "
-                                           f"{', '.join(sorted(p.name for p in SHIPPED.iterdir() if p.is_dir()))}")]) from None
+            raise ConfigError(
+                [
+                    (
+                        "metrics",
+                        f"could not load metric {name!r} ({type(e).__name__}: "
+                        f"{(str(e).splitlines() or [''])[0]}); shipped offline: "
+                        f"{', '.join(sorted(p.name for p in SHIPPED.iterdir() if p.is_dir()))}",
+                    )
+                ]
+            ) from None
     return out
 
 

@@ -19,8 +19,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def _load_error(what: str, spec: str, e: Exception) -> ConfigError:
     first = (str(e).strip().splitlines() or [""])[0]
-    hint = ("; it is not a local directory and the Hub is unreachable or offline (HF_HUB_OFFLINE)"
-            if not os.path.isdir(spec) else "")
+    hint = (
+        "; it is not a local directory and the Hub is unreachable or offline (HF_HUB_OFFLINE)"
+        if not os.path.isdir(spec)
+        else ""
+    )
     return ConfigError([("model", f"could not load the {what} from {spec!r}{hint}: {type(e).__name__}: {first}")])
 
 
@@ -36,8 +39,15 @@ def load_tokenizer(m: ModelArgs):
         raise _load_error("tokenizer", m.model, e) from None
     if tok.pad_token is None:
         if tok.eos_token is None:
-            raise ConfigError([("model", f"the tokenizer of {m.model!r} has neither a pad nor an EOS token; add one "
-                                         "with tokenizer.add_special_tokens and save it")])
+            raise ConfigError(
+                [
+                    (
+                        "model",
+                        f"the tokenizer of {m.model!r} has neither a pad nor an EOS token; add one "
+                        "with tokenizer.add_special_tokens and save it",
+                    )
+                ]
+            )
         tok.pad_token = tok.eos_token
     tok.padding_side = "right"
     if m.chat_template:
@@ -55,15 +65,26 @@ def build_model(m: ModelArgs, tokenizer, label_names: list[str] | None, max_seq_
         raise _load_error("model config", m.model, e) from None
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if limit and max_seq_length > limit:
-        raise ConfigError([("max_seq_length", f"{max_seq_length} is beyond what {m.model!r} supports "
-                                              f"(max_position_embeddings={limit}); set max_seq_length <= {limit}")])
+        raise ConfigError(
+            [
+                (
+                    "max_seq_length",
+                    f"{max_seq_length} is beyond what {m.model!r} supports "
+                    f"(max_position_embeddings={limit}); set max_seq_length <= {limit}",
+                )
+            ]
+        )
     kwargs = {"dtype": DTYPES[m.torch_dtype], "trust_remote_code": m.trust_remote_code}
     if m.attn_implementation:
         kwargs["attn_implementation"] = m.attn_implementation
     if label_names is not None:
         cls = AutoModelForSequenceClassification
-        kwargs.update(num_labels=len(label_names), id2label=dict(enumerate(label_names)),
-                      label2id={n: i for i, n in enumerate(label_names)}, ignore_mismatched_sizes=True)
+        kwargs.update(
+            num_labels=len(label_names),
+            id2label=dict(enumerate(label_names)),
+            label2id={n: i for i, n in enumerate(label_names)},
+            ignore_mismatched_sizes=True,
+        )
     else:
         cls = AutoModelForCausalLM
     try:

@@ -118,9 +118,15 @@ def make_plan(train: TrainArgs, n_train_rows: int, world_size: int) -> Plan:
     if steps_per_epoch == 0:
         from finetune.config import ConfigError
 
-        raise ConfigError([("per_device_train_batch_size",
-                            f"one global batch needs {micro * ga * world_size} rows (micro {micro} x accumulation {ga} x "
-                            f"{world_size} processes) but the training data has {n_train_rows}; use smaller batches or more data")])
+        raise ConfigError(
+            [
+                (
+                    "per_device_train_batch_size",
+                    f"one global batch needs {micro * ga * world_size} rows (micro {micro} x accumulation {ga} x "
+                    f"{world_size} processes) but the training data has {n_train_rows}; use smaller batches or more data",
+                )
+            ]
+        )
     if train.max_steps > 0:
         total = train.max_steps
     else:
@@ -159,7 +165,9 @@ def explain_ddp_error(err: RuntimeError) -> str | None:
     """A user-facing fix for DDP errors that a run-config option solves, or None."""
     text = str(err)
     if any(h in text for h in UNUSED_PARAMETER_HINTS):
-        return ("DDP found parameters that received no gradient in this step (a branch of the model that the data "
-                "did not use). Set `ddp_find_unused_parameters: true` in the run config (or pass "
-                "--ddp_find_unused_parameters true).")
+        return (
+            "DDP found parameters that received no gradient in this step (a branch of the model that the data "
+            "did not use). Set `ddp_find_unused_parameters: true` in the run config (or pass "
+            "--ddp_find_unused_parameters true)."
+        )
     return None

@@ -1,12 +1,12 @@
 """One training run, start to finish: build everything from the typed config, prepare, train, export.
 
-    run(cfg)
-      Accelerator (parallel.make_accelerator; the parallelism comes from `accelerate launch`)
-      tokenizer -> datasets (data.build_datasets) -> model (model.build_model)
-      AdamW + LR schedule (lengths from parallel.make_plan) + data loaders
-      accelerator.prepare(...)
-      resume (checkpoint.load_checkpoint) | fresh start
-      loop.train -> checkpoint.export -> final/
+run(cfg)
+  Accelerator (parallel.make_accelerator; the parallelism comes from `accelerate launch`)
+  tokenizer -> datasets (data.build_datasets) -> model (model.build_model)
+  AdamW + LR schedule (lengths from parallel.make_plan) + data loaders
+  accelerator.prepare(...)
+  resume (checkpoint.load_checkpoint) | fresh start
+  loop.train -> checkpoint.export -> final/
 """
 
 from __future__ import annotations
@@ -30,8 +30,11 @@ def _setup_logging(accelerator) -> None:
     import transformers
 
     main = accelerator.is_main_process
-    logging.basicConfig(format="[finetune] %(message)s" if main else f"[finetune rank{accelerator.process_index}] %(message)s",
-                        stream=sys.stdout, force=True)
+    logging.basicConfig(
+        format="[finetune] %(message)s" if main else f"[finetune rank{accelerator.process_index}] %(message)s",
+        stream=sys.stdout,
+        force=True,
+    )
     logger.setLevel(logging.INFO if main else logging.WARNING)
     transformers.utils.logging.set_verbosity_warning() if main else transformers.utils.logging.set_verbosity_error()
     datasets.utils.logging.set_verbosity_warning() if main else datasets.utils.logging.set_verbosity_error()
@@ -42,10 +45,13 @@ def _setup_logging(accelerator) -> None:
 def _optimizer(net, t) -> torch.optim.Optimizer:
     """AdamW; no weight decay on biases and norm weights (every parameter with fewer than 2 dims)."""
     params = [p for p in net.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
-                             eps=t.adam_epsilon)
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_epsilon
+    )
 
 
 def _clear_previous_run(output_dir: str) -> None:
@@ -68,29 +74,51 @@ def run(cfg: RunConfig) -> dict:
     _setup_logging(acc)
     t = cfg.train
     facts = parallel.describe(acc)
-    logger.info("distributed: %s, world size %d, backend %s, mixed precision %s, devices %s",
-                facts["distributed_type"], facts["world_size"], facts["backend"], facts["mixed_precision"],
-                ", ".join(facts["devices"]))
+    logger.info(
+        "distributed: %s, world size %d, backend %s, mixed precision %s, devices %s",
+        facts["distributed_type"],
+        facts["world_size"],
+        facts["backend"],
+        facts["mixed_precision"],
+        ", ".join(facts["devices"]),
+    )
 
     tokenizer = model.load_tokenizer(cfg.model)
     ds = data.build_datasets(cfg.data, cfg.model.task, tokenizer, t.seed, acc.main_process_first)
     eval_metrics = metrics.load_metrics(t.metrics, cfg.model.task) if ds.eval is not None else {}
     plan = parallel.make_plan(t, len(ds.train), acc.num_processes)
-    logger.info("data: %s format, %d train rows (%d supervised %s), %s eval rows",
-                ds.format, len(ds.train), ds.supervised_tokens,
-                "examples" if cfg.model.task == "classification" else "tokens",
-                len(ds.eval) if ds.eval is not None else "no")
-    logger.info("batch: micro %d x gradient accumulation %d x world size %d = global batch %d; "
-                "%d steps (%d per epoch), warmup %d",
-                plan.micro_batch_size, plan.gradient_accumulation_steps, plan.world_size, plan.global_batch_size,
-                plan.total_steps, plan.steps_per_epoch, plan.warmup_steps)
+    logger.info(
+        "data: %s format, %d train rows (%d supervised %s), %s eval rows",
+        ds.format,
+        len(ds.train),
+        ds.supervised_tokens,
+        "examples" if cfg.model.task == "classification" else "tokens",
+        len(ds.eval) if ds.eval is not None else "no",
+    )
+    logger.info(
+        "batch: micro %d x gradient accumulation %d x world size %d = global batch %d; "
+        "%d steps (%d per epoch), warmup %d",
+        plan.micro_batch_size,
+        plan.gradient_accumulation_steps,
+        plan.world_size,
+        plan.global_batch_size,
+        plan.total_steps,
+        plan.steps_per_epoch,
+        plan.warmup_steps,
+    )
 
     set_seed(t.seed)  # same initial weights (e.g. a new classifier head) on every rank and world size
     net = model.build_model(cfg.model, tokenizer, ds.label_names, cfg.data.max_seq_length)
     net = parallel.maybe_sync_batchnorm(net, t, acc)
     trainable, total = model.count_parameters(net)
-    logger.info("model: %s (%s), %s parameters, %s trainable (%.2f%%)", cfg.model.model, type(net).__name__,
-                f"{total:,}", f"{trainable:,}", 100 * trainable / max(total, 1))
+    logger.info(
+        "model: %s (%s), %s parameters, %s trainable (%.2f%%)",
+        cfg.model.model,
+        type(net).__name__,
+        f"{total:,}",
+        f"{trainable:,}",
+        100 * trainable / max(total, 1),
+    )
     optimizer = _optimizer(net, t)
     warmup, length = plan.scheduler_steps
     scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=length)
@@ -98,12 +126,23 @@ def run(cfg: RunConfig) -> dict:
     collate = data.Collator(tokenizer.pad_token_id)
     sampler = data.EpochSampler(len(ds.train), t.seed)
     train_loader = torch.utils.data.DataLoader(
-        ds.train, batch_size=plan.micro_batch_size, sampler=sampler, drop_last=True, collate_fn=collate,
-        num_workers=t.dataloader_num_workers, generator=torch.Generator().manual_seed(t.seed))
+        ds.train,
+        batch_size=plan.micro_batch_size,
+        sampler=sampler,
+        drop_last=True,
+        collate_fn=collate,
+        num_workers=t.dataloader_num_workers,
+        generator=torch.Generator().manual_seed(t.seed),
+    )
     eval_loader = None
     if ds.eval is not None:
-        eval_loader = torch.utils.data.DataLoader(ds.eval, batch_size=t.per_device_eval_batch_size, shuffle=False,
-                                                  collate_fn=collate, num_workers=t.dataloader_num_workers)
+        eval_loader = torch.utils.data.DataLoader(
+            ds.eval,
+            batch_size=t.per_device_eval_batch_size,
+            shuffle=False,
+            collate_fn=collate,
+            num_workers=t.dataloader_num_workers,
+        )
     net, optimizer, train_loader, scheduler = acc.prepare(net, optimizer, train_loader, scheduler)
     if eval_loader is not None:
         eval_loader = acc.prepare(eval_loader)
@@ -124,15 +163,30 @@ def run(cfg: RunConfig) -> dict:
             yaml.safe_dump(run_config, f, sort_keys=False)
     acc.wait_for_everyone()
     if t.report_to:
-        acc.init_trackers("finetune", config={k: v for k, v in run_config.items() if isinstance(v, (int, float, str, bool))})
+        acc.init_trackers(
+            "finetune", config={k: v for k, v in run_config.items() if isinstance(v, (int, float, str, bool))}
+        )
 
     def save(s: loop.TrainState) -> None:
         checkpoint.save_checkpoint(acc, t.output_dir, s.step, loop.state_dict_of(s), run_config, t.save_total_limit)
 
-    r = loop.Run(accelerator=acc, model=net, optimizer=optimizer, scheduler=scheduler, train_loader=train_loader,
-                 sampler=sampler, eval_loader=eval_loader, plan=plan, args=t, task=cfg.model.task,
-                 metrics=eval_metrics, n_labels=len(ds.label_names) if ds.label_names else None, log=log, save=save,
-                 extra={"world_size": acc.num_processes, "distributed_type": facts["distributed_type"]})
+    r = loop.Run(
+        accelerator=acc,
+        model=net,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        train_loader=train_loader,
+        sampler=sampler,
+        eval_loader=eval_loader,
+        plan=plan,
+        args=t,
+        task=cfg.model.task,
+        metrics=eval_metrics,
+        n_labels=len(ds.label_names) if ds.label_names else None,
+        log=log,
+        save=save,
+        extra={"world_size": acc.num_processes, "distributed_type": facts["distributed_type"]},
+    )
     try:
         final_eval = loop.train(r, state)
     except RuntimeError as e:
@@ -145,7 +199,9 @@ def run(cfg: RunConfig) -> dict:
     memories = gather_object([{"rank": acc.process_index, **memory}])
     log.write({"step": state.step, "peak_memory": memories})
     for m in memories:
-        logger.info("peak memory rank %d: %s", m["rank"], ", ".join(f"{k} {v:.2f}" for k, v in m.items() if k != "rank"))
+        logger.info(
+            "peak memory rank %d: %s", m["rank"], ", ".join(f"{k} {v:.2f}" for k, v in m.items() if k != "rank")
+        )
     if final_eval:
         logger.info("final eval: %s", "  ".join(f"{k} {v:.4f}" for k, v in final_eval.items()))
     logger.info("model saved to %s (load it with from_pretrained)", os.path.abspath(final))

@@ -47,8 +47,10 @@ def assets(tmp_path_factory) -> Assets:
     root = tmp_path_factory.mktemp("assets")
     tok = demo.build_tokenizer(root / "tokenizer")
     text_rows = [{"text": " ".join(e["text"] for e in demo.topic_examples(6, seed=i))} for i in range(60)]
-    alpaca = [{"instruction": "Name the topic.", "input": e["text"], "output": e["label"]}
-              for e in demo.topic_examples(200, seed=5)]
+    alpaca = [
+        {"instruction": "Name the topic.", "input": e["text"], "output": e["label"]}
+        for e in demo.topic_examples(200, seed=5)
+    ]
     return Assets(
         root=root,
         tokenizer=tok,
@@ -87,15 +89,30 @@ class Result:
         return [r["loss"] for r in self.train_rows]
 
 
-def finetune(output_dir: Path, *args: str, launcher: str = "single", timeout: int = 300,
-             expect_ok: bool = True, extra_env: dict | None = None, launch_args: tuple[str, ...] = ()) -> Result:
+def finetune(
+    output_dir: Path,
+    *args: str,
+    launcher: str = "single",
+    timeout: int = 300,
+    expect_ok: bool = True,
+    extra_env: dict | None = None,
+    launch_args: tuple[str, ...] = (),
+) -> Result:
     """Run finetune the way a user does. launcher: 'python' (python -m finetune) or an accelerate
     config name under accelerate_configs/ (accelerate launch --config_file ... -m finetune)."""
     if launcher == "python":
         cmd = [sys.executable, "-m", "finetune"]
     else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ROOT / "accelerate_configs" / f"{launcher}.yaml"), *launch_args, "-m", "finetune"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(ROOT / "accelerate_configs" / f"{launcher}.yaml"),
+            *launch_args,
+            "-m",
+            "finetune",
+        ]
     cmd += ["--output_dir", str(output_dir), "--disable_tqdm", "true", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -111,5 +128,20 @@ def finetune(output_dir: Path, *args: str, launcher: str = "single", timeout: in
 
 def base_args(model: str, dataset: str, *more: str) -> list[str]:
     """Arguments every small run shares: tiny batches, fp32, log every step."""
-    return ["--model", model, "--dataset", dataset, "--per_device_train_batch_size", "4", "--logging_steps", "1",
-            "--max_seq_length", "64", "--learning_rate", "1e-3", "--save_steps", "null", *more]
+    return [
+        "--model",
+        model,
+        "--dataset",
+        dataset,
+        "--per_device_train_batch_size",
+        "4",
+        "--logging_steps",
+        "1",
+        "--max_seq_length",
+        "64",
+        "--learning_rate",
+        "1e-3",
+        "--save_steps",
+        "null",
+        *more,
+    ]

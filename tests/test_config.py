@@ -203,3 +203,35 @@ def test_help_lists_every_field_with_its_default():
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         shown = "(required)" if default == "" else f"(default: {default!r})"
         assert shown in block, (name, block)
+
+
+def test_cli_text_values_stay_verbatim(tmp_path, valid):
+    """Text fields are not YAML-typed on the command line: dates, 'no', '1.10' and templates survive."""
+    path = write_yaml(tmp_path / "run.yaml", valid)
+    cfg = parse(
+        [
+            "--config",
+            path,
+            "--prompt_template",
+            "Question: {prompt}\nAnswer: ",
+            "--output_dir",
+            str(tmp_path / "2024-01-01"),
+            "--eval_split",
+            "no",
+            "--dataset_config",
+            "1.10",
+            "--max_steps",
+            "1e3",
+        ]
+    )
+    assert cfg.data.prompt_template == "Question: {prompt}\nAnswer: "
+    assert cfg.train.output_dir.endswith("2024-01-01")
+    assert (cfg.data.eval_split, cfg.data.dataset_config) == ("no", "1.10")
+    assert cfg.train.max_steps == 1000 and type(cfg.train.max_steps) is int
+
+
+def test_unknown_flag_is_one_problem(tmp_path, valid):
+    path = write_yaml(tmp_path / "run.yaml", valid)
+    with pytest.raises(ConfigError) as info:
+        parse(["--config", path, "--max_step", "3"])
+    assert [k for k, _ in info.value.problems] == ["--max_step"]

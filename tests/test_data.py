@@ -378,3 +378,17 @@ def test_global_batch_index_matches_accelerate_sharding(shuffled):
     assert used[(1, 2)] == used[(2, 1)] and len(used[(1, 2)]) == 8
     assert used[(1, 4)] == used[(2, 2)] == used[(4, 1)] and len(used[(1, 4)]) == 4
     assert all(torch.tensor(sorted(p)).diff().eq(1).all() for p in used[(2, 2)])
+
+
+def test_null_responses_are_dropped_not_trained_as_none(assets, tmp_path):
+    from finetune.demo import write_jsonl
+
+    path = write_jsonl(
+        [{"prompt": "p one", "response": None}, {"prompt": "p two", "response": "yes"}], tmp_path / "nulls.jsonl"
+    )
+    ds = build_datasets(
+        DataArgs(dataset=path, eval_fraction=0.0), "causal_lm", assets.tokenizer, 0, contextlib.nullcontext
+    )
+    assert len(ds.train) == 1
+    supervised = [t for t in ds.train[0]["labels"] if t != -100]
+    assert assets.tokenizer.decode(supervised) == "yes</s>"

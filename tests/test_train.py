@@ -48,9 +48,26 @@ def test_dropout_does_not_depend_on_rank_layout(assets, tmp_path):
 
 def test_resume_equals_uninterrupted(assets, tmp_path):
     """4 steps straight == 2 steps + resume + 2 steps, losses and final weights (CPU, fp32)."""
-    args = base_args(assets.llama, assets.chat, "--max_steps", "4", "--save_steps", "2", "--eval_fraction", "0.1",
-                     "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
-                     "--num_train_epochs", "1", "--lr_scheduler_type", "cosine", "--warmup_steps", "1")
+    args = base_args(
+        assets.llama,
+        assets.chat,
+        "--max_steps",
+        "4",
+        "--save_steps",
+        "2",
+        "--eval_fraction",
+        "0.1",
+        "--per_device_train_batch_size",
+        "2",
+        "--gradient_accumulation_steps",
+        "2",
+        "--num_train_epochs",
+        "1",
+        "--lr_scheduler_type",
+        "cosine",
+        "--warmup_steps",
+        "1",
+    )
     straight = finetune(tmp_path / "straight", *args)
     part = tmp_path / "resumed"
     # First half: the same 4-step run, stopped after step 2 by max_steps... would change the schedule,
@@ -71,8 +88,18 @@ def test_resume_equals_uninterrupted(assets, tmp_path):
 
 def test_resume_across_epoch_boundary_under_ddp(assets, tmp_path):
     """Resume in the middle of epoch 2 under DDP: the data position (epoch, batch) is exact."""
-    args = base_args(assets.llama, assets.instruction, "--max_train_samples", "48", "--num_train_epochs", "3",
-                     "--eval_fraction", "0", "--save_steps", "4")
+    args = base_args(
+        assets.llama,
+        assets.instruction,
+        "--max_train_samples",
+        "48",
+        "--num_train_epochs",
+        "3",
+        "--eval_fraction",
+        "0",
+        "--save_steps",
+        "4",
+    )
     straight = finetune(tmp_path / "straight", *args, launcher="ddp")
     assert len(straight.losses()) == 18  # 48 rows / (4 x 2 ranks) = 6 steps per epoch
     part = tmp_path / "part"
@@ -90,9 +117,20 @@ def test_resume_across_epoch_boundary_under_ddp(assets, tmp_path):
 def test_final_model_reloads_and_reproduces_eval_loss(assets, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    res = finetune(tmp_path / "run", *base_args(assets.gpt2, assets.instruction, "--max_steps", "6",
-                                                 "--eval_fraction", "0.1", "--per_device_eval_batch_size", "5"),
-                   launcher="ddp")
+    res = finetune(
+        tmp_path / "run",
+        *base_args(
+            assets.gpt2,
+            assets.instruction,
+            "--max_steps",
+            "6",
+            "--eval_fraction",
+            "0.1",
+            "--per_device_eval_batch_size",
+            "5",
+        ),
+        launcher="ddp",
+    )
     final = res.output_dir / "final"
     assert (final / "run_config.yaml").exists() and (final / "tokenizer.json").exists()
     model = AutoModelForCausalLM.from_pretrained(final)
@@ -123,8 +161,10 @@ def test_final_model_reloads_and_reproduces_eval_loss(assets, tmp_path):
 def test_causal_lm_formats_learn(assets, tmp_path, fmt):
     dataset = {"text": assets.text, "alpaca": assets.alpaca, "chat": assets.chat}[fmt]
     model = {"text": assets.gpt2, "alpaca": assets.llama, "chat": assets.gpt2}[fmt]
-    res = finetune(tmp_path / fmt, *base_args(model, dataset, "--max_steps", "15", "--eval_fraction", "0.1",
-                                                "--learning_rate", "3e-3"))
+    res = finetune(
+        tmp_path / fmt,
+        *base_args(model, dataset, "--max_steps", "15", "--eval_fraction", "0.1", "--learning_rate", "3e-3"),
+    )
     losses = res.losses()
     assert losses[-1] < losses[0] * 0.8, losses
     assert "eval_perplexity" in res.eval_rows[-1]
@@ -134,10 +174,32 @@ def test_causal_lm_formats_learn(assets, tmp_path, fmt):
 @pytest.mark.parametrize("arch", ["bert", "llama"])
 def test_classification_reaches_high_accuracy(assets, tmp_path, arch):
     model = {"bert": assets.bert, "llama": assets.llama}[arch]
-    res = finetune(tmp_path / arch, "--model", model, "--task", "classification", "--dataset", assets.classification,
-                   "--eval_dataset", assets.classification_eval, "--max_steps", "60", "--learning_rate", "3e-3",
-                   "--per_device_train_batch_size", "8", "--eval_on_start", "true", "--eval_steps", "30",
-                   "--max_seq_length", "32", "--save_steps", "null", launcher="ddp")
+    res = finetune(
+        tmp_path / arch,
+        "--model",
+        model,
+        "--task",
+        "classification",
+        "--dataset",
+        assets.classification,
+        "--eval_dataset",
+        assets.classification_eval,
+        "--max_steps",
+        "60",
+        "--learning_rate",
+        "3e-3",
+        "--per_device_train_batch_size",
+        "8",
+        "--eval_on_start",
+        "true",
+        "--eval_steps",
+        "30",
+        "--max_seq_length",
+        "32",
+        "--save_steps",
+        "null",
+        launcher="ddp",
+    )
     first, last = res.eval_rows[0], res.eval_rows[-1]
     assert first["step"] == 0 and first["eval_accuracy"] < 0.5
     assert last["eval_accuracy"] >= 0.9 and last["eval_f1"] >= 0.9
@@ -146,8 +208,9 @@ def test_classification_reaches_high_accuracy(assets, tmp_path, arch):
 
 
 def test_packing_trains_and_counts_supervised_tokens(assets, tmp_path):
-    args = base_args(assets.llama, assets.instruction, "--max_steps", "5", "--eval_fraction", "0.1",
-                     "--max_seq_length", "128")
+    args = base_args(
+        assets.llama, assets.instruction, "--max_steps", "5", "--eval_fraction", "0.1", "--max_seq_length", "128"
+    )
     padded = finetune(tmp_path / "padded", *args)
     packed = finetune(tmp_path / "packed", *args, "--packing", "true")
     assert "train rows" in packed.output
@@ -173,8 +236,17 @@ def test_python_m_and_script_entry_points(assets, tmp_path):
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "accelerate_configs" / "single.yaml"), "finetune", "--output_dir", str(tmp_path / "s"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / "single.yaml"),
+        "finetune",
+        "--output_dir",
+        str(tmp_path / "s"),
+        *args,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (tmp_path / "s" / "final" / "model.safetensors").exists()
@@ -192,8 +264,14 @@ def test_previous_run_is_never_overwritten_unless_asked(assets, tmp_path):
 
 
 def test_save_total_limit_keeps_newest(assets, tmp_path):
-    res = finetune(tmp_path / "run", *base_args(assets.gpt2, assets.text, "--max_steps", "5", "--eval_fraction", "0"),
-                   "--save_steps", "1", "--save_total_limit", "2")
+    res = finetune(
+        tmp_path / "run",
+        *base_args(assets.gpt2, assets.text, "--max_steps", "5", "--eval_fraction", "0"),
+        "--save_steps",
+        "1",
+        "--save_total_limit",
+        "2",
+    )
     ckpts = sorted(p.name for p in (res.output_dir / "checkpoints").iterdir())
     assert ckpts == ["latest", "step_4", "step_5"]
     assert (res.output_dir / "checkpoints" / "latest").read_text().strip() == "step_5"

@@ -20,6 +20,7 @@ class F1(evaluate.Metric):
         )
 
     def _compute(self, predictions, references, labels=None, pos_label=1, average="binary", sample_weight=None):
-        score = f1_score(references, predictions, labels=labels, pos_label=pos_label, average=average,
-                         sample_weight=sample_weight)
+        score = f1_score(
+            references, predictions, labels=labels, pos_label=pos_label, average=average, sample_weight=sample_weight
+        )
         return {"f1": score.tolist() if hasattr(score, "tolist") and getattr(score, "ndim", 0) else float(score)}
