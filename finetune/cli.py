@@ -19,6 +19,7 @@ Fine-tune a Hugging Face model. The run config (YAML, --config) says what to tra
 can be overridden on the command line. The parallelism is chosen by the Accelerate config:
 
   finetune --config examples/sft.yaml                                      # one process
+  finetune parity --config examples/sft.yaml --steps 10                    # same losses under every backend?
   accelerate launch --config_file accelerate_configs/ddp.yaml finetune --config examples/sft.yaml --max_steps 50
 """
 
@@ -88,6 +89,10 @@ def _is_main_rank() -> bool:
 def run_cli(argv: list[str] | None = None) -> int:
     """Parse and run; returns the exit code. Bad input: one clear message, exit code 2, no traceback."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["parity"]:
+        from finetune.parity import main as parity
+
+        return parity(argv[1:])
     try:
         cfg = parse(argv)
         from finetune.run import run

@@ -19,14 +19,16 @@ here, and why:
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from finetune.config import TrainArgs
+from finetune.config import ConfigError, TrainArgs
 
 logger = logging.getLogger("finetune")
 
@@ -41,13 +43,96 @@ def is_distributed_launch() -> bool:
     return int(world) > 1 or int(os.environ.get("LOCAL_RANK", -1)) != -1
 
 
-def prepare_environment() -> None:
+def prepare_environment(train: TrainArgs) -> None:
     """Environment a rank needs before accelerate reads it. Idempotent; call before Accelerator()."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        check_deepspeed_config(train)
+        # accelerate fills the JSON's "gradient_clipping": "auto" from this (else it would use 1.0).
+        os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(train.max_grad_norm)
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(_project_cache() / "torch_extensions"))
+        announce_op_builds()
     # DeepSpeed runs on the CPU through its own init path (with gloo, below); forcing accelerate's
     # CPU mode would silently turn a DeepSpeed config into plain MULTI_CPU.
     if not has_accelerator_device() and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _project_cache() -> Path:
+    """`.cache/` of the source checkout finetune runs from, else ~/.cache/finetune."""
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / "pyproject.toml").exists() and os.access(checkout, os.W_OK):
+        return checkout / ".cache"
+    return Path.home() / ".cache" / "finetune"
+
+
+# DeepSpeed JSON keys that must agree with the run config (accelerate fills them when "auto").
+def _ds_expected(train: TrainArgs) -> dict[str, float]:
+    return {
+        "train_micro_batch_size_per_gpu": train.per_device_train_batch_size,
+        "gradient_accumulation_steps": train.gradient_accumulation_steps,
+        "gradient_clipping": train.max_grad_norm,
+    }
+
+
+def check_deepspeed_config(train: TrainArgs) -> None:
+    """Refuse a DeepSpeed JSON whose batch/accumulation/clipping contradict the run config, and one that
+    defines its own optimizer or scheduler (finetune's AdamW and schedule are the run config's)."""
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if not path:
+        return
+    try:
+        with open(path) as f:
+            ds = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError([("deepspeed_config_file", f"cannot read {path}: {e}")]) from None
+    problems = []
+    for key, ours in _ds_expected(train).items():
+        value = ds.get(key, "auto")
+        if value != "auto" and float(value) != float(ours):
+            field = {
+                "train_micro_batch_size_per_gpu": "per_device_train_batch_size",
+                "gradient_clipping": "max_grad_norm",
+            }.get(key, key)
+            problems.append(
+                (
+                    field,
+                    f"the DeepSpeed config {path} sets {key}={value} but the run config has "
+                    f'{field}={ours}; set it to "auto" in the JSON (finetune fills it)',
+                )
+            )
+    for key in ("optimizer", "scheduler"):
+        if key in ds:
+            problems.append(
+                (
+                    key,
+                    f"the DeepSpeed config {path} defines its own {key}; remove it: the run config's "
+                    "AdamW and lr_scheduler_type are used on every backend",
+                )
+            )
+    if problems:
+        raise ConfigError(problems)
+
+
+def announce_op_builds() -> None:
+    """DeepSpeed compiles C++ ops on first use (a minute or so, silently). Say so, once, on rank 0."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    cache = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    needed = [] if has_accelerator_device() else ["deepspeed_shm_comm"]
+    try:
+        with open(os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "")) as f:
+            if "offload_optimizer" in json.dumps(json.load(f).get("zero_optimization", {})):
+                needed.append("cpu_adam")
+    except (OSError, json.JSONDecodeError):
+        pass
+    missing = [op for op in needed if not any(cache.glob(f"**/{op}*.so"))]
+    if missing:
+        print(
+            f"[finetune] DeepSpeed compiles {', '.join(missing)} on first use (about a minute each); "
+            f"cached in {cache} for later runs",
+            flush=True,
+        )
 
 
 def make_accelerator(train: TrainArgs):
@@ -116,8 +201,6 @@ def make_plan(train: TrainArgs, n_train_rows: int, world_size: int) -> Plan:
     micro, ga = train.per_device_train_batch_size, train.gradient_accumulation_steps
     steps_per_epoch = (n_train_rows // micro) // (world_size * ga)
     if steps_per_epoch == 0:
-        from finetune.config import ConfigError
-
         raise ConfigError(
             [
                 (

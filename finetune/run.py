@@ -69,7 +69,7 @@ def run(cfg: RunConfig) -> dict:
     from accelerate.utils import gather_object, set_seed
     from transformers import get_scheduler
 
-    parallel.prepare_environment()
+    parallel.prepare_environment(cfg.train)
     acc = parallel.make_accelerator(cfg.train)
     _setup_logging(acc)
     t = cfg.train

@@ -1,0 +1,217 @@
+"""`finetune parity`: prove that swapping the Accelerate config changes nothing but speed and memory.
+
+Runs the user's run config for K optimizer steps under each of several Accelerate configs, with
+the same global batch (a config with fewer processes gets proportionally more gradient
+accumulation), then prints one table: per-step loss and exported-weight differences to the first
+config, step time and peak memory per rank. Exits 1 when a difference is above tolerance.
+
+    finetune parity --config examples/sft.yaml --steps 10 [--configs single,ddp,zero3] [-- --seed 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from finetune.config import ConfigError, build_config, load_yaml, parse_cli_value
+
+ROOT = Path(__file__).resolve().parents[1]
+SINGLE_NODE = ["single", "ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
+
+
+@dataclass
+class Outcome:
+    name: str
+    ok: bool
+    world_size: int = 0
+    distributed_type: str = "?"
+    gradient_accumulation_steps: int = 0
+    losses: list[float] = field(default_factory=list)
+    weights: dict | None = None
+    step_time_s: float = float("nan")
+    peak_rss_gb: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def accelerate_config_path(name: str) -> Path:
+    """A shipped config name (ddp) or a path to an Accelerate config file."""
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        return path
+    shipped = ROOT / "accelerate_configs" / f"{name}.yaml"
+    if not shipped.exists():
+        names = sorted(p.stem for p in (ROOT / "accelerate_configs").glob("*.yaml"))
+        raise ConfigError([("--configs", f"{name!r} is neither a file nor a shipped config ({', '.join(names)})")])
+    return shipped
+
+
+def num_processes(path: Path) -> int:
+    return int((yaml.safe_load(path.read_text()) or {}).get("num_processes", 1))
+
+
+def run_one(name: str, path: Path, ga: int, args: argparse.Namespace, overrides: list[str], out: Path) -> Outcome:
+    from safetensors.torch import load_file
+
+    from finetune.metrics import read_metrics
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(path),
+        "-m",
+        "finetune",
+        "--config",
+        args.config,
+        *overrides,
+        "--max_steps",
+        str(args.steps),
+        "--gradient_accumulation_steps",
+        str(ga),
+        "--logging_steps",
+        "1",
+        "--save_steps",
+        "null",
+        "--disable_tqdm",
+        "true",
+        "--output_dir",
+        str(out / name),
+        "--overwrite_output_dir",
+        "true",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return Outcome(name, False, error=f"timed out after {args.timeout} s")
+    (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+        return Outcome(
+            name,
+            False,
+            error=f"exit {proc.returncode} after {time.perf_counter() - t0:.0f} s: "
+            + " | ".join(tail)
+            + f" (log: {out / f'{name}.log'})",
+        )
+    rows = read_metrics(str(out / name))
+    train = [r for r in rows if "loss" in r]
+    memory = next((r["peak_memory"] for r in rows if "peak_memory" in r), [])
+    times = [r["step_time_s"] for r in train[1:]] or [r["step_time_s"] for r in train]
+    return Outcome(
+        name,
+        True,
+        world_size=train[0]["world_size"],
+        distributed_type=train[0]["distributed_type"],
+        gradient_accumulation_steps=ga,
+        losses=[r["loss"] for r in train],
+        weights=load_file(str(out / name / "final" / "model.safetensors")),
+        step_time_s=statistics.median(times),
+        peak_rss_gb=[m["peak_rss_gb"] for m in memory],
+    )
+
+
+def compare(ref: Outcome, o: Outcome) -> tuple[float, float]:
+    """(max relative per-step loss difference, max absolute exported-weight difference) to ref."""
+    if len(ref.losses) != len(o.losses):
+        return float("inf"), float("inf")
+    loss = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref.losses, o.losses))
+    if set(ref.weights) != set(o.weights):
+        return loss, float("inf")
+    weight = max(float((ref.weights[k].float() - o.weights[k].float()).abs().max()) for k in ref.weights)
+    return loss, weight
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="finetune parity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", required=True, help="the run config (YAML) to check")
+    parser.add_argument(
+        "--configs",
+        default=",".join(SINGLE_NODE),
+        help="comma-separated Accelerate configs: shipped names or paths; the first is the reference "
+        "(default: %(default)s)",
+    )
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run (default: %(default)s)")
+    parser.add_argument(
+        "--loss_rtol", type=float, default=1e-4, help="max relative loss difference (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--weight_atol", type=float, default=1e-5, help="max abs weight difference (default: %(default)s)"
+    )
+    parser.add_argument("--output_dir", default="outputs/parity", help="where each run writes (default: %(default)s)")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds allowed per run (default: %(default)s)")
+    args, overrides = parser.parse_known_args(argv)
+    overrides = [o for o in overrides if o != "--"]
+    try:
+        values = load_yaml(args.config)
+        pairs = dict(zip(overrides[::2], overrides[1::2]))
+        values.update({k.lstrip("-"): parse_cli_value(k.lstrip("-"), v) for k, v in pairs.items()})
+        cfg = build_config(
+            {**values, "output_dir": os.path.join(args.output_dir, "_check"), "overwrite_output_dir": True}
+        )
+        paths = {name: accelerate_config_path(name) for name in args.configs.split(",") if name}
+        if args.steps < 1:
+            raise ConfigError([("--steps", f"must be >= 1, got {args.steps}")])
+    except ConfigError as e:
+        print(e.render(), file=sys.stderr)
+        return 2
+    # Same global batch everywhere: fewer processes, more accumulation.
+    worlds = {name: num_processes(p) for name, p in paths.items()}
+    target = cfg.train.gradient_accumulation_steps * max(worlds.values())
+    bad = [n for n, w in worlds.items() if target % w]
+    if bad:
+        print(f"finetune parity: {bad} cannot reach the global batch of {target} micro batches", file=sys.stderr)
+        return 2
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    outcomes = []
+    for name, path in paths.items():
+        print(
+            f"[parity] {name}: {worlds[name]} process(es) x GA {target // worlds[name]}, {args.steps} steps ...",
+            flush=True,
+        )
+        outcomes.append(run_one(name, path, target // worlds[name], args, overrides, out))
+        if not outcomes[-1].ok:
+            print(f"[parity] {name} failed: {outcomes[-1].error}", flush=True)
+    return report(outcomes, args)
+
+
+def report(outcomes: list[Outcome], args: argparse.Namespace) -> int:
+    ok_runs = [o for o in outcomes if o.ok]
+    ref = ok_runs[0] if ok_runs else None
+    head = (
+        f"{'config':<15} {'distributed':<11} {'world':>5} {'GA':>3} {'max rel loss diff':>17} "
+        f"{'max abs weight diff':>19} {'step s':>7}  peak RSS GB per rank"
+    )
+    print("\n" + head + "\n" + "-" * len(head))
+    failed = False
+    for o in outcomes:
+        if not o.ok:
+            failed = True
+            print(f"{o.name:<15} FAILED: {o.error}")
+            continue
+        loss, weight = compare(ref, o)
+        flag = "" if loss <= args.loss_rtol and weight <= args.weight_atol else "  <-- above tolerance"
+        failed |= bool(flag)
+        print(
+            f"{o.name:<15} {o.distributed_type:<11} {o.world_size:>5} {o.gradient_accumulation_steps:>3} "
+            f"{loss:>17.2e} {weight:>19.2e} {o.step_time_s:>7.3f}  "
+            f"{', '.join(f'{m:.2f}' for m in o.peak_rss_gb)}{flag}"
+        )
+    print(
+        f"\ntolerances: loss {args.loss_rtol:g} relative, weights {args.weight_atol:g} absolute; "
+        f"reference: {ref.name if ref else 'none'}; logs and outputs under {args.output_dir}"
+    )
+    return 1 if failed else 0
