@@ -70,9 +70,25 @@ def summarize(stats: dict[str, torch.Tensor], metrics: dict[str, Any], n_labels:
     return out
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak-memory window (Linux: /proc/self/clear_refs resets the RSS high-water mark)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # not Linux, or not allowed: the window then starts at process start
+        pass
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def peak_memory(device: torch.device) -> dict[str, float]:
-    """This process's peak host RSS, and accelerator memory where there is one, in GB."""
-    out = {"peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}  # ru_maxrss is KiB on Linux
+    """This process's peak host RSS since the last reset, and accelerator memory where there is one, in GB."""
+    try:
+        with open("/proc/self/status") as f:
+            hwm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        hwm_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    out = {"peak_rss_gb": hwm_kb * 1024 / 1e9}
     if device.type == "cuda":
         out["peak_gpu_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
         out["peak_gpu_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9

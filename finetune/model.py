@@ -101,7 +101,8 @@ def build_model(m: ModelArgs, tokenizer, label_names: list[str] | None, max_seq_
 
 
 def count_parameters(model) -> tuple[int, int]:
-    """(trainable, total) parameter counts."""
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    """(trainable, total) parameter counts; the full sizes under ZeRO-3 (parameters partitioned at load)."""
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
+    total = sum(n for n, _ in sizes)
+    trainable = sum(n for n, grad in sizes if grad)
     return trainable, total

@@ -117,7 +117,7 @@ def run_one(name: str, path: Path, ga: int, args: argparse.Namespace, overrides:
         losses=[r["loss"] for r in train],
         weights=load_file(str(out / name / "final" / "model.safetensors")),
         step_time_s=statistics.median(times),
-        peak_rss_gb=[m["peak_rss_gb"] for m in memory],
+        peak_rss_gb=[m["train_peak_rss_gb"] for m in memory],
     )
 
 
@@ -193,7 +193,7 @@ def report(outcomes: list[Outcome], args: argparse.Namespace) -> int:
     ref = ok_runs[0] if ok_runs else None
     head = (
         f"{'config':<15} {'distributed':<11} {'world':>5} {'GA':>3} {'max rel loss diff':>17} "
-        f"{'max abs weight diff':>19} {'step s':>7}  peak RSS GB per rank"
+        f"{'max abs weight diff':>19} {'step s':>7}  train peak RSS GB/rank"
     )
     print("\n" + head + "\n" + "-" * len(head))
     failed = False

@@ -26,8 +26,16 @@ logger = logging.getLogger("finetune")
 
 
 def _setup_logging(accelerator) -> None:
+    import warnings
+
     import datasets
     import transformers
+
+    # Known-harmless third-party warnings that would otherwise print on every step:
+    # DeepSpeed calls torch.distributed collectives that torch has renamed;
+    # under DeepSpeed the engine steps the optimizer, so torch cannot see that it ran before the scheduler.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
 
     main = accelerator.is_main_process
     logging.basicConfig(
@@ -187,6 +195,8 @@ def run(cfg: RunConfig) -> dict:
         save=save,
         extra={"world_size": acc.num_processes, "distributed_type": facts["distributed_type"]},
     )
+    startup = metrics.peak_memory(acc.device)  # loading and preparing
+    metrics.reset_peak_memory(acc.device)
     try:
         final_eval = loop.train(r, state)
     except RuntimeError as e:
@@ -194,14 +204,16 @@ def run(cfg: RunConfig) -> dict:
         if fix:
             raise ConfigError([("ddp_find_unused_parameters", fix)]) from None
         raise
+    training = metrics.peak_memory(acc.device)
+    metrics.reset_peak_memory(acc.device)
     final = checkpoint.export(acc, net, tokenizer, run_config, t.output_dir)
-    memory = metrics.peak_memory(acc.device)
-    memories = gather_object([{"rank": acc.process_index, **memory}])
+    phases = {"startup": startup, "train": training, "export": metrics.peak_memory(acc.device)}
+    mine = {f"{phase}_{k}": v for phase, m in phases.items() for k, v in m.items()}
+    memories = gather_object([{"rank": acc.process_index, **mine}])
     log.write({"step": state.step, "peak_memory": memories})
     for m in memories:
-        logger.info(
-            "peak memory rank %d: %s", m["rank"], ", ".join(f"{k} {v:.2f}" for k, v in m.items() if k != "rank")
-        )
+        text = ", ".join(f"{k.removesuffix('_gb')} {v:.2f}" for k, v in m.items() if k != "rank")
+        logger.info("peak memory rank %d (GB): %s", m["rank"], text)
     if final_eval:
         logger.info("final eval: %s", "  ".join(f"{k} {v:.4f}" for k, v in final_eval.items()))
     logger.info("model saved to %s (load it with from_pretrained)", os.path.abspath(final))

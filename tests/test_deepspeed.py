@@ -1,0 +1,136 @@
+"""DeepSpeed ZeRO-1/2/3 and offload, by swapping the Accelerate config: proven equal to DDP."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, base_args, finetune
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+ZERO = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
+EXPECTED = {"single": ("NO", 1), "ddp": ("MULTI_CPU", 2), **{z: ("DEEPSPEED", 2) for z in ZERO}}
+
+
+def test_ds_configs_leave_run_config_values_to_auto():
+    for path in sorted((ROOT / "ds_configs").glob("*.json")):
+        ds = json.loads(path.read_text())
+        for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"):
+            assert ds[key] == "auto", (path.name, key)
+        assert "optimizer" not in ds and "scheduler" not in ds
+    for name in ZERO:
+        text = (ROOT / "accelerate_configs" / f"{name}.yaml").read_text()
+        assert f"ds_configs/{name}.json" in text
+
+
+def test_parity_over_every_single_node_backend(assets, tmp_path):
+    """`finetune parity` over all 7 configs, fp32, 10 steps, GA 2: losses <= 1e-4 rel, weights <= 1e-5 abs."""
+    run = tmp_path / "run.yaml"
+    run.write_text(
+        json.dumps(
+            {
+                "model": assets.llama,
+                "dataset": assets.instruction,
+                "max_seq_length": 64,
+                "per_device_train_batch_size": 4,
+                "gradient_accumulation_steps": 2,
+                "learning_rate": 1e-3,
+                "eval_fraction": 0.1,
+            }
+        )
+    )
+    out = tmp_path / "parity"
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune", "parity", "--config", str(run), "--steps", "10", "--output_dir", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    print(proc.stdout)
+    for name, (dist_type, world) in EXPECTED.items():
+        rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+        train = [r for r in rows if "loss" in r]
+        assert len(train) == 10
+        assert {(r["distributed_type"], r["world_size"]) for r in train} == {(dist_type, world)}, name
+        line = next(line for line in proc.stdout.splitlines() if line.startswith(name + " "))
+        assert f" {dist_type} " in line and "above tolerance" not in line
+
+
+@pytest.mark.parametrize("launcher", ["zero3", "zero2_offload"])
+def test_zero_final_model_is_complete_and_reloads(assets, tmp_path, launcher):
+    """ZeRO-3 export gathers the weights: final/ is a full model (not an empty shell) that reloads."""
+    from transformers import AutoModelForCausalLM
+
+    res = finetune(
+        tmp_path / launcher,
+        *base_args(assets.llama, assets.instruction, "--max_steps", "3", "--eval_fraction", "0.1"),
+        launcher=launcher,
+    )
+    assert ("distributed: DEEPSPEED, world size 2," in res.output) and res.train_rows[-1]["world_size"] == 2
+    final = res.output_dir / "final"
+    exported = load_file(str(final / "model.safetensors"))
+    reference = load_file(os.path.join(assets.llama, "model.safetensors"))
+    assert set(exported) == set(reference)
+    for k, v in reference.items():
+        assert exported[k].shape == v.shape and exported[k].numel() > 0, k
+    assert any(not torch.equal(exported[k], reference[k]) for k in reference)  # trained, not the base
+    model = AutoModelForCausalLM.from_pretrained(final)
+    assert sum(p.numel() for p in model.parameters()) == sum(v.numel() for v in reference.values())
+
+
+@pytest.mark.parametrize("launcher", ["zero2", "zero3"])
+def test_zero_resume_equals_uninterrupted(assets, tmp_path, launcher):
+    args = base_args(
+        assets.llama,
+        assets.instruction,
+        "--max_steps",
+        "6",
+        "--save_steps",
+        "3",
+        "--eval_fraction",
+        "0.1",
+        "--gradient_accumulation_steps",
+        "2",
+    )
+    straight = finetune(tmp_path / "straight", *args, launcher=launcher)
+    part = tmp_path / "part"
+    shutil.copytree(straight.output_dir, part)  # the same run, "crashed" after its step-3 checkpoint
+    shutil.rmtree(part / "final")
+    shutil.rmtree(part / "checkpoints" / "step_6")
+    (part / "checkpoints" / "latest").write_text("step_3\n")
+    resumed = finetune(part, *args, "--resume_from_checkpoint", "latest", launcher=launcher)
+    assert [r["step"] for r in resumed.train_rows] == [1, 2, 3, 4, 5, 6]
+    a, b = straight.losses(), resumed.losses()
+    assert max(abs(x - y) / abs(x) for x, y in zip(a, b)) <= 1e-6, (a, b)
+    wa, wb = (
+        load_file(str(straight.output_dir / "final" / "model.safetensors")),
+        load_file(str(part / "final" / "model.safetensors")),
+    )
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
+
+
+def test_contradicting_deepspeed_json_is_refused(assets, tmp_path):
+    ds = json.loads((ROOT / "ds_configs" / "zero2.json").read_text())
+    ds["gradient_accumulation_steps"] = 4
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-3}}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(ds))
+    res = finetune(
+        tmp_path / "run",
+        *base_args(assets.llama, assets.instruction, "--max_steps", "2"),
+        launcher="python",
+        expect_ok=False,
+        extra_env={"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(path)},
+    )
+    assert res.returncode == 2, res.output[-3000:]
+    assert "gradient_accumulation_steps=4" in res.output and "defines its own optimizer" in res.output
+    assert "Traceback" not in res.output
