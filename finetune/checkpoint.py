@@ -100,7 +100,11 @@ def load_checkpoint(accelerator, path: str) -> dict[str, Any]:
 
 
 def export(accelerator, model, tokenizer, run_config: dict[str, Any], output_dir: str) -> str:
-    """Write final/: a full HF model directory that loads with from_pretrained, plus tokenizer and config."""
+    """Write final/: a full HF model directory (or, for adapter runs, the adapter) plus tokenizer and config.
+
+    The state dict comes from accelerate, which gathers ZeRO-3 partitions (an empty-shell checkpoint
+    otherwise); PeftModel.save_pretrained keeps only the adapter (and modules_to_save) tensors of it.
+    """
     final = os.path.join(output_dir, "final")
     tmp = os.path.join(output_dir, ".tmp_final")
     state_dict = accelerator.get_state_dict(model)  # a collective: every rank takes part
@@ -114,3 +118,30 @@ def export(accelerator, model, tokenizer, run_config: dict[str, Any], output_dir
         os.replace(tmp, final)
     accelerator.wait_for_everyone()
     return final
+
+
+def merge_adapter(adapter_dir: str, out_dir: str, label_names: list[str] | None = None) -> str:
+    """Base model + adapter -> one plain model directory (loads with from_pretrained), atomically.
+
+    label_names: for a classifier, the classes (the base model is rebuilt with a head of that size)."""
+    from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification
+    from transformers import AutoTokenizer
+
+    if label_names:
+        merged = AutoPeftModelForSequenceClassification.from_pretrained(
+            adapter_dir,
+            num_labels=len(label_names),
+            id2label=dict(enumerate(label_names)),
+            label2id={n: i for i, n in enumerate(label_names)},
+        )
+    else:
+        merged = AutoPeftModelForCausalLM.from_pretrained(adapter_dir)
+    merged = merged.merge_and_unload()
+    tmp = out_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    merged.save_pretrained(tmp, safe_serialization=True)
+    AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(tmp)
+    if os.path.exists(out_dir):
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return out_dir

@@ -12,7 +12,16 @@ import difflib
 import os
 import sys
 
-from finetune.config import SECTIONS, ConfigError, all_fields, build_config, field_type, load_yaml, parse_cli_value
+from finetune.config import (
+    NESTED,
+    SECTIONS,
+    ConfigError,
+    all_fields,
+    build_config,
+    field_type,
+    load_yaml,
+    parse_cli_value,
+)
 
 DESCRIPTION = """\
 Fine-tune a Hugging Face model. The run config (YAML, --config) says what to train; every field
@@ -47,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
             kw: dict = {"metavar": (item or base).__name__.upper() + ("[,...]" if item else "")}
             if base is bool:
                 kw = {"nargs": "?", "const": "true", "metavar": "BOOL"}
-            group.add_argument(f"--{f.name}", default=argparse.SUPPRESS, help=f"{f.metadata['help']} ({shown})", **kw)
+            name = f"{section}.{f.name}" if section in NESTED else f.name
+            group.add_argument(f"--{name}", default=argparse.SUPPRESS, help=f"{f.metadata['help']} ({shown})", **kw)
     return parser
 
 

@@ -141,7 +141,28 @@ class TrainArgs:
     disable_tqdm: bool = _f(False, "No progress bar (a log line every logging_steps instead).")
 
 
-SECTIONS = {"model": ModelArgs, "data": DataArgs, "train": TrainArgs}
+PEFT_METHODS = ("none", "lora", "dora")
+
+
+@dataclass
+class PeftArgs:
+    """Adapters (a `peft:` mapping in YAML; --peft.<field> on the command line). Off by default."""
+
+    method: str = _f("none", f"One of {', '.join(PEFT_METHODS)}; none trains every weight.")
+    r: int = _f(8, "Adapter rank.")
+    alpha: float = _f(16.0, "Adapter scaling numerator (lora_alpha); the update is scaled by alpha / r.")
+    dropout: float = _f(0.0, "Dropout on the adapter input.")
+    target_modules: list[str] = _f(["all-linear"], "Module names to adapt, or [all-linear].")
+    modules_to_save: list[str] | None = _f(
+        None, "Modules trained in full and saved with the adapter; a classifier head is added automatically."
+    )
+    adapter: str | None = _f(None, "An existing adapter directory to continue training from.")
+    merge: bool = _f(False, "Also write final/merged: the base model with the adapter merged in.")
+    load_in_4bit: bool = _f(False, "QLoRA: load the base model in 4 bit (bitsandbytes; CUDA only).")
+
+
+SECTIONS = {"model": ModelArgs, "data": DataArgs, "train": TrainArgs, "peft": PeftArgs}
+NESTED = ("peft",)  # sections written as a mapping in YAML and as --<section>.<field> on the command line
 
 
 @dataclass
@@ -151,12 +172,17 @@ class RunConfig:
     model: ModelArgs = field(default_factory=ModelArgs)
     data: DataArgs = field(default_factory=DataArgs)
     train: TrainArgs = field(default_factory=TrainArgs)
+    peft: PeftArgs = field(default_factory=PeftArgs)
 
     def to_flat(self) -> dict[str, Any]:
-        """The effective config as a flat dict (what is written next to every export)."""
+        """The effective config as the YAML a user would write (what is saved next to every export)."""
         flat: dict[str, Any] = {}
         for name in SECTIONS:
-            flat.update(dataclasses.asdict(getattr(self, name)))
+            values = dataclasses.asdict(getattr(self, name))
+            if name in NESTED:
+                flat[name] = values
+            else:
+                flat.update(values)
         return flat
 
 
@@ -165,14 +191,15 @@ def all_fields() -> dict[str, tuple[str, dataclasses.Field]]:
     out = {}
     for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
-            assert f.name not in out, f"duplicate field {f.name}"
-            out[f.name] = (section, f)
+            name = f"{section}.{f.name}" if section in NESTED else f.name
+            assert name not in out, f"duplicate field {name}"
+            out[name] = (section, f)
     return out
 
 
 def field_type(section: str, name: str) -> tuple[type, bool, type | None]:
     """(base type, optional?, list item type) of a field, from its annotation."""
-    hint = typing.get_type_hints(SECTIONS[section])[name]
+    hint = typing.get_type_hints(SECTIONS[section])[name.removeprefix(f"{section}.")]
     optional = False
     args = typing.get_args(hint)
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
@@ -261,6 +288,17 @@ def build_config(values: dict[str, Any], *, check_filesystem: bool = True) -> Ru
     fields = all_fields()
     problems: list[tuple[str, str]] = []
     sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    flat: dict[str, Any] = {}
+    for key, value in values.items():  # `peft: {r: 8}` -> `peft.r: 8`
+        if key in NESTED and isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        elif key in NESTED and value is not None:
+            problems.append(
+                (key, f"must be a mapping of its fields (e.g. {key}: {{method: lora, r: 8}}), got {value!r}")
+            )
+        elif key not in NESTED:
+            flat[key] = value
+    values = flat
     for key, value in values.items():
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
@@ -272,7 +310,7 @@ def build_config(values: dict[str, Any], *, check_filesystem: bool = True) -> Ru
         if err:
             problems.append((key, err))
         else:
-            sections[section][key] = coerced
+            sections[section][key.removeprefix(f"{section}.")] = coerced
     cfg = RunConfig(**{s: cls(**sections[s]) for s, cls in SECTIONS.items()})
     problems += validate(cfg, values.keys(), check_filesystem=check_filesystem)
     if problems:
@@ -339,6 +377,19 @@ def validate(
         )
     if m.task == "causal_lm" and d.format == "classification":
         p.append(("format", "classification data needs `task: classification`"))
+    pe = cfg.peft
+    _choice(p, "peft.method", pe.method, PEFT_METHODS)
+    if pe.method != "none":
+        if pe.r < 1:
+            p.append(("peft.r", f"must be >= 1, got {pe.r}"))
+        if not 0 <= pe.dropout < 1:
+            p.append(("peft.dropout", f"must be in [0, 1), got {pe.dropout}"))
+        if not pe.target_modules:
+            p.append(("peft.target_modules", "must name at least one module, or [all-linear]"))
+    elif pe.adapter or pe.merge or pe.load_in_4bit:
+        p.append(("peft.method", "is none but adapter/merge/load_in_4bit is set; set peft.method: lora (or dora)"))
+    if check_filesystem and pe.adapter and not os.path.isfile(os.path.join(pe.adapter, "adapter_config.json")):
+        p.append(("peft.adapter", f"{pe.adapter!r} has no adapter_config.json; give a directory saved by PEFT"))
     if "{prompt}" not in d.prompt_template:
         p.append(("prompt_template", "must contain the placeholder {prompt}"))
     if d.packing and m.task != "causal_lm":

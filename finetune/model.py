@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from finetune.config import ConfigError, ModelArgs
+from finetune.config import ConfigError, ModelArgs, PeftArgs
 
 logger = logging.getLogger("finetune")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
@@ -55,8 +55,64 @@ def load_tokenizer(m: ModelArgs):
     return tok
 
 
-def build_model(m: ModelArgs, tokenizer, label_names: list[str] | None, max_seq_length: int):
-    """Load the model for the task; a classifier gets a head sized to the labels in the data."""
+def check_peft_support(pe: PeftArgs) -> None:
+    """Refuse what cannot run here, before anything heavy starts."""
+    if pe.method == "none":
+        return
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise ConfigError([("peft.method", "needs the peft package: pip install 'finetune[peft]'")]) from None
+    if pe.load_in_4bit:
+        import importlib.util
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                [
+                    (
+                        "peft.load_in_4bit",
+                        "QLoRA's 4-bit base weights (bitsandbytes) need a CUDA GPU and "
+                        "none is visible; set peft.load_in_4bit: false (plain LoRA) here",
+                    )
+                ]
+            )
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise ConfigError([("peft.load_in_4bit", "needs bitsandbytes: pip install bitsandbytes")])
+
+
+def apply_peft(net, pe: PeftArgs, task: str):
+    """Wrap the model with a LoRA/DoRA adapter (new, or continued from pe.adapter)."""
+    if pe.method == "none":
+        return net
+    from peft import LoraConfig, PeftModel, TaskType, get_peft_model
+
+    if pe.adapter:
+        return PeftModel.from_pretrained(net, pe.adapter, is_trainable=True)
+    targets = pe.target_modules[0] if pe.target_modules == ["all-linear"] else pe.target_modules
+    config = LoraConfig(
+        r=pe.r,
+        lora_alpha=pe.alpha,
+        lora_dropout=pe.dropout,
+        target_modules=targets,
+        modules_to_save=pe.modules_to_save,
+        use_dora=pe.method == "dora",
+        task_type=TaskType.SEQ_CLS if task == "classification" else TaskType.CAUSAL_LM,
+    )
+    try:
+        return get_peft_model(net, config)
+    except ValueError as e:  # e.g. target modules not found
+        raise ConfigError([("peft.target_modules", f"{e}".splitlines()[0])]) from None
+
+
+def build_model(
+    m: ModelArgs,
+    tokenizer,
+    label_names: list[str] | None,
+    max_seq_length: int,
+    pe: PeftArgs | None = None,
+    reentrant_checkpointing: bool = False,
+):
+    """Load the model for the task; a classifier gets a head sized to the labels in the data; adapters on top."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     try:
@@ -77,6 +133,12 @@ def build_model(m: ModelArgs, tokenizer, label_names: list[str] | None, max_seq_
     kwargs = {"dtype": DTYPES[m.torch_dtype], "trust_remote_code": m.trust_remote_code}
     if m.attn_implementation:
         kwargs["attn_implementation"] = m.attn_implementation
+    if pe is not None and pe.load_in_4bit:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+        )
     if label_names is not None:
         cls = AutoModelForSequenceClassification
         kwargs.update(
@@ -95,9 +157,11 @@ def build_model(m: ModelArgs, tokenizer, label_names: list[str] | None, max_seq_
         model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id
     if m.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant_checkpointing})
         model.config.use_cache = False
-    return model
+        if reentrant_checkpointing:  # reentrant checkpoints need an input that requires grad (frozen embeddings)
+            model.enable_input_require_grads()
+    return apply_peft(model, pe, "classification" if label_names is not None else "causal_lm") if pe else model
 
 
 def count_parameters(model) -> tuple[int, int]:

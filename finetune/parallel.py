@@ -228,6 +228,13 @@ def global_batch_index(plan: Plan, step_in_epoch: int, micro: int, process_index
     return j * plan.world_size + process_index
 
 
+def reentrant_checkpointing(accelerator, peft_on: bool) -> bool:
+    """Gradient checkpointing mode. PEFT under ZeRO-3 needs reentrant checkpointing (the non-reentrant
+    recompute meets parameters ZeRO-3 has already released); everything else uses the non-reentrant one."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return peft_on and plugin is not None and plugin.zero_stage == 3
+
+
 def maybe_sync_batchnorm(model, train: TrainArgs, accelerator):
     """DDP option: SyncBatchNorm. torch implements it for GPU/XPU only; on CPU we say so and go on."""
     if not train.sync_batchnorm or accelerator.num_processes == 1:

@@ -115,10 +115,16 @@ def run_one(name: str, path: Path, ga: int, args: argparse.Namespace, overrides:
         distributed_type=train[0]["distributed_type"],
         gradient_accumulation_steps=ga,
         losses=[r["loss"] for r in train],
-        weights=load_file(str(out / name / "final" / "model.safetensors")),
+        weights=load_file(str(exported_weights(out / name / "final"))),
         step_time_s=statistics.median(times),
         peak_rss_gb=[m["train_peak_rss_gb"] for m in memory],
     )
+
+
+def exported_weights(final: Path) -> Path:
+    """final/'s weights file: the full model, or the adapter of a PEFT run."""
+    full = final / "model.safetensors"
+    return full if full.exists() else final / "adapter_model.safetensors"
 
 
 def compare(ref: Outcome, o: Outcome) -> tuple[float, float]:

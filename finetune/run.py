@@ -91,6 +91,7 @@ def run(cfg: RunConfig) -> dict:
         ", ".join(facts["devices"]),
     )
 
+    model.check_peft_support(cfg.peft)
     tokenizer = model.load_tokenizer(cfg.model)
     ds = data.build_datasets(cfg.data, cfg.model.task, tokenizer, t.seed, acc.main_process_first)
     eval_metrics = metrics.load_metrics(t.metrics, cfg.model.task) if ds.eval is not None else {}
@@ -116,7 +117,15 @@ def run(cfg: RunConfig) -> dict:
     )
 
     set_seed(t.seed)  # same initial weights (e.g. a new classifier head) on every rank and world size
-    net = model.build_model(cfg.model, tokenizer, ds.label_names, cfg.data.max_seq_length)
+    peft_on = cfg.peft.method != "none"
+    net = model.build_model(
+        cfg.model,
+        tokenizer,
+        ds.label_names,
+        cfg.data.max_seq_length,
+        cfg.peft,
+        reentrant_checkpointing=parallel.reentrant_checkpointing(acc, peft_on),
+    )
     net = parallel.maybe_sync_batchnorm(net, t, acc)
     trainable, total = model.count_parameters(net)
     logger.info(
@@ -207,6 +216,11 @@ def run(cfg: RunConfig) -> dict:
     training = metrics.peak_memory(acc.device)
     metrics.reset_peak_memory(acc.device)
     final = checkpoint.export(acc, net, tokenizer, run_config, t.output_dir)
+    if cfg.peft.merge:
+        if acc.is_main_process:
+            merged = checkpoint.merge_adapter(final, os.path.join(final, "merged"), ds.label_names)
+            logger.info("merged model saved to %s", os.path.abspath(merged))
+        acc.wait_for_everyone()
     phases = {"startup": startup, "train": training, "export": metrics.peak_memory(acc.device)}
     mine = {f"{phase}_{k}": v for phase, m in phases.items() for k, v in m.items()}
     memories = gather_object([{"rank": acc.process_index, **mine}])
@@ -216,6 +230,7 @@ def run(cfg: RunConfig) -> dict:
         logger.info("peak memory rank %d (GB): %s", m["rank"], text)
     if final_eval:
         logger.info("final eval: %s", "  ".join(f"{k} {v:.4f}" for k, v in final_eval.items()))
-    logger.info("model saved to %s (load it with from_pretrained)", os.path.abspath(final))
+    how = "PeftModel.from_pretrained on the base model" if peft_on else "from_pretrained"
+    logger.info("model saved to %s (load it with %s)", os.path.abspath(final), how)
     acc.end_training()
     return final_eval

@@ -145,3 +145,39 @@ def base_args(model: str, dataset: str, *more: str) -> list[str]:
         "null",
         *more,
     ]
+
+
+def reevaluate(
+    model,
+    tokenizer,
+    dataset: str,
+    task: str,
+    eval_fraction: float = 0.1,
+    seed: int = 42,
+    max_seq_length: int = 64,
+    eval_dataset: str | None = None,
+) -> dict[str, float]:
+    """Eval metrics of a reloaded model, in this process, through the same data pipeline as a run."""
+    import contextlib
+
+    import torch
+
+    from finetune.config import DataArgs
+    from finetune.data import Collator, build_datasets
+    from finetune.metrics import per_example_stats, summarize
+
+    data = DataArgs(
+        dataset=dataset, eval_dataset=eval_dataset, eval_fraction=eval_fraction, max_seq_length=max_seq_length
+    )
+    ds = build_datasets(data, task, tokenizer, seed, contextlib.nullcontext)
+    collate = Collator(tokenizer.pad_token_id)
+    stats: dict[str, list] = {}
+    model.eval()
+    with torch.no_grad():
+        for i in range(0, len(ds.eval), 7):
+            batch = collate([ds.eval[j] for j in range(i, min(i + 7, len(ds.eval)))])
+            labels = batch.pop("labels")
+            batch.pop("num_tokens"), batch.pop("num_supervised")
+            for k, v in per_example_stats(model(**batch).logits, labels, task).items():
+                stats.setdefault(k, []).append(v)
+    return summarize({k: torch.cat(v) for k, v in stats.items()}, {}, None)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import ROOT, base_args, finetune
+from conftest import ROOT, base_args, finetune, reevaluate
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -135,25 +135,7 @@ def test_final_model_reloads_and_reproduces_eval_loss(assets, tmp_path):
     assert (final / "run_config.yaml").exists() and (final / "tokenizer.json").exists()
     model = AutoModelForCausalLM.from_pretrained(final)
     tok = AutoTokenizer.from_pretrained(final)
-    # Re-evaluate with the same data pipeline, in this process.
-    import contextlib
-
-    from finetune.config import DataArgs
-    from finetune.data import Collator, build_datasets
-    from finetune.metrics import per_example_stats, summarize
-
-    data = DataArgs(dataset=assets.instruction, eval_fraction=0.1, max_seq_length=64)
-    ds = build_datasets(data, "causal_lm", tok, 42, contextlib.nullcontext)
-    collate = Collator(tok.pad_token_id)
-    stats: dict[str, list] = {}
-    with torch.no_grad():
-        for i in range(0, len(ds.eval), 7):
-            batch = collate([ds.eval[j] for j in range(i, min(i + 7, len(ds.eval)))])
-            labels = batch.pop("labels")
-            batch.pop("num_tokens"), batch.pop("num_supervised")
-            for k, v in per_example_stats(model(**batch).logits, labels, "causal_lm").items():
-                stats.setdefault(k, []).append(v)
-    again = summarize({k: torch.cat(v) for k, v in stats.items()}, {}, None)
+    again = reevaluate(model, tok, assets.instruction, "causal_lm")
     assert again["eval_loss"] == pytest.approx(res.eval_rows[-1]["eval_loss"], rel=1e-5)
 
 

@@ -1,0 +1,221 @@
+"""PEFT: LoRA/DoRA under every backend, adapters never empty, reload, merge, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, base_args, finetune, reevaluate
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+LORA = ["--peft.method", "lora", "--peft.r", "4", "--peft.alpha", "8"]
+
+
+def check_adapter(final, r: int, hidden: int = 64) -> dict[str, torch.Tensor]:
+    """Adapter tensors are present, non-empty and shaped (r, in) / (out, r)."""
+    tensors = load_file(str(final / "adapter_model.safetensors"))
+    lora = {k: v for k, v in tensors.items() if "lora_" in k}
+    assert lora, list(tensors)
+    for k, v in lora.items():
+        assert v.numel() > 0, k
+        if "lora_A" in k:
+            assert v.shape[0] == r and v.shape[1] > 0, (k, v.shape)
+        if "lora_B" in k:
+            assert v.shape[1] == r and v.shape[0] > 0, (k, v.shape)
+    assert any("q_proj.lora_A" in k and tuple(v.shape) == (r, hidden) for k, v in lora.items())
+    return tensors
+
+
+def test_lora_causal_lm_same_under_every_backend(assets, tmp_path):
+    """single, DDP, ZeRO-2, ZeRO-3 (gradient checkpointing on): same losses, non-empty adapters."""
+    run = tmp_path / "lora.yaml"
+    run.write_text(
+        json.dumps(
+            {
+                "model": assets.llama,
+                "dataset": assets.instruction,
+                "max_seq_length": 64,
+                "per_device_train_batch_size": 4,
+                "gradient_accumulation_steps": 1,
+                "learning_rate": 1e-2,
+                "eval_fraction": 0.1,
+                "gradient_checkpointing": True,
+                "peft": {"method": "lora", "r": 4, "alpha": 8},
+            }
+        )
+    )
+    out = tmp_path / "parity"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "finetune",
+            "parity",
+            "--config",
+            str(run),
+            "--steps",
+            "5",
+            "--configs",
+            "single,ddp,zero2,zero3",
+            "--output_dir",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    for name in ("single", "ddp", "zero2", "zero3"):
+        check_adapter(out / name / "final", r=4)
+        assert "trainable (" in (out / f"{name}.log").read_text()
+    # The ZeRO-3 adapter reloads on the base model and gives its final eval loss again.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = out / "zero3" / "final"
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(assets.llama), final)
+    rows = [json.loads(line) for line in (out / "zero3" / "metrics.jsonl").read_text().splitlines()]
+    again = reevaluate(model, AutoTokenizer.from_pretrained(final), assets.instruction, "causal_lm")
+    assert again["eval_loss"] == pytest.approx([r for r in rows if "eval_loss" in r][-1]["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("launcher", ["ddp", "zero3"])
+def test_lora_classifier_saves_head_and_reloads(assets, tmp_path, launcher):
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    res = finetune(
+        tmp_path / launcher,
+        "--model",
+        assets.llama,
+        "--task",
+        "classification",
+        "--dataset",
+        assets.classification,
+        "--eval_dataset",
+        assets.classification_eval,
+        "--max_steps",
+        "4",
+        "--per_device_train_batch_size",
+        "8",
+        "--max_seq_length",
+        "32",
+        "--learning_rate",
+        "1e-2",
+        "--save_steps",
+        "null",
+        *LORA,
+        launcher=launcher,
+    )
+    final = res.output_dir / "final"
+    tensors = check_adapter(final, r=4)
+    head = [k for k in tensors if "score" in k]
+    assert head and all(tensors[k].shape[0] == 4 for k in head), head  # 4 classes, saved with the adapter
+    labels = ["food", "sports", "tech", "weather"]
+    base = AutoModelForSequenceClassification.from_pretrained(
+        assets.llama, num_labels=4, id2label=dict(enumerate(labels)), label2id={n: i for i, n in enumerate(labels)}
+    )
+    model = PeftModel.from_pretrained(base, final)
+    tok = AutoTokenizer.from_pretrained(final)
+    base.config.pad_token_id = tok.pad_token_id
+    again = reevaluate(
+        model, tok, assets.classification, "classification", max_seq_length=32, eval_dataset=assets.classification_eval
+    )
+    assert again["eval_loss"] == pytest.approx(res.eval_rows[-1]["eval_loss"], rel=1e-5)
+
+
+def test_merged_model_equals_adapter_model(assets, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    res = finetune(
+        tmp_path / "run",
+        *base_args(
+            assets.llama, assets.instruction, "--max_steps", "4", "--learning_rate", "1e-2", "--eval_fraction", "0.1"
+        ),
+        "--peft.method",
+        "dora",
+        "--peft.r",
+        "4",
+        "--peft.merge",
+        "true",
+    )
+    final = res.output_dir / "final"
+    merged = AutoModelForCausalLM.from_pretrained(final / "merged")
+    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(assets.llama), final)
+    ids = torch.randint(0, 500, (2, 24))
+    with torch.no_grad():
+        a, b = adapter(input_ids=ids).logits, merged(input_ids=ids).logits
+    assert (a - b).abs().max().item() <= 1e-5
+    base = AutoModelForCausalLM.from_pretrained(assets.llama)
+    with torch.no_grad():
+        assert (base(input_ids=ids).logits - b).abs().max().item() > 1e-4  # the adapter did something
+
+
+def test_adapter_resume_equals_uninterrupted(assets, tmp_path):
+    args = [
+        *base_args(
+            assets.llama,
+            assets.chat,
+            "--max_steps",
+            "4",
+            "--save_steps",
+            "2",
+            "--eval_fraction",
+            "0.1",
+            "--learning_rate",
+            "1e-2",
+        ),
+        *LORA,
+    ]
+    straight = finetune(tmp_path / "straight", *args, launcher="ddp")
+    part = tmp_path / "part"
+    shutil.copytree(straight.output_dir, part)
+    shutil.rmtree(part / "final")
+    shutil.rmtree(part / "checkpoints" / "step_4")
+    (part / "checkpoints" / "latest").write_text("step_2\n")
+    resumed = finetune(part, *args, "--resume_from_checkpoint", "latest", launcher="ddp")
+    assert max(abs(x - y) / abs(x) for x, y in zip(straight.losses(), resumed.losses())) <= 1e-6
+    a = load_file(str(straight.output_dir / "final" / "adapter_model.safetensors"))
+    b = load_file(str(part / "final" / "adapter_model.safetensors"))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+
+
+def test_continue_from_existing_adapter(assets, tmp_path):
+    first = finetune(
+        tmp_path / "first",
+        *base_args(assets.llama, assets.instruction, "--max_steps", "2", "--eval_fraction", "0"),
+        *LORA,
+    )
+    second = finetune(
+        tmp_path / "second",
+        *base_args(assets.llama, assets.instruction, "--max_steps", "2", "--eval_fraction", "0"),
+        "--peft.method",
+        "lora",
+        "--peft.adapter",
+        str(first.output_dir / "final"),
+    )
+    assert second.losses()[0] < first.losses()[0]  # starts where the first run left off
+    check_adapter(second.output_dir / "final", r=4)
+
+
+def test_qlora_refused_without_cuda(assets, tmp_path):
+    res = finetune(
+        tmp_path / "q",
+        *base_args(assets.llama, assets.instruction, "--max_steps", "2"),
+        *LORA,
+        "--peft.load_in_4bit",
+        "true",
+        launcher="python",
+        expect_ok=False,
+    )
+    assert res.returncode == 2 and "peft.load_in_4bit" in res.output and "CUDA" in res.output
+    assert "Traceback" not in res.output and not (tmp_path / "q").exists()
