@@ -68,6 +68,7 @@ def save_checkpoint(
         os.makedirs(tmp)
     accelerator.wait_for_everyone()
     accelerator.save_state(tmp, safe_serialization=True)
+    _fault_point("in-checkpoint", step)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         _write_atomic(os.path.join(tmp, CONFIG_FILE), yaml.safe_dump(run_config, sort_keys=False))
@@ -82,6 +83,34 @@ def save_checkpoint(
                     shutil.rmtree(path, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def latest_complete(output_dir: str) -> str | None:
+    """The checkpoint `latest` names, if there is one."""
+    try:
+        return resolve_resume(output_dir, LATEST)
+    except OSError:
+        return None
+
+
+def resume_hint(output_dir: str) -> str:
+    """What a user should do after a crash, naming the last complete checkpoint."""
+    last = latest_complete(output_dir)
+    if last is None:
+        return "No checkpoint was completed; start the run again."
+    return f"Last complete checkpoint: {last}. Continue with the same command plus --resume_from_checkpoint latest."
+
+
+def _fault_point(name: str, step: int) -> None:
+    """Fault injection for the crash tests: FINETUNE_FAULT=<name>:<step>[:<rank>] kills this process there."""
+    spec = os.environ.get("FINETUNE_FAULT", "").split(":")
+    if (
+        len(spec) >= 2
+        and spec[0] == name
+        and int(spec[1]) == step
+        and (len(spec) < 3 or spec[2] == os.environ.get("RANK", "0"))
+    ):
+        os.kill(os.getpid(), 9)
 
 
 def resolve_resume(output_dir: str, spec: str) -> str:

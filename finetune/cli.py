@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import difflib
 import os
+import signal
 import sys
 
 from finetune.config import (
@@ -96,13 +97,28 @@ def _is_main_rank() -> bool:
     return os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
 
 
+class Stopped(Exception):
+    """SIGTERM: the launcher ends the survivors when a rank dies (or the job is cancelled)."""
+
+
+def _raise_stopped(signum, frame):
+    raise Stopped()
+
+
 def run_cli(argv: list[str] | None = None) -> int:
-    """Parse and run; returns the exit code. Bad input: one clear message, exit code 2, no traceback."""
+    """Parse and run; returns the exit code.
+
+    Bad input: one clear message, exit code 2, no traceback. A dead peer or a stop by the launcher:
+    one line per rank naming what happened and the last complete checkpoint to resume from.
+    """
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["parity"]:
         from finetune.parity import main as parity
 
         return parity(argv[1:])
+    cfg = None
+    rank = os.environ.get("RANK", "0")
+    signal.signal(signal.SIGTERM, _raise_stopped)
     try:
         cfg = parse(argv)
         from finetune.run import run
@@ -115,7 +131,34 @@ def run_cli(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("finetune: interrupted", file=sys.stderr)
         return 130
+    except Stopped:
+        print(
+            f"finetune rank {rank}: stopped by the launcher (another rank failed, see the launcher's report of "
+            f"which, or the job was cancelled). {_hint(cfg)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 143
+    except Exception as e:
+        from finetune.parallel import is_peer_failure
+
+        if not is_peer_failure(e):
+            raise
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        print(
+            f"finetune rank {rank}: a collective failed because another rank died or did not answer within "
+            f"ddp_timeout ({type(e).__name__}: {first}). {_hint(cfg)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     return 0
+
+
+def _hint(cfg) -> str:
+    from finetune.checkpoint import resume_hint
+
+    return resume_hint(cfg.train.output_dir) if cfg is not None else ""
 
 
 def main() -> None:

@@ -130,6 +130,11 @@ class TrainArgs:
     metrics: list[str] | None = _f(
         None, "Eval metrics: names shipped with finetune (accuracy, f1) or any evaluate.load name; default by task."
     )
+    ddp_timeout: int | None = _f(
+        None,
+        "Seconds a collective may wait for the other ranks before the run fails (a dead or stuck rank); "
+        "default 600 on CPU, 1800 on GPU. Raise it when rank 0 tokenizes a very large dataset.",
+    )
     ddp_find_unused_parameters: bool = _f(
         False, "DDP: detect parameters that get no gradient (slower; needed by some models)."
     )
@@ -405,6 +410,7 @@ def validate(
         if section[key] < 1:
             p.append((key, f"must be >= 1, got {section[key]}"))
     for key, value in (
+        ("ddp_timeout", t.ddp_timeout),
         ("eval_steps", t.eval_steps),
         ("save_steps", t.save_steps),
         ("save_total_limit", t.save_total_limit),

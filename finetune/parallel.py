@@ -141,8 +141,11 @@ def make_accelerator(train: TrainArgs):
     from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs
 
     handlers = [DistributedDataParallelKwargs(find_unused_parameters=train.ddp_find_unused_parameters)]
-    if not has_accelerator_device() and is_distributed_launch():
-        handlers.append(InitProcessGroupKwargs(backend="gloo", timeout=datetime.timedelta(minutes=10)))
+    if is_distributed_launch():
+        gpu = has_accelerator_device()
+        timeout = datetime.timedelta(seconds=train.ddp_timeout or (1800 if gpu else 600))
+        # gloo when there is no GPU: DeepSpeed would otherwise pick nccl and every rank believe it is alone.
+        handlers.append(InitProcessGroupKwargs(timeout=timeout, **({} if gpu else {"backend": "gloo"})))
     return Accelerator(
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=train.gradient_accumulation_steps, sync_with_dataloader=False
@@ -261,3 +264,26 @@ def explain_ddp_error(err: RuntimeError) -> str | None:
             "--ddp_find_unused_parameters true)."
         )
     return None
+
+
+def is_peer_failure(err: BaseException) -> bool:
+    """True for the errors a collective raises when another rank died or stopped answering."""
+    import torch.distributed as dist
+
+    kinds = tuple(k for k in (getattr(dist, "DistBackendError", None), getattr(dist, "DistNetworkError", None)) if k)
+    text = str(err)
+    return isinstance(err, kinds) or (
+        isinstance(err, RuntimeError)
+        and any(
+            s in text
+            for s in (
+                "Connection closed by peer",
+                "Connection reset by peer",
+                "Broken pipe",
+                "timed out",
+                "Timed out",
+                "NCCL communicator was aborted",
+                "ProcessGroupGloo",
+            )
+        )
+    )
