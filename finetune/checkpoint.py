@@ -53,13 +53,20 @@ def _write_atomic(path: str, text: str) -> None:
 
 def save_checkpoint(
     accelerator,
+    model,
+    optimizer,
     output_dir: str,
     step: int,
     trainer_state: dict[str, Any],
     run_config: dict[str, Any],
     save_total_limit: int | None,
 ) -> str:
-    """Save a resumable checkpoint on every rank, atomically; update `latest`; prune old ones."""
+    """Save a resumable checkpoint on every rank, atomically; update `latest`; prune old ones.
+
+    Besides accelerate's native state, a checkpoint holds what a *different* layout needs to resume
+    (trainer_state.json's "layout" says which one wrote it): torch-native checkpoints add config.json
+    and the optimizer's parameter names; DeepSpeed ones add portable/ (full weights + Adam moments).
+    """
     root = checkpoints_dir(output_dir)
     final = os.path.join(root, f"step_{step}")
     tmp = os.path.join(root, f".tmp_step_{step}")
@@ -68,6 +75,7 @@ def save_checkpoint(
         os.makedirs(tmp)
     accelerator.wait_for_everyone()
     accelerator.save_state(tmp, safe_serialization=True)
+    _write_portable(accelerator, model, optimizer, tmp, trainer_state["layout"])
     _fault_point("in-checkpoint", step)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
@@ -121,11 +129,145 @@ def resolve_resume(output_dir: str, spec: str) -> str:
         return os.path.join(checkpoints_dir(output_dir), f.read().strip())
 
 
-def load_checkpoint(accelerator, path: str) -> dict[str, Any]:
-    """Restore model, optimizer, scheduler and RNG on every rank; return the trainer state."""
-    accelerator.load_state(path)
+def read_trainer_state(path: str) -> dict[str, Any]:
     with open(os.path.join(path, STATE_FILE)) as f:
         return json.load(f)
+
+
+def load_checkpoint(accelerator, path: str) -> dict[str, Any]:
+    """Same layout: restore model, optimizer, scheduler and RNG on every rank; return the trainer state."""
+    accelerator.load_state(path)
+    return read_trainer_state(path)
+
+
+# ---------------------------------------------------------------- resuming under another layout
+#
+# A checkpoint written by ZeRO-3 on 2 ranks can resume under DDP or a single process (and a DDP
+# one under another world size): the model is rebuilt from the checkpoint's full weights through
+# from_pretrained, and AdamW's moments are set per parameter name. The global batch must be the
+# one the checkpoint was trained with, so the data position and the schedule carry over exactly.
+
+PORTABLE = "portable"
+PARAM_NAMES = "optimizer_param_names.json"
+
+
+def _write_portable(accelerator, model, optimizer, tmp: str, layout: dict[str, Any]) -> None:
+    net = accelerator.unwrap_model(model)
+    if layout["zero_stage"] == 0:
+        if accelerator.is_main_process:
+            net.config.save_pretrained(tmp)  # model.safetensors + config.json: a from_pretrained directory
+            name_of = {id(p): n for n, p in net.named_parameters()}
+            inner = getattr(optimizer, "optimizer", optimizer)  # optimizer.bin's state is indexed in this order
+            names = [name_of[id(p)] for group in inner.param_groups for p in group["params"]]
+            _write_atomic(os.path.join(tmp, PARAM_NAMES), json.dumps(names))
+        return
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from safetensors.torch import save_file
+
+    state_dict = accelerator.get_state_dict(model)  # collective (gathers ZeRO-3 partitions)
+    moments = {}
+    for name, p in net.named_parameters():  # same order on every rank: each call is a collective
+        if not p.requires_grad:
+            continue
+        values = {
+            "param": safe_get_full_fp32_param(p),
+            "exp_avg": safe_get_full_optimizer_state(p, "exp_avg"),
+            "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq"),
+        }
+        if accelerator.is_main_process:
+            moments.update({f"{k}/{name}": v.detach().float().cpu().contiguous() for k, v in values.items()})
+    if accelerator.is_main_process:
+        out = os.path.join(tmp, PORTABLE)
+        net.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+        save_file(moments, os.path.join(out, "optimizer.safetensors"))
+
+
+def needs_portable_resume(saved: dict[str, Any], here: dict[str, Any]) -> bool:
+    return saved["layout"] != here
+
+
+def check_portable_resume(
+    path: str, saved: dict[str, Any], here: dict[str, Any], global_batch: int, peft_on: bool
+) -> None:
+    """Refuse, before the model loads, what a resume under another layout cannot do exactly."""
+    from finetune.config import ConfigError
+
+    was = saved["layout"]
+    desc = f"{was['distributed_type']} (ZeRO-{was['zero_stage']}) on {was['world_size']} process(es)"
+    problems = []
+    if here["zero_stage"] > 0:
+        problems.append(
+            (
+                "resume_from_checkpoint",
+                f"{path} was written by {desc}; resuming it under DeepSpeed with "
+                "another layout is not supported yet. Resume with the layout it "
+                "was saved with, or under DDP / a single process",
+            )
+        )
+    if peft_on:
+        problems.append(
+            (
+                "resume_from_checkpoint",
+                f"{path} was written by {desc}; adapter runs resume only under the layout they were saved with",
+            )
+        )
+    if was["global_batch_size"] != global_batch:
+        problems.append(
+            (
+                "per_device_train_batch_size",
+                f"{path} was trained with a global batch of {was['global_batch_size']} and this run has "
+                f"{global_batch}; choose micro batch x gradient_accumulation_steps x processes = "
+                f"{was['global_batch_size']} so the data position and schedule carry over",
+            )
+        )
+    if problems:
+        raise ConfigError(problems)
+
+
+def portable_model_dir(path: str, saved: dict[str, Any]) -> str:
+    """The from_pretrained directory holding a checkpoint's full weights."""
+    return os.path.join(path, PORTABLE) if saved["layout"]["zero_stage"] > 0 else path
+
+
+def load_portable_optimizer(accelerator, model, optimizer, path: str, saved: dict[str, Any]) -> None:
+    """Set AdamW's moments (and, from a DeepSpeed checkpoint, the fp32 master weights) by parameter name."""
+    import torch
+    from safetensors.torch import load_file
+
+    net = accelerator.unwrap_model(model)
+    named = dict(net.named_parameters())
+    step = torch.tensor(float(saved["step"]))
+    if saved["layout"]["zero_stage"] > 0:
+        tensors = load_file(os.path.join(path, PORTABLE, "optimizer.safetensors"))
+        names = [k.split("/", 1)[1] for k in tensors if k.startswith("param/")]
+        moments = {n: (tensors[f"exp_avg/{n}"], tensors[f"exp_avg_sq/{n}"]) for n in names}
+        with torch.no_grad():
+            for n in names:
+                named[n].copy_(tensors[f"param/{n}"].to(named[n].dtype))
+    else:
+        with open(os.path.join(path, PARAM_NAMES)) as f:
+            names = json.load(f)
+        state = torch.load(os.path.join(path, "optimizer.bin"), map_location="cpu", weights_only=True)["state"]
+        moments = {n: (state[i]["exp_avg"], state[i]["exp_avg_sq"]) for i, n in enumerate(names)}
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper -> torch AdamW
+    missing = set(n for n, p in named.items() if p.requires_grad) ^ set(moments)
+    if missing:
+        raise RuntimeError(f"checkpoint {path} and this model disagree on parameters: {sorted(missing)[:5]}")
+    for n, (m, v) in moments.items():
+        p = named[n]
+        inner.state[p] = {
+            "step": step.clone(),
+            "exp_avg": m.to(p.device, p.dtype),
+            "exp_avg_sq": v.to(p.device, p.dtype),
+        }
+
+
+def set_scheduler_position(scheduler, step: int, world_size: int) -> None:
+    """Put an LR schedule at optimizer step `step` (accelerate steps it world_size times per step)."""
+    inner = getattr(scheduler, "scheduler", scheduler)
+    inner.last_epoch = step * world_size - 1
+    inner._step_count = step * world_size
+    inner.step()
 
 
 def export(accelerator, model, tokenizer, run_config: dict[str, Any], output_dir: str) -> str:

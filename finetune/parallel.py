@@ -173,6 +173,17 @@ def describe(accelerator) -> dict:
     }
 
 
+def layout(accelerator, global_batch_size: int) -> dict:
+    """How a run is spread: recorded in every checkpoint; a resume under another layout converts."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return {
+        "distributed_type": str(accelerator.state.distributed_type).split(".")[-1],
+        "world_size": accelerator.num_processes,
+        "zero_stage": int(plugin.zero_stage) if plugin is not None else 0,
+        "global_batch_size": global_batch_size,
+    }
+
+
 @dataclass(frozen=True)
 class Plan:
     """Step arithmetic for a run. `step` always means optimizer step; `micro` means one micro batch."""

@@ -167,7 +167,7 @@ def main(argv: list[str]) -> int:
         cfg = build_config(
             {**values, "output_dir": os.path.join(args.output_dir, "_check"), "overwrite_output_dir": True}
         )
-        paths = {name: accelerate_config_path(name) for name in args.configs.split(",") if name}
+        paths = {Path(name).stem: accelerate_config_path(name) for name in args.configs.split(",") if name}
         if args.steps < 1:
             raise ConfigError([("--steps", f"must be >= 1, got {args.steps}")])
     except ConfigError as e:

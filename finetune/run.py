@@ -11,6 +11,7 @@ run(cfg)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -116,10 +117,22 @@ def run(cfg: RunConfig) -> dict:
         plan.warmup_steps,
     )
 
-    set_seed(t.seed)  # same initial weights (e.g. a new classifier head) on every rank and world size
     peft_on = cfg.peft.method != "none"
+    here = parallel.layout(acc, plan.global_batch_size)
+    resume_path, saved, portable = None, None, False
+    if t.resume_from_checkpoint:
+        resume_path = checkpoint.resolve_resume(t.output_dir, t.resume_from_checkpoint)
+        saved = checkpoint.read_trainer_state(resume_path)
+        portable = checkpoint.needs_portable_resume(saved, here)
+        if portable:
+            checkpoint.check_portable_resume(resume_path, saved, here, plan.global_batch_size, peft_on)
+    model_args = cfg.model
+    if portable:  # weights from the checkpoint's full copy, through from_pretrained (ZeRO-3 aware)
+        model_args = dataclasses.replace(cfg.model, model=checkpoint.portable_model_dir(resume_path, saved))
+
+    set_seed(t.seed)  # same initial weights (e.g. a new classifier head) on every rank and world size
     net = model.build_model(
-        cfg.model,
+        model_args,
         tokenizer,
         ds.label_names,
         cfg.data.max_seq_length,
@@ -167,11 +180,24 @@ def run(cfg: RunConfig) -> dict:
     run_config = cfg.to_flat()
     log = metrics.MetricsLog(t.output_dir, enabled=acc.is_main_process)
     state = loop.TrainState()
-    if t.resume_from_checkpoint:
-        path = checkpoint.resolve_resume(t.output_dir, t.resume_from_checkpoint)
-        state = loop.TrainState(**checkpoint.load_checkpoint(acc, path))
+    if resume_path:
+        if portable:
+            checkpoint.load_portable_optimizer(acc, net, optimizer, resume_path, saved)
+            checkpoint.set_scheduler_position(scheduler, saved["step"], acc.num_processes)
+        else:
+            saved = checkpoint.load_checkpoint(acc, resume_path)
+        state = loop.TrainState(**{f.name: saved[f.name] for f in dataclasses.fields(loop.TrainState)})
         log.truncate_after(state.step)
-        logger.info("resumed from %s at step %d", path, state.step)
+        was = saved["layout"]
+        logger.info(
+            "resumed from %s at step %d%s",
+            resume_path,
+            state.step,
+            f" (written by {was['distributed_type']} ZeRO-{was['zero_stage']} on {was['world_size']} "
+            "process(es), converted)"
+            if portable
+            else "",
+        )
     elif acc.is_main_process:
         if t.overwrite_output_dir:
             _clear_previous_run(t.output_dir)
@@ -185,7 +211,10 @@ def run(cfg: RunConfig) -> dict:
         )
 
     def save(s: loop.TrainState) -> None:
-        checkpoint.save_checkpoint(acc, t.output_dir, s.step, loop.state_dict_of(s), run_config, t.save_total_limit)
+        trainer_state = {**loop.state_dict_of(s), "layout": here}
+        checkpoint.save_checkpoint(
+            acc, net, optimizer, t.output_dir, s.step, trainer_state, run_config, t.save_total_limit
+        )
 
     r = loop.Run(
         accelerator=acc,

@@ -23,24 +23,54 @@ def final_weights(output_dir) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("launcher", ["ddp", "zero3"])
 def test_killed_rank_stops_everyone_and_resume_finishes_the_run(assets, tmp_path, launcher):
-    args = base_args(assets.llama, assets.instruction, "--max_steps", "40", "--save_steps", "5",
-                     "--eval_fraction", "0", "--logging_steps", "1")
+    args = base_args(
+        assets.llama,
+        assets.instruction,
+        "--max_steps",
+        "40",
+        "--save_steps",
+        "5",
+        "--eval_fraction",
+        "0",
+        "--logging_steps",
+        "1",
+    )
     straight = finetune(tmp_path / "straight", *args, launcher=launcher)
 
     out = tmp_path / "crashed"
     kill_at = random.Random().randint(6, 20)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "accelerate_configs" / f"{launcher}.yaml"), "-m", "finetune", "--output_dir", str(out),
-           "--disable_tqdm", "true", *args]
-    launcher_proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / f"{launcher}.yaml"),
+        "-m",
+        "finetune",
+        "--output_dir",
+        str(out),
+        "--disable_tqdm",
+        "true",
+        *args,
+    ]
+    launcher_proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     lines = []
     for line in launcher_proc.stdout:
         lines.append(line)
         if f"step {kill_at}/" in line:
             break
-    victims = [p for p in psutil.Process(launcher_proc.pid).children(recursive=True)
-               if p.environ().get("RANK") == "1" and "finetune" in " ".join(p.cmdline())]
+    victims = [
+        p
+        for p in psutil.Process(launcher_proc.pid).children(recursive=True)
+        if p.environ().get("RANK") == "1" and "finetune" in " ".join(p.cmdline())
+    ]
     assert len(victims) == 1, [p.cmdline() for p in victims]
     victims[0].kill()
     killed = time.monotonic()

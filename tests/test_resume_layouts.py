@@ -1,0 +1,70 @@
+"""Resume under another backend or world size: ZeRO-3 (2 ranks) -> DDP (2 ranks) -> single process."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from conftest import base_args, finetune
+
+pytestmark = pytest.mark.slow
+
+
+def crash_after(output_dir, step: int) -> None:
+    """Make a finished run look like one that died right after its step-`step` checkpoint."""
+    shutil.rmtree(output_dir / "final")
+    for ckpt in (output_dir / "checkpoints").glob("step_*"):
+        if int(ckpt.name.split("_")[1]) > step:
+            shutil.rmtree(ckpt)
+    (output_dir / "checkpoints" / "latest").write_text(f"step_{step}\n")
+
+
+def test_zero3_to_ddp_to_single_chain_continues_the_run(assets, tmp_path):
+    args = base_args(
+        assets.llama,
+        assets.instruction,
+        "--max_steps",
+        "9",
+        "--save_steps",
+        "3",
+        "--eval_fraction",
+        "0.1",
+        "--lr_scheduler_type",
+        "cosine",
+        "--warmup_steps",
+        "2",
+    )
+    straight = finetune(tmp_path / "straight", *args, launcher="ddp")
+    run = tmp_path / "chain"
+    finetune(run, *args, launcher="zero3")
+    crash_after(run, 3)
+    via_ddp = finetune(run, *args, "--resume_from_checkpoint", "latest", launcher="ddp")
+    assert "written by DEEPSPEED ZeRO-3 on 2 process(es), converted" in via_ddp.output
+    crash_after(run, 6)
+    last = finetune(
+        run, *args, "--resume_from_checkpoint", "latest", "--gradient_accumulation_steps", "2", launcher="single"
+    )
+    assert "written by MULTI_CPU ZeRO-0 on 2 process(es), converted" in last.output
+    rows = last.train_rows
+    assert [r["step"] for r in rows] == list(range(1, 10))
+    assert [r["distributed_type"] for r in rows] == ["DEEPSPEED"] * 3 + ["MULTI_CPU"] * 3 + ["NO"] * 3
+    for a, b in zip(straight.losses(), last.losses()):
+        assert abs(a - b) / abs(a) <= 1e-5, (straight.losses(), last.losses())
+    assert [r["learning_rate"] for r in rows] == pytest.approx([r["learning_rate"] for r in straight.train_rows])
+    assert last.eval_rows[-1]["eval_loss"] == pytest.approx(straight.eval_rows[-1]["eval_loss"], rel=1e-5)
+
+
+def test_resume_with_another_global_batch_is_refused(assets, tmp_path):
+    args = base_args(assets.gpt2, assets.text, "--max_steps", "2", "--save_steps", "1", "--eval_fraction", "0")
+    finetune(tmp_path / "run", *args, launcher="ddp")
+    crash_after(tmp_path / "run", 1)
+    res = finetune(tmp_path / "run", *args, "--resume_from_checkpoint", "latest", launcher="python", expect_ok=False)
+    assert res.returncode == 2 and "global batch of 8" in res.output and "Traceback" not in res.output
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_1" / "trainer_state.json").read_text())
+    assert state["layout"] == {
+        "distributed_type": "MULTI_CPU",
+        "world_size": 2,
+        "zero_stage": 0,
+        "global_batch_size": 8,
+    }
