@@ -165,6 +165,7 @@ def _write_portable(accelerator, model, optimizer, tmp: str, layout: dict[str, A
     from safetensors.torch import save_file
 
     state_dict = accelerator.get_state_dict(model)  # collective (gathers ZeRO-3 partitions)
+    relink_deepspeed_optimizer_states(optimizer)
     moments = {}
     for name, p in net.named_parameters():  # same order on every rank: each call is a collective
         if not p.requires_grad:
@@ -180,6 +181,21 @@ def _write_portable(accelerator, model, optimizer, tmp: str, layout: dict[str, A
         out = os.path.join(tmp, PORTABLE)
         net.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
         save_file(moments, os.path.join(out, "optimizer.safetensors"))
+
+
+def relink_deepspeed_optimizer_states(optimizer) -> bool:
+    """Workaround (DeepSpeed 0.19.8, ZeRO-1/2): after the first step of the *first* parameter group,
+    `_lazy_init_hp_params_optimizer_state` links every group's per-parameter views of the Adam state,
+    while later groups' states are still empty; their views stay empty for good and
+    `safe_get_full_optimizer_state` raises "exp_avg not found". Linking again once every group has
+    stepped fixes the views. tests/test_deepspeed.py::test_deepspeed_still_needs_the_relink shows it.
+    Returns True when it relinked."""
+    zero = getattr(optimizer, "optimizer", None)  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer
+    if os.environ.get("FINETUNE_NO_DS_RELINK") or not hasattr(zero, "_hp_optimizer_states_linked"):
+        return False
+    zero._hp_optimizer_states_linked = False
+    zero._lazy_init_hp_params_optimizer_state()
+    return True
 
 
 def needs_portable_resume(saved: dict[str, Any], here: dict[str, Any]) -> bool:

@@ -52,6 +52,8 @@ class Run:
     log: MetricsLog
     save: Callable[[TrainState], None]
     extra: dict[str, Any] = field(default_factory=dict)  # constant facts added to every log row
+    flops_per_token: float = 0.0  # model FLOPs per trained token (metrics.flops_per_token)
+    peak_flops: float | None = None  # all devices together; None: MFU not reported
 
 
 def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: int):
@@ -183,6 +185,7 @@ def _log_train(run: Run, state: TrainState, win: _Window, grad_norm, bar) -> Non
         "tokens_seen": state.tokens_seen,
         "tokens_per_s": tokens.item() / seconds,
         "step_time_s": seconds / win.steps,
+        "mfu": run.flops_per_token * tokens.item() / seconds / run.peak_flops if run.peak_flops else None,
         "epoch": state.step / run.plan.steps_per_epoch,
         **run.extra,
     }
@@ -190,6 +193,8 @@ def _log_train(run: Run, state: TrainState, win: _Window, grad_norm, bar) -> Non
     if run.args.report_to:
         acc.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=state.step)
     postfix = {"loss": f"{row['loss']:.4f}", "lr": f"{row['learning_rate']:.2e}", "tok/s": f"{row['tokens_per_s']:.0f}"}
+    if row["mfu"] is not None:
+        postfix["mfu"] = f"{100 * row['mfu']:.1f}%"
     if bar.disable:
         if acc.is_main_process:
             logger.info(

@@ -123,3 +123,57 @@ def read_metrics(output_dir: str) -> list[dict[str, Any]]:
     """All rows of a run's metrics.jsonl (for tests, parity and users' scripts)."""
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+# ---------------------------------------------------------------- model FLOPs utilisation (MFU)
+#
+# MFU = model FLOPs per token x tokens/s / peak FLOP/s of the devices. Model FLOPs per token are
+# 6 x (non-embedding parameters) for the forward and backward matmuls plus 12 x layers x hidden x
+# sequence for attention scores (PaLM, appendix B); recomputation (gradient checkpointing) is not
+# counted, as usual. Peak FLOP/s: datasheet dense figures per GPU type (below); on CPU a 2048^3
+# fp32 matmul measured at start on every rank at once (so ranks sharing cores share the peak).
+
+GPU_PEAK_TFLOPS = {  # dense; (bf16/fp16, tf32, fp32)
+    "H200": (989, 494, 67),
+    "H100": (989, 494, 67),
+    "A100": (312, 156, 19.5),
+    "L40S": (362, 183, 91.6),
+    "L4": (121, 60, 30),
+    "A10": (125, 62.5, 31.2),
+    "A6000": (155, 77, 38.7),
+    "V100": (125, 15.7, 15.7),
+}
+
+
+def flops_per_token(model, seq_len: int) -> float:
+    """Training FLOPs per token of `model` (unwrapped) at sequence length seq_len."""
+    cfg = getattr(model, "config", None)
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    n_embed = getattr(embed, "ds_numel", embed.weight.numel()) if embed is not None else 0
+    n = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) - n_embed
+    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 0) or 0
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0) or 0
+    return 6.0 * n + 12.0 * layers * hidden * seq_len
+
+
+def peak_flops(device: torch.device, mixed_precision: str) -> float | None:
+    """Peak dense FLOP/s of one device for this precision; None when unknown."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, (half, tf32, fp32) in GPU_PEAK_TFLOPS.items():
+            if key in name:
+                if mixed_precision in ("bf16", "fp16"):
+                    return half * 1e12
+                return (tf32 if torch.backends.cuda.matmul.allow_tf32 else fp32) * 1e12
+        return None
+    if device.type == "cpu":
+        import time
+
+        a = torch.randn(2048, 2048)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            a @ a
+            best = min(best, time.perf_counter() - t0)
+        return 2 * 2048**3 / best
+    return None

@@ -216,6 +216,16 @@ def run(cfg: RunConfig) -> dict:
             acc, net, optimizer, t.output_dir, s.step, trainer_state, run_config, t.save_total_limit
         )
 
+    flops = metrics.flops_per_token(acc.unwrap_model(net), cfg.data.max_seq_length)
+    peak = metrics.peak_flops(acc.device, acc.mixed_precision)
+    peak = peak * acc.num_processes if peak else None
+    if peak:
+        logger.info(
+            "MFU reference: %.3g model FLOPs per token; peak %.0f GFLOP/s over %d device(s)",
+            flops,
+            peak / 1e9,
+            acc.num_processes,
+        )
     r = loop.Run(
         accelerator=acc,
         model=net,
@@ -232,6 +242,8 @@ def run(cfg: RunConfig) -> dict:
         log=log,
         save=save,
         extra={"world_size": acc.num_processes, "distributed_type": facts["distributed_type"]},
+        flops_per_token=flops,
+        peak_flops=peak,
     )
     startup = metrics.peak_memory(acc.device)  # loading and preparing
     metrics.reset_peak_memory(acc.device)
