@@ -154,8 +154,8 @@ def train(run: Run, state: TrainState) -> dict[str, float]:
                 win = _Window()
             if run.eval_loader is not None and (done or (args.eval_steps and state.step % args.eval_steps == 0)):
                 last_eval = _log_eval(run, state, bar)
-            if done or (args.save_steps and state.step % args.save_steps == 0):
-                run.save(state)
+            if not done and args.save_steps and state.step % args.save_steps == 0:
+                run.save(state)  # the last step's checkpoint is run.py's, after the loop
             if done:
                 break
     bar.close()

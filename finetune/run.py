@@ -256,13 +256,14 @@ def run(cfg: RunConfig) -> dict:
         raise
     training = metrics.peak_memory(acc.device)
     metrics.reset_peak_memory(acc.device)
+    save(state)  # the end-of-run checkpoint (a resume of a finished run starts from here)
     final = checkpoint.export(acc, net, tokenizer, run_config, t.output_dir)
     if cfg.peft.merge:
         if acc.is_main_process:
             merged = checkpoint.merge_adapter(final, os.path.join(final, "merged"), ds.label_names)
             logger.info("merged model saved to %s", os.path.abspath(merged))
         acc.wait_for_everyone()
-    phases = {"startup": startup, "train": training, "export": metrics.peak_memory(acc.device)}
+    phases = {"startup": startup, "train": training, "save_export": metrics.peak_memory(acc.device)}
     mine = {f"{phase}_{k}": v for phase, m in phases.items() for k, v in m.items()}
     memories = gather_object([{"rank": acc.process_index, **mine}])
     log.write({"step": state.step, "peak_memory": memories})
