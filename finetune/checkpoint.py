@@ -121,8 +121,10 @@ def _fault_point(name: str, step: int) -> None:
         os.kill(os.getpid(), 9)
 
 
-def resolve_resume(output_dir: str, spec: str) -> str:
-    """The checkpoint directory that `resume_from_checkpoint` (latest or a path) names."""
+def resolve_resume(output_dir: str, spec: str | None) -> str | None:
+    """The checkpoint directory that `resume_from_checkpoint` (latest, auto or a path) names; None: start fresh."""
+    if spec == "auto":
+        spec = LATEST if os.path.exists(os.path.join(checkpoints_dir(output_dir), LATEST)) else None
     if spec != LATEST:
         return spec
     with open(os.path.join(checkpoints_dir(output_dir), LATEST)) as f:

@@ -119,9 +119,9 @@ def run(cfg: RunConfig) -> dict:
 
     peft_on = cfg.peft.method != "none"
     here = parallel.layout(acc, plan.global_batch_size)
-    resume_path, saved, portable = None, None, False
-    if t.resume_from_checkpoint:
-        resume_path = checkpoint.resolve_resume(t.output_dir, t.resume_from_checkpoint)
+    saved, portable = None, False
+    resume_path = checkpoint.resolve_resume(t.output_dir, t.resume_from_checkpoint)
+    if resume_path:
         saved = checkpoint.read_trainer_state(resume_path)
         portable = checkpoint.needs_portable_resume(saved, here)
         if portable:
@@ -199,7 +199,7 @@ def run(cfg: RunConfig) -> dict:
             else "",
         )
     elif acc.is_main_process:
-        if t.overwrite_output_dir:
+        if t.overwrite_output_dir or t.resume_from_checkpoint == "auto":  # auto: nothing checkpointed yet
             _clear_previous_run(t.output_dir)
         os.makedirs(t.output_dir, exist_ok=True)
         with open(os.path.join(t.output_dir, checkpoint.CONFIG_FILE), "w") as f:

@@ -104,3 +104,27 @@ def test_kill_while_writing_a_checkpoint_keeps_the_previous_one(assets, tmp_path
     assert not (ckpts / ".tmp_step_4").exists()
     a, b = final_weights(straight.output_dir), final_weights(out)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_auto_for_restarting_launchers(assets, tmp_path):
+    """`--resume_from_checkpoint auto`: a fresh start when nothing was checkpointed, a resume otherwise."""
+    args = base_args(
+        assets.gpt2,
+        assets.text,
+        "--max_steps",
+        "4",
+        "--save_steps",
+        "2",
+        "--eval_fraction",
+        "0",
+        "--resume_from_checkpoint",
+        "auto",
+    )
+    out = tmp_path / "run"
+    died = finetune(out, *args, launcher="python", expect_ok=False, extra_env={"FINETUNE_FAULT": "in-checkpoint:2"})
+    assert died.returncode == -9 and (out / "metrics.jsonl").exists() and not (out / "checkpoints" / "latest").exists()
+    fresh = finetune(out, *args, expect_ok=False, launcher="python", extra_env={"FINETUNE_FAULT": "in-checkpoint:4"})
+    assert fresh.returncode == -9 and "resumed from" not in fresh.output
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_2"
+    resumed = finetune(out, *args)
+    assert "resumed from" in resumed.output and [r["step"] for r in resumed.train_rows] == [1, 2, 3, 4]
