@@ -132,8 +132,28 @@ def resolve_resume(output_dir: str, spec: str | None) -> str | None:
 
 
 def read_trainer_state(path: str) -> dict[str, Any]:
-    with open(os.path.join(path, STATE_FILE)) as f:
-        return json.load(f)
+    """A checkpoint's trainer_state.json; a ConfigError when `path` is not a complete finetune checkpoint."""
+    from finetune.config import ConfigError
+
+    try:
+        with open(os.path.join(path, STATE_FILE)) as f:
+            state = json.load(f)
+        missing = [k for k in ("step", "layout") if k not in state]
+    except (OSError, json.JSONDecodeError) as e:
+        missing = [f"{STATE_FILE} ({type(e).__name__})"]
+    if missing:
+        raise ConfigError(
+            [
+                (
+                    "resume_from_checkpoint",
+                    f"{path} is not a complete finetune checkpoint (missing "
+                    f"{', '.join(missing)}); give a checkpoints/step_N directory "
+                    "written by finetune, or drop resume_from_checkpoint to start "
+                    "fresh",
+                )
+            ]
+        )
+    return state
 
 
 def load_checkpoint(accelerator, path: str) -> dict[str, Any]:

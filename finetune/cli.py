@@ -84,6 +84,8 @@ def parse(argv: list[str]):
         if "model" in vars(args) and "dataset" in vars(args):
             problems.pop()
     overrides = {k: parse_cli_value(k, v) for k, v in vars(args).items() if k != "config"}
+    if not args.config and not overrides:  # nothing given at all: the one thing to say is how to start
+        raise ConfigError(problems)
     try:
         cfg = build_config({**values, **overrides})
     except ConfigError as e:

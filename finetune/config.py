@@ -27,6 +27,7 @@ FORMATS = ("auto", "text", "instruction", "chat", "classification")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+SHIPPED_METRICS = Path(__file__).parent / "metric_modules"  # evaluate modules that load offline
 # Files whose presence in output_dir means "a previous run lives here".
 RUN_MARKERS = ("metrics.jsonl", "checkpoints", "final", "run_config.yaml")
 
@@ -126,7 +127,11 @@ class TrainArgs:
     save_steps: int | None = _f(500, "Checkpoint every N optimizer steps (always at the end).")
     save_total_limit: int | None = _f(None, "Keep only the newest N checkpoints.")
     seed: int = _f(42, "Seed for init, data order and dropout; results do not depend on the world size.")
-    resume_from_checkpoint: str | None = _f(None, "'latest' or a checkpoint directory to resume from.")
+    resume_from_checkpoint: str | None = _f(
+        None,
+        "'latest', a checkpoint directory, or 'auto' (resume when output_dir has a checkpoint, else start fresh: "
+        "for launchers that restart failed jobs).",
+    )
     metrics: list[str] | None = _f(
         None, "Eval metrics: names shipped with finetune (accuracy, f1) or any evaluate.load name; default by task."
     )
@@ -268,6 +273,8 @@ def parse_cli_value(name: str, text: str) -> Any:
 def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     """Read a run-config YAML file into a dict, with a clear error when it cannot be."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError([("--config", f"{str(p)!r} is a directory; pass the path of a run-config YAML file")])
     if not p.is_file():
         raise ConfigError([("--config", f"file {str(p)!r} does not exist; pass the path of a run-config YAML")])
     try:
@@ -275,9 +282,13 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError([("--config", f"{p} is not valid YAML{where}: {getattr(e, 'problem', e)}")]) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError([("--config", f"cannot read {p}: {e}")]) from None
+        raise ConfigError(
+            [("--config", f"{p} is not valid YAML{where}: {getattr(e, 'problem', e)}; fix the syntax there")]
+        ) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([("--config", f"cannot read {p}: {e}; save it as UTF-8 text")]) from None
+    except OSError as e:
+        raise ConfigError([("--config", f"cannot read {p}: {e}; check the path and its permissions")]) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -341,20 +352,92 @@ def looks_local(spec: str) -> bool:
     )
 
 
+def data_files(spec: str) -> list[str]:
+    """The files a local dataset spec names: the files its glob matches, and the data files under the
+    directories it matches."""
+    import glob
+
+    files = []
+    for p in sorted(glob.glob(os.path.expanduser(spec))):
+        if os.path.isdir(p):
+            files += sorted(str(f) for f in Path(p).rglob("*") if f.suffix.lower() in DATA_EXTENSIONS)
+        elif os.path.isfile(p):
+            files.append(p)
+    return files
+
+
 def _check_data_path(problems: list, key: str, spec: str) -> None:
     if not looks_local(spec):
         return
     import glob
 
-    paths = [p for p in glob.glob(os.path.expanduser(spec)) if os.path.isfile(p) or os.path.isdir(p)]
-    if not paths:
+    if not any(os.path.isfile(p) or os.path.isdir(p) for p in glob.glob(os.path.expanduser(spec))):
         problems.append((key, f"no file or directory matches {spec!r}; give an existing path or a Hub dataset id"))
         return
-    for p in paths:
-        if os.path.isfile(p) and Path(p).suffix.lower() not in DATA_EXTENSIONS:
-            problems.append((key, f"{p!r} has an unsupported extension; use one of {', '.join(DATA_EXTENSIONS)}"))
-        elif os.path.isfile(p) and not os.access(p, os.R_OK):
-            problems.append((key, f"{p!r} is not readable; fix its permissions"))
+    files = data_files(spec)
+    extensions = ", ".join(DATA_EXTENSIONS)
+    unsupported = [f for f in files if Path(f).suffix.lower() not in DATA_EXTENSIONS]
+    kinds = sorted({DATA_EXTENSIONS.get(Path(f).suffix.lower()) for f in files} - {None})
+    unreadable = [f for f in files if not os.access(f, os.R_OK)]
+    empty = [f for f in files if f not in unreadable and os.path.getsize(f) == 0]
+    if unsupported:
+        problems.append((key, f"{unsupported[0]!r} has an unsupported extension; use one of {extensions}"))
+    elif not files:
+        problems.append(
+            (key, f"{spec!r} holds no data files; add {extensions} files to it, or give the files themselves")
+        )
+    elif len(kinds) > 1:
+        problems.append(
+            (key, f"{spec!r} names files of {len(kinds)} kinds ({', '.join(kinds)}); give files of one kind")
+        )
+    elif unreadable:
+        problems.append((key, f"{unreadable[0]!r} is not readable; fix its permissions"))
+    elif empty:
+        problems.append((key, f"{empty[0]!r} is empty; give a file with examples (or leave it out)"))
+
+
+def _check_model_config(problems: list, model_dir: str, max_seq_length: int) -> None:
+    """What the model directory's config.json alone tells: that it is readable, and how many positions fit."""
+    import json
+
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        problems.append(("model", f"cannot read {path} ({e}); point at a directory saved with save_pretrained"))
+        return
+    limit = (config.get("max_position_embeddings") or config.get("n_positions")) if isinstance(config, dict) else None
+    if isinstance(limit, int) and not isinstance(limit, bool) and max_seq_length > limit:
+        problems.append(
+            (
+                "max_seq_length",
+                f"{max_seq_length} is beyond what {model_dir!r} supports "
+                f"(max_position_embeddings={limit}); set max_seq_length <= {limit}",
+            )
+        )
+
+
+def _hub_offline() -> bool:
+    return any(
+        os.environ.get(k, "").upper() in ("1", "ON", "YES", "TRUE") for k in ("HF_HUB_OFFLINE", "HF_EVALUATE_OFFLINE")
+    )
+
+
+def _check_metrics(problems: list, names: list[str]) -> None:
+    """Offline, only the metrics shipped with finetune and local metric directories can load."""
+    if not _hub_offline():
+        return
+    shipped = sorted(p.name for p in SHIPPED_METRICS.iterdir() if p.is_dir())
+    missing = [n for n in names if n not in shipped and not os.path.exists(n)]
+    if missing:
+        problems.append(
+            (
+                "metrics",
+                f"{', '.join(map(repr, missing))} not shipped with finetune and the Hub is offline (HF_HUB_OFFLINE); "
+                f"use {', '.join(shipped)} or the path of a local evaluate metric",
+            )
+        )
 
 
 def previous_run_in(output_dir: str) -> list[str]:
@@ -369,19 +452,23 @@ def validate(
     m, d, t = cfg.model, cfg.data, cfg.train
     p: list[tuple[str, str]] = []
     if not m.model:
-        p.append(("model", "is required: a Hub model id or a local model directory"))
+        p.append(("model", "is required: set it to a Hub model id or a local model directory"))
     if not d.dataset:
-        p.append(("dataset", "is required: a Hub dataset id or local data files"))
+        p.append(("dataset", "is required: set it to a Hub dataset id or local data files"))
     _choice(p, "task", m.task, TASKS)
     _choice(p, "torch_dtype", m.torch_dtype, DTYPES)
     _choice(p, "format", d.format, FORMATS)
     _choice(p, "lr_scheduler_type", t.lr_scheduler_type, SCHEDULERS)
     if m.task == "classification" and d.format not in ("auto", "classification"):
         p.append(
-            ("format", f"{d.format!r} is a causal-LM format; task classification needs format classification (or auto)")
+            (
+                "format",
+                f"{d.format!r} is a causal-LM format; task classification needs format classification: "
+                "set format: classification (or auto), or task: causal_lm",
+            )
         )
     if m.task == "causal_lm" and d.format == "classification":
-        p.append(("format", "classification data needs `task: classification`"))
+        p.append(("format", "classification data needs task classification: set task: classification"))
     pe = cfg.peft
     _choice(p, "peft.method", pe.method, PEFT_METHODS)
     if pe.method != "none":
@@ -451,23 +538,37 @@ def validate(
         )
     elif m.model and os.path.isdir(m.model) and not os.path.isfile(os.path.join(m.model, "config.json")):
         p.append(("model", f"{m.model!r} has no config.json; point at a directory saved with save_pretrained"))
+    elif m.model and os.path.isdir(m.model):
+        _check_model_config(p, m.model, d.max_seq_length)
     if (
         m.chat_template
         and len(m.chat_template) < 256
         and "{" not in m.chat_template
         and not os.path.isfile(m.chat_template)
     ):
-        p.append(("chat_template", f"{m.chat_template!r} is neither a Jinja template nor an existing file"))
+        p.append(
+            (
+                "chat_template",
+                f"{m.chat_template!r} is neither a Jinja template nor an existing file; "
+                "give the template text or the path of a template file",
+            )
+        )
     if d.dataset:
         _check_data_path(p, "dataset", d.dataset)
     if d.eval_dataset:
         _check_data_path(p, "eval_dataset", d.eval_dataset)
+    if t.metrics:
+        _check_metrics(p, t.metrics)
     resume = t.resume_from_checkpoint
+    latest = os.path.join(t.output_dir, "checkpoints", "latest")
+    auto_fresh = resume == "auto" and not os.path.exists(latest)  # auto: resume if there is a checkpoint
+    if resume == "auto":
+        resume = None if auto_fresh else "latest"
     if resume and resume != "latest" and not os.path.isdir(resume):
         p.append(
             ("resume_from_checkpoint", f"{resume!r} is not a directory; give 'latest' or a checkpoints/step_N path")
         )
-    if resume == "latest" and not os.path.exists(os.path.join(t.output_dir, "checkpoints", "latest")):
+    if resume == "latest" and not os.path.exists(latest):
         p.append(
             (
                 "resume_from_checkpoint",
@@ -475,10 +576,27 @@ def validate(
                 "drop resume_from_checkpoint to start fresh",
             )
         )
+    elif resume == "latest":
+        try:
+            named = os.path.join(t.output_dir, "checkpoints", Path(latest).read_text().strip())
+        except (OSError, UnicodeDecodeError) as e:
+            named, why = None, f"cannot read {latest} ({e})"
+        else:
+            why = f"{latest} names {named}, which is not a directory"
+        if named is None or not os.path.isdir(named):
+            p.append(
+                (
+                    "resume_from_checkpoint",
+                    f"'latest' but {why}; give a checkpoints/step_N directory, or drop resume_from_checkpoint "
+                    "to start fresh",
+                )
+            )
     if t.output_dir and os.path.isfile(t.output_dir):
         p.append(("output_dir", f"{t.output_dir!r} is a file; give a directory"))
     elif t.output_dir and not resume and not t.overwrite_output_dir:
         found = previous_run_in(t.output_dir)
+        if auto_fresh:  # a run that died before its first checkpoint left nothing worth keeping but final/
+            found = [m for m in found if m == "final"]
         if found:
             p.append(
                 (

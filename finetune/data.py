@@ -9,9 +9,7 @@ Formats and what the loss sees (labels = -100 are not supervised):
 
 from __future__ import annotations
 
-import glob
 import logging
-import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -20,7 +18,7 @@ from typing import Any
 
 import torch
 
-from finetune.config import DATA_EXTENSIONS, ConfigError, DataArgs, looks_local
+from finetune.config import DATA_EXTENSIONS, ConfigError, DataArgs, data_files, looks_local
 
 IGNORE = -100
 logger = logging.getLogger("finetune")
@@ -46,15 +44,19 @@ def _load(spec: str, data: DataArgs, split: str | None) -> Any:
 
     key = "dataset" if spec == data.dataset else "eval_dataset"
     if looks_local(spec):
-        files = sorted(glob.glob(os.path.expanduser(spec)))
-        files = [f for p in files for f in (_files_in(p) if os.path.isdir(p) else [p])]
+        files = data_files(spec)
         kinds = {DATA_EXTENSIONS.get(Path(f).suffix.lower()) for f in files}
         if not files or None in kinds or len(kinds) != 1:
-            raise ConfigError([(key, f"{spec!r} must name files of one kind ({', '.join(DATA_EXTENSIONS)})")])
+            raise ConfigError(
+                [(key, f"{spec!r} must name files of one kind ({', '.join(DATA_EXTENSIONS)}); give such files")]
+            )
+        kind = kinds.pop()
         try:
-            return datasets.load_dataset(kinds.pop(), data_files=files, split="train")
+            return datasets.load_dataset(kind, data_files=files, split="train")
         except Exception as e:  # datasets raises many types for malformed files
-            raise ConfigError([(key, f"could not read {spec!r}: {_first_line(e)}")]) from None
+            raise ConfigError(
+                [(key, f"could not read {spec!r} as {kind}: {_first_line(_cause(e))}; fix the file (or leave it out)")]
+            ) from None
     try:
         return datasets.load_dataset(spec, data.dataset_config, split=split or data.train_split)
     except Exception as e:
@@ -69,8 +71,11 @@ def _load(spec: str, data: DataArgs, split: str | None) -> Any:
         ) from None
 
 
-def _files_in(directory: str) -> list[str]:
-    return sorted(str(p) for p in Path(directory).rglob("*") if p.suffix.lower() in DATA_EXTENSIONS)
+def _cause(e: BaseException) -> BaseException:
+    """The error under datasets' generic DatasetGenerationError (which says only that one happened)."""
+    while type(e).__name__ == "DatasetGenerationError" and (e.__cause__ or e.__context__):
+        e = e.__cause__ or e.__context__
+    return e
 
 
 def _first_line(e: BaseException) -> str:
@@ -146,10 +151,18 @@ def required_columns(fmt: str, columns: list[str], data: DataArgs) -> list[tuple
         if not alpaca:
             need += [("prompt_column", data.prompt_column), ("response_column", data.response_column)]
     return [
-        (key, f"column {col!r} not in the data (columns: {columns}); set {key}")
+        (key, f"column {col!r} not in the data (columns: {columns}); set {key}, or a format that fits the data")
         for key, col in need
         if col not in columns
     ]
+
+
+class BadExample(ValueError):
+    """An example the format cannot use; `key` is the config field that points at the wrong data."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(key, message)
+        self.key, self.message = key, message
 
 
 def _instruction(tokenizer, data: DataArgs, max_len: int) -> Callable:
@@ -185,6 +198,12 @@ def _chat(tokenizer, data: DataArgs, max_len: int) -> Callable:
 
     def fn(ex: dict) -> dict:
         messages = ex[data.messages_column]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise BadExample(
+                "messages_column",
+                f"column {data.messages_column!r} must hold lists of {{role, content}} messages, got "
+                f"{str(messages)[:60]!r}; set messages_column to such a column, or a format that fits the data",
+            )
         ids: list[int] = []
         labels: list[int] = []
         for k, msg in enumerate(messages):
@@ -225,9 +244,16 @@ def _text(tokenizer, data: DataArgs, max_len: int) -> Callable:
     return fn
 
 
+def _unique(ds, column: str) -> list:
+    try:
+        return ds.unique(column)
+    except (NotImplementedError, TypeError):  # pyarrow cannot hash a column of mixed types (JSON)
+        return list({repr(v): v for v in ds[column]}.values())
+
+
 def label_names_of(train, data: DataArgs) -> tuple[list[str], dict | None]:
     """Names of the classes and, for string labels, the name -> id map (sorted, so stable)."""
-    values = train.unique(data.label_column)
+    values = _unique(train, data.label_column)
     if any(v is None for v in values):
         raise ConfigError([("label_column", f"column {data.label_column!r} has empty labels; fill or drop those rows")])
     if all(isinstance(v, str) for v in values):
@@ -238,7 +264,12 @@ def label_names_of(train, data: DataArgs) -> tuple[list[str], dict | None]:
             raise ConfigError([("label_column", f"label {min(values)} is negative; labels must be 0..N-1 or strings")])
         return [str(i) for i in range(max(values) + 1)], None
     raise ConfigError(
-        [("label_column", f"labels must be all ints or all strings, got {sorted(map(repr, values))[:5]}")]
+        [
+            (
+                "label_column",
+                f"labels must be all ints or all strings, got {sorted(map(repr, values))[:5]}; make them one type",
+            )
+        ]
     )
 
 
@@ -343,8 +374,10 @@ def build_datasets(
     columns = list(train_raw.column_names)
     fmt = detect_format(columns, data, task)
     problems = required_columns(fmt, columns, data)
-    if eval_raw is not None:
-        problems += [(k, f"eval data: {m}") for k, m in required_columns(fmt, list(eval_raw.column_names), data)]
+    if eval_raw is not None:  # a column missing from both is one problem
+        in_train = {k for k, _ in problems}
+        eval_problems = required_columns(fmt, list(eval_raw.column_names), data)
+        problems += [(k, f"eval data: {m}") for k, m in eval_problems if k not in in_train]
     if problems:
         raise ConfigError(problems)
     if fmt == "chat" and not tokenizer.chat_template:
@@ -359,7 +392,7 @@ def build_datasets(
         )
     label_names, label_ids = label_names_of(train_raw, data) if fmt == "classification" else (None, None)
     if label_names and eval_raw is not None:
-        unknown = set(eval_raw.unique(data.label_column)) - set(label_ids or range(len(label_names)))
+        unknown = set(_unique(eval_raw, data.label_column)) - set(label_ids or range(len(label_names)))
         if unknown:
             raise ConfigError(
                 [
@@ -387,6 +420,8 @@ def build_datasets(
                 num_proc=data.preprocessing_num_workers,
                 desc=f"tokenizing {name}",
             )
+        except BadExample as e:
+            raise ConfigError([(e.key, e.message)]) from None
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(
                 [("dataset" if name == "train" else "eval_dataset", f"{fmt} formatting failed: {_first_line(e)}")]

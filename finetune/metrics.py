@@ -6,14 +6,12 @@ import json
 import math
 import os
 import resource
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from finetune.config import ConfigError
+from finetune.config import SHIPPED_METRICS, ConfigError
 
-SHIPPED = Path(__file__).parent / "metric_modules"  # evaluate modules that work offline
 DEFAULT_METRICS = {"causal_lm": [], "classification": ["accuracy", "f1"]}
 
 
@@ -23,7 +21,7 @@ def load_metrics(names: list[str] | None, task: str) -> dict[str, Any]:
 
     out = {}
     for name in DEFAULT_METRICS[task] if names is None else names:
-        path = SHIPPED / name
+        path = SHIPPED_METRICS / name
         try:
             out[name] = evaluate.load(str(path) if path.is_dir() else name)
         except Exception as e:
@@ -32,8 +30,9 @@ def load_metrics(names: list[str] | None, task: str) -> dict[str, Any]:
                     (
                         "metrics",
                         f"could not load metric {name!r} ({type(e).__name__}: "
-                        f"{(str(e).splitlines() or [''])[0]}); shipped offline: "
-                        f"{', '.join(sorted(p.name for p in SHIPPED.iterdir() if p.is_dir()))}",
+                        f"{(str(e).splitlines() or [''])[0]}); use one of the metrics shipped for offline use: "
+                        f"{', '.join(sorted(p.name for p in SHIPPED_METRICS.iterdir() if p.is_dir()))}, or a "
+                        "local evaluate module directory",
                     )
                 ]
             ) from None

@@ -19,12 +19,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def _load_error(what: str, spec: str, e: Exception) -> ConfigError:
     first = (str(e).strip().splitlines() or [""])[0]
-    hint = (
-        "; it is not a local directory and the Hub is unreachable or offline (HF_HUB_OFFLINE)"
-        if not os.path.isdir(spec)
-        else ""
-    )
-    return ConfigError([("model", f"could not load the {what} from {spec!r}{hint}: {type(e).__name__}: {first}")])
+    if os.path.isdir(spec):
+        fix = "point model at a directory saved with save_pretrained"
+    else:
+        fix = (
+            "it is not a local directory and the Hub is unreachable or offline (HF_HUB_OFFLINE): "
+            "give a local model directory, or a Hub id with the Hub reachable"
+        )
+    return ConfigError([("model", f"could not load the {what} from {spec!r} ({type(e).__name__}: {first}); {fix}")])
 
 
 def load_tokenizer(m: ModelArgs):
@@ -101,7 +103,18 @@ def apply_peft(net, pe: PeftArgs, task: str):
     try:
         return get_peft_model(net, config)
     except ValueError as e:  # e.g. target modules not found
-        raise ConfigError([("peft.target_modules", f"{e}".splitlines()[0])]) from None
+        linear = sorted(
+            {name.rsplit(".", 1)[-1] for name, mod in net.named_modules() if isinstance(mod, torch.nn.Linear)}
+        )
+        raise ConfigError(
+            [
+                (
+                    "peft.target_modules",
+                    f"{e}".splitlines()[0] + f" Set peft.target_modules to some of this model's linear layers "
+                    f"({', '.join(linear)}) or [all-linear]",
+                )
+            ]
+        ) from None
 
 
 def build_model(
@@ -152,6 +165,11 @@ def build_model(
     try:
         model = cls.from_pretrained(m.model, **kwargs)
     except (OSError, ValueError, KeyError) as e:
+        if m.attn_implementation and "attn_implementation" in str(e):
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise ConfigError(
+                [("attn_implementation", f"{first} Set attn_implementation to one of those, or drop it")]
+            ) from None
         raise _load_error("model", m.model, e) from None
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))

@@ -85,7 +85,15 @@ def check_deepspeed_config(train: TrainArgs) -> None:
         with open(path) as f:
             ds = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError([("deepspeed_config_file", f"cannot read {path}: {e}")]) from None
+        raise ConfigError(
+            [
+                (
+                    "deepspeed_config_file",
+                    f"cannot read {path}: {e}; fix the JSON, or point the "
+                    "Accelerate config's deepspeed_config_file at a valid file",
+                )
+            ]
+        ) from None
     problems = []
     for key, ours in _ds_expected(train).items():
         value = ds.get(key, "auto")
@@ -137,8 +145,8 @@ def announce_op_builds() -> None:
 
 def make_accelerator(train: TrainArgs):
     """The Accelerator for a run. The parallelism itself comes from `accelerate launch`'s config."""
-    from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs
-    from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs
+    from accelerate import DistributedDataParallelKwargs
+    from accelerate.utils import InitProcessGroupKwargs
 
     # Gradients as views of DDP's communication buckets: one copy of the gradients instead of two.
     handlers = [
@@ -151,6 +159,25 @@ def make_accelerator(train: TrainArgs):
         timeout = datetime.timedelta(seconds=train.ddp_timeout or (1800 if gpu else 600))
         # gloo when there is no GPU: DeepSpeed would otherwise pick nccl and every rank believe it is alone.
         handlers.append(InitProcessGroupKwargs(timeout=timeout, **({} if gpu else {"backend": "gloo"})))
+    try:
+        return _accelerator(train, handlers)
+    except ValueError as e:
+        if "logging capability" in str(e) or "report_to" in str(e):  # an unknown tracker name
+            raise ConfigError(
+                [
+                    (
+                        "report_to",
+                        f"{str(e).splitlines()[0]}; set report_to to some of those names, or [] for metrics.jsonl only",
+                    )
+                ]
+            ) from None
+        raise
+
+
+def _accelerator(train: TrainArgs, handlers: list):
+    from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.utils import GradientAccumulationPlugin
+
     return Accelerator(
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=train.gradient_accumulation_steps, sync_with_dataloader=False

@@ -1,0 +1,538 @@
+"""Bad input: a corpus of broken inputs, each run the way a user runs finetune (`python -m finetune`).
+
+Every case must end with exit code 2 and one clear message: the key (or file) that is wrong, what is
+wrong and the fix; no traceback; in under 10 s (wall time; CPU time when others overload the
+machine); before any model is loaded where the config alone tells; and the previous run in
+output_dir (indeed every file of the case) left byte for byte as it was. Where the problem is not
+about output_dir, `--overwrite_output_dir true` is passed, so a run that got far enough would clear
+that previous run: an untouched directory shows it stopped first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+from finetune.demo import write_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+TIME_LIMIT_S = 10.0
+DROP = object()  # a base-config field set to DROP is left out of the YAML
+
+# Where a case must have stopped. CONFIG: at the edge, while parsing and validating (no Accelerator,
+# no tokenizer, no data). DATA: before any model is loaded (the problem needs the data or the
+# tokenizer). MODEL: only a loaded model tells (e.g. which module names it has).
+CONFIG, DATA, MODEL = "config", "data", "model"
+
+# A problem line names its fix: a constraint ("must be >= 1"), the expected form, the choices,
+# or an imperative.
+FIX_WORDS = (
+    "must",
+    "expected",
+    "is not one of",
+    "did you mean",
+    "set ",
+    "give ",
+    "use ",
+    "pass ",
+    "remove",
+    "drop ",
+    "pick ",
+    "raise ",
+    "lower ",
+    "fix ",
+    "add ",
+    "save ",
+    "see ",
+    "point at",
+    "options take the form",
+)
+
+
+@dataclass
+class Ctx:
+    """What a case builds its input from: shared tiny assets, its own temp dir and the output_dir."""
+
+    assets: object
+    no_chat_model: str
+    tmp: Path
+    out: Path  # holds the fake previous run
+    output_dir: Path  # what --output_dir gets (out unless the case says otherwise)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def base(self) -> dict:
+        """A run config that would train: tiny llama, instruction data, tiny batches."""
+        return {
+            "model": self.assets.llama,
+            "dataset": self.assets.instruction,
+            "max_seq_length": 64,
+            "per_device_train_batch_size": 4,
+            "max_steps": 2,
+            "save_steps": None,
+            "disable_tqdm": True,
+        }
+
+    def yaml(self, **fields) -> list[str]:
+        values = {k: v for k, v in {**self.base(), **fields}.items() if v is not DROP}
+        return ["--config", self.write("run.yaml", yaml.safe_dump(values))]
+
+    def write(self, name: str, content: str | bytes) -> str:
+        path = self.tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+        return str(path)
+
+    def jsonl(self, name: str, rows: list[dict]) -> str:
+        return write_jsonl(rows, self.tmp / name)
+
+    def mkdir(self, name: str) -> str:
+        (self.tmp / name).mkdir(parents=True, exist_ok=True)
+        return str(self.tmp / name)
+
+    def deepspeed(self, **json_fields) -> list[str]:
+        ds = {
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+            "zero_optimization": {"stage": 2},
+            **json_fields,
+        }
+        self.env["ACCELERATE_USE_DEEPSPEED"] = "true"
+        self.env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = self.write("ds.json", json.dumps(ds))
+        return self.yaml()
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    build: Callable[[Ctx], list[str]]  # writes what it needs under ctx.tmp; returns argv
+    key: str  # reported as "  - <key>: ..."
+    text: str  # in that problem's message (the file, the value or the fix)
+    stage: str = CONFIG
+    overwrite: bool = True  # pass --overwrite_output_dir true (the problem is not about output_dir)
+    problems: int = 1
+    marks: tuple = ()
+
+
+def rows_cls(labels: list) -> list[dict]:
+    return [{"text": f"sample {i} about food and rain", "label": lab} for i, lab in enumerate(labels)]
+
+
+def rows_instruction(n: int, response="It is about tech.") -> list[dict]:
+    return [{"prompt": f"Which topic is this about? item {i}", "response": response} for i in range(n)]
+
+
+LONG_PROMPT = "Which topic is this about? " + "the match was good and the team won again " * 6
+CLS = {"task": "classification"}
+
+
+def cls_data(c: Ctx, labels: list, **more) -> list[str]:
+    return c.yaml(**CLS, dataset=c.jsonl("cls.jsonl", rows_cls(labels)), eval_fraction=0.0, **more)
+
+
+def without_checkpoints(c: Ctx) -> list[str]:
+    shutil.rmtree(c.out / "checkpoints")
+    return c.yaml(resume_from_checkpoint="latest")
+
+
+def latest_names_missing_step(c: Ctx) -> list[str]:
+    (c.out / "checkpoints" / "latest").write_text("step_9\n")
+    return c.yaml(resume_from_checkpoint="latest")
+
+
+def files_of_two_kinds(c: Ctx) -> list[str]:
+    c.write("data/a.jsonl", '{"text": "a"}\n')
+    c.write("data/b.csv", "text\nb\n")
+    return c.yaml(dataset=str(c.tmp / "data" / "*"))
+
+
+def deepspeed_json_malformed(c: Ctx) -> list[str]:
+    args = c.deepspeed()
+    c.write("ds.json", '{"zero_optimization": {"stage": 2}')
+    return args
+
+
+def output_dir_is_a_file(c: Ctx) -> list[str]:
+    c.output_dir = Path(c.write("out.txt", "not a directory"))
+    return c.yaml()
+
+
+CASES = [
+    # ---- the run-config file and the command line
+    Case(
+        "yaml_malformed",
+        lambda c: ["--config", c.write("run.yaml", "model: m\ndataset: d\nmax_steps: 3: 4\n")],
+        "--config",
+        "line 3",
+    ),
+    Case(
+        "yaml_not_a_mapping", lambda c: ["--config", c.write("run.yaml", "- model\n- dataset\n")], "--config", "mapping"
+    ),
+    Case("config_file_missing", lambda c: ["--config", str(c.tmp / "nowhere.yaml")], "--config", "nowhere.yaml"),
+    Case("config_is_a_directory", lambda c: ["--config", c.mkdir("configs")], "--config", "directory"),
+    Case("config_not_utf8", lambda c: ["--config", c.write("run.yaml", b"model: \xff\xfe\n")], "--config", "UTF-8"),
+    Case("no_config_no_model", lambda c: [], "--config", "examples/", problems=3),
+    Case("unknown_key_typo", lambda c: c.yaml(learning_rat=1e-3), "learning_rat", "did you mean 'learning_rate'"),
+    Case("unknown_key", lambda c: c.yaml(frobnicate=1), "frobnicate", "finetune --help"),
+    Case("unknown_flag", lambda c: [*c.yaml(), "--max_step", "3"], "--max_step", "did you mean --max_steps"),
+    Case("stray_argument", lambda c: [*c.yaml(), "train"], "train", "--field value"),
+    Case(
+        "peft_unknown_field",
+        lambda c: c.yaml(peft={"method": "lora", "rank": 4}),
+        "peft.rank",
+        "did you mean 'peft.r'",
+    ),
+    Case("peft_not_a_mapping", lambda c: c.yaml(peft="lora"), "peft", "method: lora"),
+    # ---- wrong types
+    Case("int_given_text", lambda c: c.yaml(max_steps="ten"), "max_steps", "expected an integer"),
+    Case(
+        "int_given_fraction",
+        lambda c: [*c.yaml(), "--per_device_train_batch_size", "2.5"],
+        "per_device_train_batch_size",
+        "2.5",
+    ),
+    Case("float_given_text", lambda c: c.yaml(learning_rate="fast"), "learning_rate", "expected a number"),
+    Case("bool_given_text", lambda c: c.yaml(packing="maybe"), "packing", "true or false"),
+    Case("string_given_list", lambda c: c.yaml(text_column=["a", "b"]), "text_column", "expected a string"),
+    Case("list_given_mapping", lambda c: c.yaml(report_to={"tensorboard": True}), "report_to", "list of str"),
+    Case("required_value_null", lambda c: c.yaml(learning_rate=None), "learning_rate", "must not be empty"),
+    Case("choice_typo", lambda c: c.yaml(lr_scheduler_type="cosin"), "lr_scheduler_type", "did you mean 'cosine'"),
+    Case("unknown_task", lambda c: c.yaml(task="seq2seq"), "task", "causal_lm, classification"),
+    Case("unknown_dtype", lambda c: c.yaml(torch_dtype="fp16"), "torch_dtype", "float16"),
+    Case("unknown_peft_method", lambda c: c.yaml(peft={"method": "qlora"}), "peft.method", "did you mean 'lora'"),
+    # ---- zero, negative and out-of-range sizes
+    Case("batch_size_zero", lambda c: c.yaml(per_device_train_batch_size=0), "per_device_train_batch_size", ">= 1"),
+    Case(
+        "grad_accumulation_negative",
+        lambda c: c.yaml(gradient_accumulation_steps=-2),
+        "gradient_accumulation_steps",
+        "-2",
+    ),
+    Case("max_seq_length_zero", lambda c: c.yaml(max_seq_length=0), "max_seq_length", ">= 1"),
+    Case("max_steps_zero", lambda c: c.yaml(max_steps=0), "max_steps", "-1"),
+    Case("epochs_zero", lambda c: c.yaml(max_steps=-1, num_train_epochs=0), "num_train_epochs", "> 0"),
+    Case("learning_rate_negative", lambda c: c.yaml(learning_rate=-1e-4), "learning_rate", "> 0"),
+    Case("save_steps_zero", lambda c: c.yaml(save_steps=0), "save_steps", "null"),
+    Case("warmup_ratio_above_one", lambda c: c.yaml(warmup_ratio=1.5), "warmup_ratio", "[0, 1)"),
+    Case("eval_fraction_one", lambda c: c.yaml(eval_fraction=1.0), "eval_fraction", "[0, 1)"),
+    Case("peft_rank_zero", lambda c: c.yaml(peft={"method": "lora", "r": 0}), "peft.r", ">= 1"),
+    Case("dataloader_workers_negative", lambda c: c.yaml(dataloader_num_workers=-1), "dataloader_num_workers", ">= 0"),
+    # ---- model and data files
+    Case("model_not_given", lambda c: c.yaml(model=DROP), "model", "local model directory"),
+    Case("dataset_not_given", lambda c: c.yaml(dataset=DROP), "dataset", "local data files"),
+    Case("model_dir_missing", lambda c: c.yaml(model=str(c.tmp / "no_model")), "model", "no_model"),
+    Case("model_dir_without_config", lambda c: c.yaml(model=c.mkdir("empty_model")), "model", "config.json"),
+    Case("model_hub_id_offline", lambda c: c.yaml(model="someorg/tiny-model"), "model", "local", stage=DATA),
+    Case("dataset_file_missing", lambda c: c.yaml(dataset=str(c.tmp / "no.jsonl")), "dataset", "no.jsonl"),
+    Case(
+        "dataset_unsupported_extension",
+        lambda c: c.yaml(dataset=c.write("train.xml", "<rows/>")),
+        "dataset",
+        ".jsonl",
+    ),
+    Case(
+        "dataset_not_json",
+        lambda c: c.yaml(dataset=c.write("bad.jsonl", '{"prompt": "p", "response": \n<<<garbage>>>\n')),
+        "dataset",
+        "bad.jsonl",
+        stage=DATA,
+    ),
+    Case("dataset_empty_file", lambda c: c.yaml(dataset=c.write("empty.jsonl", "")), "dataset", "empty.jsonl"),
+    Case("dataset_dir_without_data_files", lambda c: c.yaml(dataset=c.mkdir("data")), "dataset", "data"),
+    Case(
+        "dataset_files_of_two_kinds",
+        files_of_two_kinds,
+        "dataset",
+        "one kind",
+    ),
+    Case(
+        "dataset_hub_id_offline",
+        lambda c: c.yaml(dataset="someorg/some-dataset"),
+        "dataset",
+        "local files",
+        stage=DATA,
+    ),
+    Case(
+        "eval_dataset_missing", lambda c: c.yaml(eval_dataset=str(c.tmp / "eval.jsonl")), "eval_dataset", "eval.jsonl"
+    ),
+    Case("eval_split_with_local_files", lambda c: c.yaml(eval_split="test"), "eval_split", "eval_dataset", stage=DATA),
+    Case(
+        "chat_template_neither_text_nor_file",
+        lambda c: c.yaml(chat_template="templates/chatml.jinja"),
+        "chat_template",
+        "chatml.jinja",
+    ),
+    Case(
+        "peft_adapter_dir_without_config",
+        lambda c: c.yaml(peft={"method": "lora", "adapter": c.mkdir("adapter")}),
+        "peft.adapter",
+        "adapter_config.json",
+    ),
+    # ---- what is in the data
+    Case("text_column_missing", lambda c: c.yaml(format="text"), "text_column", "'text'", stage=DATA),
+    Case("format_does_not_match_data", lambda c: c.yaml(format="chat"), "messages_column", "format", stage=DATA),
+    Case(
+        "format_not_detectable",
+        lambda c: c.yaml(dataset=c.jsonl("odd.jsonl", [{"question": "q", "answer": "a"}] * 20)),
+        "format",
+        "question",
+        stage=DATA,
+    ),
+    Case(
+        "label_column_missing",
+        lambda c: c.yaml(**CLS, dataset=c.assets.classification, label_column="topic"),
+        "label_column",
+        "'topic'",
+        stage=DATA,
+    ),
+    Case(
+        "text_pair_column_missing",
+        lambda c: c.yaml(**CLS, dataset=c.assets.classification, text_pair_column="hypothesis"),
+        "text_pair_column",
+        "'hypothesis'",
+        stage=DATA,
+    ),
+    Case(
+        "no_supervised_tokens",
+        lambda c: c.yaml(dataset=c.jsonl("long.jsonl", [{"prompt": LONG_PROMPT, "response": "sports"}] * 20)),
+        "dataset",
+        "raise max_seq_length",
+        stage=DATA,
+    ),
+    Case(
+        "responses_all_null",
+        lambda c: c.yaml(dataset=c.jsonl("null.jsonl", rows_instruction(20, response=None))),
+        "dataset",
+        "response",
+        stage=DATA,
+    ),
+    Case("labels_empty", lambda c: cls_data(c, [0, 1, None, 1] * 5), "label_column", "empty labels", stage=DATA),
+    Case("label_negative", lambda c: cls_data(c, [0, 1, -1, 2] * 5), "label_column", "-1", stage=DATA),
+    Case(
+        "label_out_of_range_in_eval",
+        lambda c: cls_data(c, [0, 1, 2] * 8, eval_dataset=c.jsonl("cls_eval.jsonl", rows_cls([0, 7]))),
+        "label_column",
+        "7",
+        stage=DATA,
+    ),
+    Case("labels_of_mixed_types", lambda c: cls_data(c, [0, "food"] * 10), "label_column", "one type", stage=DATA),
+    Case(
+        "chat_data_tokenizer_without_template",
+        lambda c: c.yaml(model=c.no_chat_model, dataset=c.assets.chat),
+        "chat_template",
+        "set chat_template",
+        stage=DATA,
+    ),
+    Case(
+        "chat_messages_not_a_list",
+        lambda c: c.yaml(dataset=c.jsonl("chat.jsonl", [{"messages": "hello there"}] * 20)),
+        "messages_column",
+        "role",
+        stage=DATA,
+    ),
+    Case(
+        "data_smaller_than_one_batch",
+        lambda c: c.yaml(dataset=c.jsonl("tiny.jsonl", rows_instruction(3)), eval_fraction=0.0),
+        "per_device_train_batch_size",
+        "smaller batches",
+        stage=DATA,
+    ),
+    Case(
+        "eval_fraction_leaves_no_train",
+        lambda c: c.yaml(dataset=c.jsonl("one.jsonl", rows_instruction(1)), eval_fraction=0.5),
+        "eval_fraction",
+        "lower it",
+        stage=DATA,
+    ),
+    Case("max_seq_length_beyond_model", lambda c: c.yaml(max_seq_length=4096), "max_seq_length", "<= 512"),
+    Case(
+        "metric_unknown",
+        lambda c: c.yaml(**CLS, dataset=c.assets.classification, metrics=["no_such_metric"]),
+        "metrics",
+        "accuracy",
+    ),
+    Case(
+        "report_to_unknown_tracker",
+        lambda c: c.yaml(report_to=["no_such_tracker"]),
+        "report_to",
+        "no_such_tracker",
+        stage=DATA,
+    ),
+    Case(
+        "attn_implementation_unknown",
+        lambda c: c.yaml(attn_implementation="flash_attention_9"),
+        "attn_implementation",
+        "sdpa",
+        stage=MODEL,
+    ),
+    Case(
+        "peft_target_modules_not_in_model",
+        lambda c: c.yaml(peft={"method": "lora", "target_modules": ["no_such_proj"]}),
+        "peft.target_modules",
+        "no_such_proj",
+        stage=MODEL,
+    ),
+    # ---- options that do not combine
+    Case("packing_with_classification", lambda c: c.yaml(**CLS, packing=True), "packing", "packing: false"),
+    Case(
+        "eval_steps_without_eval_data", lambda c: c.yaml(eval_steps=5, eval_fraction=0.0), "eval_steps", "eval_dataset"
+    ),
+    Case(
+        "eval_on_start_without_eval_data",
+        lambda c: c.yaml(eval_on_start=True, eval_fraction=0.0),
+        "eval_on_start",
+        "eval_fraction",
+    ),
+    Case("merge_without_peft", lambda c: c.yaml(peft={"merge": True}), "peft.method", "lora"),
+    Case("chat_format_for_classification", lambda c: c.yaml(**CLS, format="chat"), "format", "classification"),
+    Case("classification_format_for_causal_lm", lambda c: c.yaml(format="classification"), "format", "task"),
+    Case(
+        "load_in_4bit_without_gpu",
+        lambda c: c.yaml(peft={"method": "lora", "load_in_4bit": True}),
+        "peft.load_in_4bit",
+        "false",
+        stage=DATA,
+    ),
+    Case(
+        "deepspeed_json_contradicts_accumulation",
+        lambda c: c.deepspeed(gradient_accumulation_steps=4),
+        "gradient_accumulation_steps",
+        '"auto"',
+    ),
+    Case(
+        "deepspeed_json_malformed",
+        deepspeed_json_malformed,
+        "deepspeed_config_file",
+        "ds.json",
+    ),
+    Case(
+        "deepspeed_json_has_own_optimizer",
+        lambda c: c.deepspeed(optimizer={"type": "Adam", "params": {"lr": 1e-3}}),
+        "optimizer",
+        "remove it",
+    ),
+    # ---- output_dir, checkpoints, resume
+    Case("output_dir_holds_previous_run", lambda c: c.yaml(), "output_dir", "--overwrite_output_dir", overwrite=False),
+    Case("output_dir_is_a_file", output_dir_is_a_file, "output_dir", "out.txt", overwrite=False),
+    Case(
+        "resume_latest_without_checkpoint",
+        without_checkpoints,
+        "resume_from_checkpoint",
+        "drop resume_from_checkpoint",
+        overwrite=False,
+    ),
+    Case(
+        "resume_latest_names_missing_checkpoint",
+        latest_names_missing_step,
+        "resume_from_checkpoint",
+        "step_9",
+        overwrite=False,
+    ),
+    Case(
+        "resume_incomplete_checkpoint",  # step_1 holds a trainer_state.json and nothing else
+        lambda c: c.yaml(resume_from_checkpoint="latest"),
+        "resume_from_checkpoint",
+        "step_1",
+        stage=DATA,
+        overwrite=False,
+    ),
+    Case(
+        "resume_path_missing",
+        lambda c: c.yaml(resume_from_checkpoint=str(c.out / "checkpoints" / "step_5")),
+        "resume_from_checkpoint",
+        "step_5",
+        overwrite=False,
+    ),
+]
+
+
+def test_the_corpus_is_large_and_distinct():
+    ids = [c.id for c in CASES]
+    assert len(ids) >= 40 and len(set(ids)) == len(ids)
+
+
+@pytest.fixture(scope="module")
+def no_chat_model(assets, tmp_path_factory) -> str:
+    """The tiny llama with a tokenizer that has no chat template."""
+    path = tmp_path_factory.mktemp("no_chat") / "llama"
+    shutil.copytree(assets.llama, path)
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def make_previous_run(out: Path) -> None:
+    """What a finished run leaves: metrics, a checkpoint named by `latest`, an exported model."""
+    (out / "checkpoints" / "step_1").mkdir(parents=True)
+    (out / "final").mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n')
+    (out / "checkpoints" / "step_1" / "trainer_state.json").write_text('{"step": 1}')
+    (out / "checkpoints" / "latest").write_text("step_1\n")
+    (out / "final" / "model.safetensors").write_bytes(bytes(range(256)) * 4)
+
+
+def snapshot(root: Path) -> dict[str, bytes | None]:
+    """Every path under root: file -> bytes, directory -> None."""
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def problem_lines(output: str, key: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith(f"  - {key}: ")]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.marks) for c in CASES])
+def test_bad_input_exits_2_with_one_clear_message(case: Case, assets, no_chat_model, tmp_path):
+    out = tmp_path / "out"
+    make_previous_run(out)
+    ctx = Ctx(assets=assets, no_chat_model=no_chat_model, tmp=tmp_path, out=out, output_dir=out)
+    args = case.build(ctx)
+    args += ["--output_dir", str(ctx.output_dir)]
+    if case.overwrite:
+        args += ["--overwrite_output_dir", "true"]
+    before = snapshot(tmp_path)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1", **ctx.env}
+    cpu_before, start = _children_cpu_s(), time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    elapsed, cpu = time.perf_counter() - start, _children_cpu_s() - cpu_before
+    output = proc.stdout + proc.stderr
+    shown = f"argv: {args}\n--- output:\n{output[-4000:]}"
+
+    assert proc.returncode == 2, shown
+    assert "Traceback" not in output, shown
+    n = case.problems
+    assert f"finetune: {n} problem{'s' if n > 1 else ''} in the run config:" in proc.stderr, shown
+    lines = problem_lines(proc.stderr, case.key)
+    assert len(lines) == 1, f"expected one problem for {case.key!r}\n{shown}"
+    assert case.text in lines[0], shown
+    assert any(word in lines[0].lower() for word in FIX_WORDS), f"the message names no fix\n{shown}"
+    if case.stage == CONFIG:  # refused at the edge: no Accelerator, tokenizer or data was touched
+        assert "[finetune] distributed:" not in output, shown
+    if case.stage in (CONFIG, DATA):  # no model was loaded
+        assert "[finetune] model:" not in output and "LOAD REPORT" not in output, shown
+    # Wall time is the requirement. On a machine that others keep busier than its cores (the load
+    # average says so), wall time measures them too: then the run's own CPU time must fit instead.
+    busy = os.getloadavg()[0] > (os.cpu_count() or 1)
+    assert elapsed < TIME_LIMIT_S or (busy and cpu < TIME_LIMIT_S), (
+        f"took {elapsed:.1f} s ({cpu:.1f} s CPU, load {os.getloadavg()[0]:.1f})\n{shown}"
+    )
+    assert snapshot(tmp_path) == before, f"files under {tmp_path} changed\n{shown}"
