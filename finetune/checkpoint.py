@@ -242,6 +242,15 @@ def check_portable_resume(
                 "was saved with, or under DDP / a single process",
             )
         )
+    if was.get("tensor_parallel", 1) > 1 or here.get("tensor_parallel", 1) > 1:
+        problems.append(
+            (
+                "resume_from_checkpoint",
+                f"{path} was written by {desc} with tensor parallel "
+                f"{was.get('tensor_parallel', 1)}; tensor-parallel runs resume "
+                "only under the layout they were saved with",
+            )
+        )
     if peft_on:
         problems.append(
             (
@@ -316,10 +325,21 @@ def export(accelerator, model, tokenizer, run_config: dict[str, Any], output_dir
     """
     final = os.path.join(output_dir, "final")
     tmp = os.path.join(output_dir, ".tmp_final")
-    state_dict = accelerator.get_state_dict(model)  # a collective: every rank takes part
+    from finetune import megatron
+
+    if megatron.tp_enabled(accelerator):  # transformers gathers a tensor-parallel model itself, on every rank
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        accelerator.unwrap_model(model).save_pretrained(
+            tmp, is_main_process=accelerator.is_main_process, safe_serialization=True
+        )
+    else:
+        state_dict = accelerator.get_state_dict(model)  # a collective: every rank takes part
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         _write_atomic(os.path.join(tmp, CONFIG_FILE), yaml.safe_dump(run_config, sort_keys=False))
         if os.path.exists(final):

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from finetune.config import TrainArgs
 from finetune.metrics import MetricsLog, per_example_stats, summarize
-from finetune.parallel import Plan, global_batch_index
+from finetune.parallel import Plan, data_parallel_rank, gather_for_metrics, global_batch_index, replicas
 
 logger = logging.getLogger("finetune")
 
@@ -74,7 +74,7 @@ def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: i
         # Dropout is seeded by the micro batch's place in the global data order, not by the rank
         # layout: any world size / accumulation split of the same global batch draws the same masks.
         torch.manual_seed(
-            hash((run.args.seed, epoch, global_batch_index(run.plan, step_in_epoch, i, acc.process_index)))
+            hash((run.args.seed, epoch, global_batch_index(run.plan, step_in_epoch, i, data_parallel_rank(acc))))
             & (2**63 - 1)
         )
         with acc.accumulate(run.model):
@@ -99,7 +99,7 @@ def evaluate(run: Run) -> dict[str, float]:
         batch.pop("num_supervised"), batch.pop("num_tokens")
         labels = batch.pop("labels")
         stats = per_example_stats(run.model(**batch).logits, labels, run.task)
-        for k, v in acc.gather_for_metrics(stats).items():  # drops the padding of an uneven last batch
+        for k, v in gather_for_metrics(acc, stats).items():  # drops the padding of an uneven last batch
             parts[k].append(v.cpu())
     run.model.train()
     return summarize({k: torch.cat(v) for k, v in parts.items()}, run.metrics, run.n_labels)
@@ -173,7 +173,9 @@ def _log_train(run: Run, state: TrainState, win: _Window, grad_norm, bar) -> Non
         ),
         reduction="sum",
     )
-    count = float(win.count)  # already global
+    rep = replicas(acc)  # ranks holding the same batch (tensor parallel) each counted it
+    nll, tokens = nll / rep, tokens / rep
+    count = float(win.count) / rep  # already summed over ranks
     state.tokens_seen += int(tokens.item())
     state.supervised_seen += int(count)
     seconds = time.perf_counter() - win.t0

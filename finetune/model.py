@@ -124,6 +124,7 @@ def build_model(
     max_seq_length: int,
     pe: PeftArgs | None = None,
     reentrant_checkpointing: bool = False,
+    extra_kwargs: dict | None = None,
 ):
     """Load the model for the task; a classifier gets a head sized to the labels in the data; adapters on top."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -163,7 +164,7 @@ def build_model(
     else:
         cls = AutoModelForCausalLM
     try:
-        model = cls.from_pretrained(m.model, **kwargs)
+        model = cls.from_pretrained(m.model, **kwargs, **(extra_kwargs or {}))
     except (OSError, ValueError, KeyError) as e:
         if m.attn_implementation and "attn_implementation" in str(e):
             first = (str(e).strip().splitlines() or [""])[0]

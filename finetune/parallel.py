@@ -143,7 +143,7 @@ def announce_op_builds() -> None:
         )
 
 
-def make_accelerator(train: TrainArgs):
+def make_accelerator(train: TrainArgs, megatron_lm_plugin=None, parallelism_config=None):
     """The Accelerator for a run. The parallelism itself comes from `accelerate launch`'s config."""
     from accelerate import DistributedDataParallelKwargs
     from accelerate.utils import InitProcessGroupKwargs
@@ -160,7 +160,7 @@ def make_accelerator(train: TrainArgs):
         # gloo when there is no GPU: DeepSpeed would otherwise pick nccl and every rank believe it is alone.
         handlers.append(InitProcessGroupKwargs(timeout=timeout, **({} if gpu else {"backend": "gloo"})))
     try:
-        return _accelerator(train, handlers)
+        return _accelerator(train, handlers, megatron_lm_plugin, parallelism_config)
     except ValueError as e:
         if "logging capability" in str(e) or "report_to" in str(e):  # an unknown tracker name
             raise ConfigError(
@@ -174,7 +174,7 @@ def make_accelerator(train: TrainArgs):
         raise
 
 
-def _accelerator(train: TrainArgs, handlers: list):
+def _accelerator(train: TrainArgs, handlers: list, megatron_lm_plugin, parallelism_config):
     from accelerate import Accelerator, DataLoaderConfiguration
     from accelerate.utils import GradientAccumulationPlugin
 
@@ -186,6 +186,8 @@ def _accelerator(train: TrainArgs, handlers: list):
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=False, even_batches=True),
         kwargs_handlers=handlers,
         log_with=train.report_to or None,
+        megatron_lm_plugin=megatron_lm_plugin,
+        parallelism_config=parallelism_config,
         project_dir=train.output_dir,
     )
 
@@ -212,6 +214,7 @@ def layout(accelerator, global_batch_size: int) -> dict:
         "distributed_type": str(accelerator.state.distributed_type).split(".")[-1],
         "world_size": accelerator.num_processes,
         "zero_stage": int(plugin.zero_stage) if plugin is not None else 0,
+        "tensor_parallel": replicas(accelerator),
         "global_batch_size": global_batch_size,
     }
 
@@ -222,10 +225,11 @@ class Plan:
 
     micro_batch_size: int
     gradient_accumulation_steps: int
-    world_size: int
+    world_size: int  # data-parallel size: ranks that hold different batches
     steps_per_epoch: int
     total_steps: int
     warmup_steps: int
+    num_processes: int  # accelerate steps a prepared scheduler once per process
 
     @property
     def global_batch_size(self) -> int:
@@ -235,10 +239,10 @@ class Plan:
     def scheduler_steps(self) -> tuple[int, int]:
         """(warmup, total) to build the LR scheduler with. A prepared scheduler is stepped once per
         process per optimizer step by accelerate (AcceleratedScheduler, split_batches=False)."""
-        return self.warmup_steps * self.world_size, self.total_steps * self.world_size
+        return self.warmup_steps * self.num_processes, self.total_steps * self.num_processes
 
 
-def make_plan(train: TrainArgs, n_train_rows: int, world_size: int) -> Plan:
+def make_plan(train: TrainArgs, n_train_rows: int, world_size: int, num_processes: int | None = None) -> Plan:
     """How many optimizer steps, from the data size, batch layout and max_steps/epochs.
 
     An epoch is the largest whole number of global batches in the data; the rest of an epoch's
@@ -261,7 +265,7 @@ def make_plan(train: TrainArgs, n_train_rows: int, world_size: int) -> Plan:
     else:
         total = max(1, math.ceil(train.num_train_epochs * steps_per_epoch))
     warmup = train.warmup_steps if train.warmup_steps > 0 else math.ceil(train.warmup_ratio * total)
-    return Plan(micro, ga, world_size, steps_per_epoch, total, warmup)
+    return Plan(micro, ga, world_size, steps_per_epoch, total, warmup, num_processes or world_size)
 
 
 def global_batch_index(plan: Plan, step_in_epoch: int, micro: int, process_index: int) -> int:
@@ -330,3 +334,25 @@ def is_peer_failure(err: BaseException) -> bool:
             )
         )
     )
+
+
+def data_parallel_rank(accelerator) -> int:
+    """This rank's place among the ranks that hold different batches (a TP group's ranks hold the same)."""
+    from finetune.megatron import data_parallel
+
+    return data_parallel(accelerator)[0]
+
+
+def replicas(accelerator) -> int:
+    """How many ranks hold each batch (the TP size): a sum over all ranks counts every batch that often."""
+    from finetune.megatron import data_parallel
+
+    return accelerator.num_processes // data_parallel(accelerator)[1]
+
+
+def gather_for_metrics(accelerator, stats):
+    """Eval statistics of the whole eval set: accelerate's gather, unless every rank already holds every
+    batch (TP with one data-parallel replica), where gathering would count each batch once per rank."""
+    if replicas(accelerator) == accelerator.num_processes > 1:
+        return stats
+    return accelerator.gather_for_metrics(stats)

@@ -20,7 +20,7 @@ import sys
 import torch
 import yaml
 
-from finetune import checkpoint, data, loop, metrics, model, parallel
+from finetune import checkpoint, data, loop, megatron, metrics, model, parallel
 from finetune.config import RUN_MARKERS, ConfigError, RunConfig
 
 logger = logging.getLogger("finetune")
@@ -79,7 +79,8 @@ def run(cfg: RunConfig) -> dict:
     from transformers import get_scheduler
 
     parallel.prepare_environment(cfg.train)
-    acc = parallel.make_accelerator(cfg.train)
+    megatron.check_before_start(cfg)  # Megatron-LM / tensor parallelism: refuse what cannot run, before anything heavy
+    acc = parallel.make_accelerator(cfg.train, megatron.make_plugin(cfg), megatron.parallelism_config())
     _setup_logging(acc)
     t = cfg.train
     facts = parallel.describe(acc)
@@ -92,11 +93,14 @@ def run(cfg: RunConfig) -> dict:
         ", ".join(facts["devices"]),
     )
 
+    sizes = megatron.describe_layout(acc)
+    if sizes["tp"] > 1 or sizes["pp"] > 1:
+        logger.info("model parallel: tensor %d x pipeline %d, data parallel %d", sizes["tp"], sizes["pp"], sizes["dp"])
     model.check_peft_support(cfg.peft)
     tokenizer = model.load_tokenizer(cfg.model)
     ds = data.build_datasets(cfg.data, cfg.model.task, tokenizer, t.seed, acc.main_process_first)
     eval_metrics = metrics.load_metrics(t.metrics, cfg.model.task) if ds.eval is not None else {}
-    plan = parallel.make_plan(t, len(ds.train), acc.num_processes)
+    plan = parallel.make_plan(t, len(ds.train), megatron.data_parallel(acc)[1], acc.num_processes)
     logger.info(
         "data: %s format, %d train rows (%d supervised %s), %s eval rows",
         ds.format,
@@ -138,6 +142,7 @@ def run(cfg: RunConfig) -> dict:
         cfg.data.max_seq_length,
         cfg.peft,
         reentrant_checkpointing=parallel.reentrant_checkpointing(acc, peft_on),
+        extra_kwargs=megatron.tp_model_kwargs(acc),
     )
     net = parallel.maybe_sync_batchnorm(net, t, acc)
     trainable, total = model.count_parameters(net)
@@ -174,6 +179,8 @@ def run(cfg: RunConfig) -> dict:
             num_workers=t.dataloader_num_workers,
         )
     net, optimizer, train_loader, scheduler = acc.prepare(net, optimizer, train_loader, scheduler)
+    if megatron.tp_enabled(acc):
+        megatron.enable_tp_checkpointing(acc, net, optimizer)
     if eval_loader is not None:
         eval_loader = acc.prepare(eval_loader)
 

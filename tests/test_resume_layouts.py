@@ -66,5 +66,6 @@ def test_resume_with_another_global_batch_is_refused(assets, tmp_path):
         "distributed_type": "MULTI_CPU",
         "world_size": 2,
         "zero_stage": 0,
+        "tensor_parallel": 1,
         "global_batch_size": 8,
     }

@@ -1,0 +1,379 @@
+"""Tensor and pipeline parallelism on a CPU machine.
+
+Megatron-LM is GPU only: here it must be refused up front, clearly, with exit code 2, and the plugin finetune
+builds must be what accelerate expects. Torch-native TP (accelerate_configs/tp2.yaml) runs on 2 CPU ranks and
+must give the losses of one process, resume exactly and export a model that reloads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+
+import pytest
+import torch
+import yaml
+from conftest import ROOT, base_args, finetune
+
+from finetune import megatron
+from finetune.config import ConfigError, build_config
+
+MEGATRON = ["megatron_tp2", "megatron_tp2_pp2", "megatron_tp2_pp2_multinode"]
+
+
+def launch_env(name: str, *launch_args: str) -> dict[str, str]:
+    """The environment `accelerate launch --config_file accelerate_configs/<name>.yaml` gives each rank,
+    computed by accelerate's own launcher code (plus WORLD_SIZE, which torchrun adds)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    argv = ["--config_file", str(ROOT / "accelerate_configs" / f"{name}.yaml"), "--main_process_port", "0"]
+    args = launch_command_parser().parse_args([*argv, *launch_args, "-m", "finetune"])
+    args, _, _ = _validate_launch_command(args)
+    env = prepare_multi_gpu_env(args)
+    keys = ("ACCELERATE_USE_", "MEGATRON_LM_", "PARALLELISM_CONFIG_")
+    return {**{k: v for k, v in env.items() if k.startswith(keys)}, "WORLD_SIZE": str(args.num_processes)}
+
+
+@pytest.fixture
+def run_values(assets, tmp_path) -> dict:
+    return {
+        "model": assets.llama,
+        "dataset": assets.instruction,
+        "output_dir": str(tmp_path / "out"),
+        "max_seq_length": 64,
+        "per_device_train_batch_size": 4,
+        "per_device_eval_batch_size": 4,
+    }
+
+
+def with_converted_checkpoint(model_dir, tmp_path, tp: int = 2, pp: int = 1):
+    """A copy of a model dir holding a (fake, legacy-layout) converted Megatron checkpoint."""
+    import shutil
+
+    model = tmp_path / "model_with_megatron"
+    shutil.copytree(model_dir, model)
+    step = model / "megatron" / "iter_0000001"
+    for t in range(tp):
+        (step / (f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{0:03d}")).mkdir(parents=True)
+        for p in range(1, pp):
+            (step / f"mp_rank_{t:02d}_{p:03d}").mkdir(parents=True)
+    (model / "megatron" / "latest_checkpointed_iteration.txt").write_text("1\n")
+    return str(model)
+
+
+# ---------------------------------------------------------------- shipped configs
+
+
+def test_megatron_and_tp_configs_say_what_their_names_say():
+    expected = {  # name: (tp, pp, num_micro_batches, processes, machines)
+        "megatron_tp2": (2, 1, 1, 2, 1),
+        "megatron_tp2_pp2": (2, 2, 4, 4, 1),
+        "megatron_tp2_pp2_multinode": (2, 2, 4, 16, 2),
+    }
+    for name, (tp, pp, micro, procs, machines) in expected.items():
+        raw = yaml.safe_load((ROOT / "accelerate_configs" / f"{name}.yaml").read_text())
+        assert raw["distributed_type"] == "MEGATRON_LM"
+        assert (raw["num_processes"], raw["num_machines"]) == (procs, machines), name
+        env = launch_env(name)
+        layout = megatron.MegatronLayout.from_env(env)
+        assert (layout.tp, layout.pp, layout.num_micro_batches) == (tp, pp, micro), name
+        assert megatron.megatron_requested(env) and megatron.tensor_parallel_size(env) == 1
+    env = launch_env("tp2")
+    assert megatron.tensor_parallel_size(env) == 2 and not megatron.megatron_requested(env)
+    assert env["WORLD_SIZE"] == "2"
+
+
+# ---------------------------------------------------------------- the plugin finetune builds
+
+
+@pytest.mark.parametrize("name", MEGATRON)
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_plugin_matches_what_accelerate_expects(assets, run_values, monkeypatch, name, arch):
+    """Our kwargs, through accelerate's own MegatronLMPlugin and the calls accelerate.prepare makes
+    (_prepare_megatron_lm), give Megatron the layout of the Accelerate config and the run config's values."""
+    from accelerate.utils import MegatronLMPlugin
+    from transformers import AutoModelForCausalLM
+
+    from finetune.data import Collator
+    from finetune.parallel import make_plan
+
+    env = launch_env(name)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    cfg = build_config({**run_values, "model": getattr(assets, arch), "max_grad_norm": 0.5, "warmup_steps": 3})
+    layout = megatron.MegatronLayout.from_env()
+    world = int(env["WORLD_SIZE"])
+    plugin = MegatronLMPlugin(**megatron.plugin_kwargs(cfg))
+    from_env_only = MegatronLMPlugin()  # what accelerate builds from the launcher's environment alone
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_micro_batches", "sequence_parallel"):
+        assert plugin.megatron_lm_default_args[key] == from_env_only.megatron_lm_default_args[key], key
+    assert (plugin.tp_degree, plugin.pp_degree, plugin.num_micro_batches) == (
+        layout.tp,
+        layout.pp,
+        layout.num_micro_batches,
+    )
+
+    # What accelerate.prepare does with a train loader, the model and the scheduler (GPU-free part).
+    model = AutoModelForCausalLM.from_pretrained(getattr(assets, arch))
+    batch = Collator(0)([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}] * 4)  # shorter than max_seq_length
+    micro = cfg.train.per_device_train_batch_size
+    dp = world // (plugin.tp_degree * plugin.pp_degree)
+    plugin.set_training_args(micro, dp)
+    plugin.set_network_size_args(model, batch)
+    rows, data_parallel = megatron.batch_layout(micro, world)
+    plan = make_plan(cfg.train, 10_000, data_parallel)
+    scheduler = megatron.make_scheduler(
+        torch.optim.AdamW(model.parameters()), plan.total_steps, plan.warmup_steps, world
+    )
+    plugin.set_scheduler_args(scheduler)
+    args = plugin.megatron_lm_default_args
+    assert args["tensor_model_parallel_size"] == 2
+    assert args["pipeline_model_parallel_size"] == layout.pp
+    assert args["data_parallel_size"] == data_parallel == dp
+    assert args["micro_batch_size"] == micro
+    assert args["global_batch_size"] == data_parallel * rows == dp * micro * layout.num_micro_batches
+    assert args["seq_length"] == cfg.data.max_seq_length  # fixed, not the first batch's width
+    assert args["clip_grad"] == 0.5
+    assert (args["train_iters"], args["lr_warmup_iters"]) == (plan.total_steps, 3)
+    assert args["lr_decay_style"] == "linear" and args["seed"] == cfg.train.seed
+    assert args["pretrained_checkpoint"] == os.path.join(getattr(assets, arch), "megatron")
+    assert args["eos_token_id"] == model.config.eos_token_id
+
+
+def test_gpt_inputs_supervise_what_the_other_backends_supervise(assets):
+    """Megatron's (tokens, labels, loss_mask) from our batch: the same supervised next-token targets as the HF
+    loss (labels shifted inside the model), padded to the fixed sequence length."""
+    from finetune.data import Collator
+
+    examples = [
+        {"input_ids": [5, 6, 7, 8, 9], "labels": [-100, -100, 7, 8, 9]},
+        {"input_ids": [10, 11, 12], "labels": [-100, 11, 12]},
+    ]
+    batch = Collator(0)(examples)
+    tokens, target, mask, attention, positions = megatron.megatron_gpt_inputs(batch, seq_length=16)
+    assert tokens.shape == target.shape == mask.shape == positions.shape == (2, 16)
+    assert attention.shape == (1, 1, 16, 16) and attention[0, 0, 0, 1] and not attention[0, 0, 1, 0]
+    hf_targets = batch["labels"][:, 1:]
+    supervised = hf_targets != -100
+    assert int(mask.sum()) == int(batch["num_supervised"]) == 5
+    assert torch.equal(mask[:, : hf_targets.shape[1]].bool(), supervised)
+    assert torch.equal(target[:, : hf_targets.shape[1]][supervised], hf_targets[supervised])
+    assert torch.equal(tokens[:, :8], batch["input_ids"])
+
+
+# ---------------------------------------------------------------- refusals, one problem at a time
+
+
+@pytest.fixture
+def on_a_gpu_machine_with_megatron(monkeypatch):
+    """Pretend CUDA and Megatron-LM are there, so that one refusal at a time can be looked at."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(megatron, "megatron_lm_missing", lambda: None)
+    for k, v in launch_env("megatron_tp2").items():
+        monkeypatch.setenv(k, v)
+
+
+def problems(cfg) -> dict[str, str]:
+    with pytest.raises(ConfigError) as info:
+        megatron.check_before_start(cfg)
+    assert "Traceback" not in info.value.render()
+    return {k: m for k, m in info.value.problems}
+
+
+def test_a_supported_megatron_run_passes_the_checks(on_a_gpu_machine_with_megatron, run_values, assets, tmp_path):
+    model = with_converted_checkpoint(assets.llama, tmp_path)
+    megatron.check_before_start(build_config({**run_values, "model": model}))
+
+
+@pytest.mark.parametrize(
+    "change, key, words",
+    [
+        ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps", "megatron_lm_num_micro_batches: 4"),
+        ({"per_device_eval_batch_size": 2}, "per_device_eval_batch_size", "micro batch"),
+        ({"peft": {"method": "lora"}}, "peft.method", "peft.method: none"),
+        ({"packing": True}, "packing", "packing: false"),
+        ({"max_seq_length": 63}, "max_seq_length", "multiple of megatron_lm_tp_degree 2"),
+        ({"task": "classification"}, "task", "causal_lm"),
+    ],
+)
+def test_each_megatron_refusal_names_its_key_and_fix(
+    on_a_gpu_machine_with_megatron, run_values, assets, tmp_path, change, key, words
+):
+    values = {**run_values, "model": with_converted_checkpoint(assets.llama, tmp_path), **change}
+    if change.get("task") == "classification":
+        values["dataset"] = assets.classification
+    found = problems(build_config(values))
+    assert list(found) == [key], found
+    assert words in found[key]
+
+
+def test_unsupported_model_type_is_refused_before_loading(on_a_gpu_machine_with_megatron, run_values, assets):
+    found = problems(build_config({**run_values, "model": assets.bert}))
+    assert list(found) == ["model"]
+    assert "'bert'" in found["model"] and "MODEL_CONFIGS_TO_MEGATRON_PARSERS" in found["model"]
+    assert "tp2.yaml" in found["model"]
+    assert megatron.megatron_family("bert") is None and megatron.megatron_family("megatron-bert") == "megatron-bert"
+    assert set(megatron.supported_model_types()) >= {"gpt2", "llama", "megatron-bert"}
+
+
+def test_missing_or_mismatched_converted_checkpoint(on_a_gpu_machine_with_megatron, run_values, assets, tmp_path):
+    found = problems(build_config(run_values))
+    assert list(found) == ["model"] and "tools/checkpoint/convert.py" in found["model"]
+    model = with_converted_checkpoint(assets.llama, tmp_path, tp=4)
+    assert megatron.checkpoint_layout(os.path.join(model, "megatron")) == (4, 1)
+    found = problems(build_config({**run_values, "model": model}))
+    assert "--target-tensor-parallel-size 2" in found["model"]
+
+
+def test_megatron_lm_missing_names_what_accelerate_imports(monkeypatch, tmp_path):
+    assert megatron.megatron_lm_missing() == "no `megatron` package is installed"  # this machine
+    # megatron-core's wheel without the Megatron-LM source tree: megatron.core only.
+    fake = tmp_path / "site"
+    (fake / "megatron" / "core").mkdir(parents=True)
+    (fake / "megatron" / "__init__.py").write_text("")
+    (fake / "megatron" / "core" / "__init__.py").write_text("")
+    (fake / "megatron_core-0.14.0.dist-info").mkdir()
+    (fake / "megatron_core-0.14.0.dist-info" / "METADATA").write_text("Name: megatron-core\nVersion: 0.14.0\n")
+    monkeypatch.syspath_prepend(str(fake))
+    try:
+        why = megatron.megatron_lm_missing()
+    finally:  # find_spec imported the fake package: forget it
+        for name in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]:
+            del sys.modules[name]
+    assert "megatron.training and megatron.legacy are not" in why and "source tree" in why
+
+
+def run_refused(tmp_path, env_of: str, *args: str):
+    """python -m finetune in the environment accelerate launch gives a rank of `env_of` (rank 0)."""
+    return finetune(
+        tmp_path / "run",
+        *args,
+        launcher="python",
+        expect_ok=False,
+        extra_env={**launch_env(env_of), "RANK": "0", "LOCAL_RANK": "0"},
+        timeout=120,
+    )
+
+
+def test_no_cuda_is_refused_with_exit_2(assets, tmp_path):
+    res = run_refused(tmp_path, "megatron_tp2", *base_args(assets.llama, assets.instruction, "--max_steps", "2"))
+    assert res.returncode == 2, res.output[-3000:]
+    assert "needs NVIDIA GPUs and CUDA, and this machine has none" in res.output
+    assert "Traceback" not in res.output and "distributed:" not in res.output  # refused before Accelerator()
+
+
+def test_no_megatron_lm_is_refused_with_exit_2(assets, tmp_path):
+    res = run_refused(tmp_path, "megatron_tp2_pp2", *base_args(assets.llama, assets.instruction, "--max_steps", "2"))
+    assert res.returncode == 2, res.output[-3000:]
+    assert "Megatron-LM is not installed (no `megatron` package is installed)" in res.output
+    assert "pip install --no-build-isolation -e Megatron-LM" in res.output and "Traceback" not in res.output
+
+
+def test_unsupported_model_type_is_refused_with_exit_2(assets, tmp_path):
+    args = base_args(assets.bert, assets.classification, "--task", "classification", "--max_steps", "2")
+    res = run_refused(tmp_path, "megatron_tp2", *args)
+    assert res.returncode == 2, res.output[-3000:]
+    assert "model type 'bert' is not one accelerate's Megatron-LM integration can build" in res.output
+    assert "Loading weights" not in res.output and "Traceback" not in res.output
+
+
+def test_accelerate_launch_reaches_the_refusal_on_cpu(assets, tmp_path):
+    """The real launcher starts its ranks on a machine without GPUs; every rank refuses (exit 2), rank 0 says why."""
+    res = finetune(
+        tmp_path / "run",
+        *base_args(assets.llama, assets.instruction, "--max_steps", "2", "--gradient_accumulation_steps", "2"),
+        launcher="megatron_tp2",
+        expect_ok=False,
+        timeout=120,
+    )
+    assert res.returncode != 0
+    assert res.output.count("needs NVIDIA GPUs and CUDA") == 1, res.output[-3000:]  # printed by rank 0 only
+    assert "gradient_accumulation_steps: must be 1 under Megatron-LM, got 2" in res.output
+    assert "exitcode  : 2" in res.output
+
+
+# ---------------------------------------------------------------- torch-native tensor parallelism
+
+
+def test_accelerate_still_refuses_tp_on_cpu():
+    """The reason for megatron.CpuTensorParallelConfig. When this fails, accelerate accepts TP on MULTI_CPU:
+    delete the workaround (parallelism_config() can return None everywhere) and this test."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DistributedType
+
+    cpu_ranks = types.SimpleNamespace(
+        distributed_type=DistributedType.MULTI_CPU,
+        multi_device=False,
+        is_fsdp2=False,
+        num_processes=2,
+        is_main_process=True,
+    )
+    with pytest.raises(ValueError, match="only compatible .* but got DistributedType.MULTI_CPU"):
+        ParallelismConfig(tp_size=2)._validate_accelerator(cpu_ranks)
+    cpu_config = megatron._cpu_tp_config_class()(tp_size=2)
+    cpu_config._validate_accelerator(cpu_ranks)  # the workaround accepts it
+    with pytest.raises(ValueError, match="does not match num_processes"):
+        cpu_config._validate_accelerator(types.SimpleNamespace(**{**vars(cpu_ranks), "num_processes": 4}))
+
+
+def test_tp_refusals(monkeypatch, run_values, assets):
+    for k, v in launch_env("tp2").items():
+        monkeypatch.setenv(k, v)
+    megatron.check_before_start(build_config(run_values))  # llama, causal LM: fine
+    found = problems(build_config({**run_values, "model": assets.gpt2}))
+    assert "no tensor-parallel plan" in found["model"]
+    found = problems(
+        build_config(
+            {**run_values, "task": "classification", "dataset": assets.classification, "peft": {"method": "lora"}}
+        )
+    )
+    assert set(found) == {"task", "peft.method"}
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    found = problems(build_config(run_values))
+    assert "tp_size 2, 4 processes" in found["accelerate config"]
+
+
+@pytest.mark.slow
+def test_tp2_on_cpu_equals_one_process_and_resumes_exactly(assets, tmp_path):
+    """TP 2 on 2 CPU ranks (gloo): per-step losses within 1e-4 of one process; 2 steps + resume + 2 steps
+    equals 4 steps; final/ is a whole model that reloads."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    args = base_args(
+        assets.llama, assets.instruction, "--max_steps", "4", "--save_steps", "2", "--eval_fraction", "0.1"
+    )
+    single = finetune(tmp_path / "single", *args)
+    tp = finetune(tmp_path / "tp", *args, launcher="tp2")
+    assert "distributed: MULTI_CPU, world size 2," in tp.output, tp.output[-3000:]
+    assert "x world size 1 = global batch 4" in tp.output  # both ranks hold the same batch
+    a, b = single.losses(), tp.losses()
+    assert len(a) == len(b) == 4
+    assert max(abs(x - y) / abs(x) for x, y in zip(a, b)) <= 1e-4, (a, b)
+    assert abs(single.eval_rows[-1]["eval_loss"] - tp.eval_rows[-1]["eval_loss"]) <= 1e-4
+    assert [r["learning_rate"] for r in single.train_rows] == [r["learning_rate"] for r in tp.train_rows]
+
+    step2 = tp.output_dir / "checkpoints" / "step_2"
+    saved = load_file(str(step2 / "model.safetensors"))  # whole tensors, not rank 0's shards
+    base = load_file(os.path.join(assets.llama, "model.safetensors"))
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in base.items()}
+
+    import shutil
+
+    part = tmp_path / "part"
+    shutil.copytree(tp.output_dir, part)
+    shutil.rmtree(part / "final")
+    shutil.rmtree(part / "checkpoints" / "step_4")
+    (part / "checkpoints" / "latest").write_text("step_2\n")
+    resumed = finetune(part, *args, "--resume_from_checkpoint", "latest", launcher="tp2")
+    assert [r["step"] for r in resumed.train_rows] == [1, 2, 3, 4]
+    assert max(abs(x - y) / abs(x) for x, y in zip(b, resumed.losses())) <= 1e-6
+    wa = load_file(str(tp.output_dir / "final" / "model.safetensors"))
+    wb = load_file(str(part / "final" / "model.safetensors"))
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
+    model = AutoModelForCausalLM.from_pretrained(tp.output_dir / "final")
+    assert sum(p.numel() for p in model.parameters()) == sum(v.numel() for v in base.values())
+    print(json.dumps({"single": a, "tp2": b}))
