@@ -29,7 +29,7 @@ setup() {
     echo "[run.sh] installing $spec"
     "$PY" -m pip install -q "$spec" >"$VENV/install.log" 2>&1 || { cat "$VENV/install.log"; exit 1; }
   fi
-  "$PY" -m pip install -q -c constraints.txt -e ".[deepspeed,peft,tensorboard,dev]" >"$VENV/install.log" 2>&1 \
+  "$PY" -m pip install -q -c constraints.txt -e ".[deepspeed,peft,tensorboard,dev,bench]" >"$VENV/install.log" 2>&1 \
     || { cat "$VENV/install.log"; exit 1; }
   touch "$STAMP"
 }
