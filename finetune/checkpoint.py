@@ -342,6 +342,10 @@ def export(accelerator, model, tokenizer, run_config: dict[str, Any], output_dir
     if accelerator.is_main_process:
         tokenizer.save_pretrained(tmp)
         _write_atomic(os.path.join(tmp, CONFIG_FILE), yaml.safe_dump(run_config, sort_keys=False))
+        id2label = getattr(accelerator.unwrap_model(model).config, "id2label", None)
+        if os.path.exists(os.path.join(tmp, "adapter_config.json")) and run_config.get("task") == "classification":
+            # the classes a classifier adapter was trained for: `finetune merge` rebuilds the head from them
+            _write_atomic(os.path.join(tmp, LABELS_FILE), json.dumps([id2label[i] for i in sorted(id2label)]))
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -349,12 +353,20 @@ def export(accelerator, model, tokenizer, run_config: dict[str, Any], output_dir
     return final
 
 
-def merge_adapter(adapter_dir: str, out_dir: str, label_names: list[str] | None = None) -> str:
+LABELS_FILE = "labels.json"
+
+
+def merge_adapter(adapter_dir: str, out_dir: str) -> str:
     """Base model + adapter -> one plain model directory (loads with from_pretrained), atomically.
 
-    label_names: for a classifier, the classes (the base model is rebuilt with a head of that size)."""
+    A classifier adapter's classes come from its labels.json (the base model is rebuilt with that head)."""
     from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification
     from transformers import AutoTokenizer
+
+    label_names = None
+    if os.path.exists(os.path.join(adapter_dir, LABELS_FILE)):
+        with open(os.path.join(adapter_dir, LABELS_FILE)) as f:
+            label_names = json.load(f)
 
     if label_names:
         merged = AutoPeftModelForSequenceClassification.from_pretrained(

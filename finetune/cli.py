@@ -30,6 +30,7 @@ can be overridden on the command line. The parallelism is chosen by the Accelera
 
   finetune --config examples/sft.yaml                                      # one process
   finetune parity --config examples/sft.yaml --steps 10                    # same losses under every backend?
+  finetune merge outputs/sft/final                                         # adapter + base -> one model
   accelerate launch --config_file accelerate_configs/ddp.yaml finetune --config examples/sft.yaml --max_steps 50
 """
 
@@ -118,6 +119,8 @@ def run_cli(argv: list[str] | None = None) -> int:
         from finetune.parity import main as parity
 
         return parity(argv[1:])
+    if argv[:1] == ["merge"]:
+        return merge(argv[1:])
     cfg = None
     rank = os.environ.get("RANK", "0")
     signal.signal(signal.SIGTERM, _raise_stopped)
@@ -177,3 +180,29 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def merge(argv: list[str]) -> int:
+    """`finetune merge ADAPTER_DIR [--output DIR]`: base model + adapter -> one plain model directory."""
+    parser = argparse.ArgumentParser(prog="finetune merge", description=merge.__doc__)
+    parser.add_argument("adapter", help="an adapter directory written by finetune (e.g. outputs/run/final)")
+    parser.add_argument("--output", help="where to write the merged model (default: ADAPTER/merged)")
+    args = parser.parse_args(argv)
+    if not os.path.isfile(os.path.join(args.adapter, "adapter_config.json")):
+        print(
+            ConfigError(
+                [
+                    (
+                        "adapter",
+                        f"{args.adapter!r} has no adapter_config.json; give the final/ directory of an adapter run",
+                    )
+                ]
+            ).render(),
+            file=sys.stderr,
+        )
+        return 2
+    from finetune.checkpoint import merge_adapter
+
+    out = merge_adapter(args.adapter, args.output or os.path.join(args.adapter, "merged"))
+    print(f"merged model saved to {os.path.abspath(out)} (load it with from_pretrained)")
+    return 0

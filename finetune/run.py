@@ -267,7 +267,7 @@ def run(cfg: RunConfig) -> dict:
     final = checkpoint.export(acc, net, tokenizer, run_config, t.output_dir)
     if cfg.peft.merge:
         if acc.is_main_process:
-            merged = checkpoint.merge_adapter(final, os.path.join(final, "merged"), ds.label_names)
+            merged = checkpoint.merge_adapter(final, os.path.join(final, "merged"))
             logger.info("merged model saved to %s", os.path.abspath(merged))
         acc.wait_for_everyone()
     phases = {"startup": startup, "train": training, "save_export": metrics.peak_memory(acc.device)}

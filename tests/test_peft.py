@@ -219,3 +219,51 @@ def test_qlora_refused_without_cuda(assets, tmp_path):
     )
     assert res.returncode == 2 and "peft.load_in_4bit" in res.output and "CUDA" in res.output
     assert "Traceback" not in res.output and not (tmp_path / "q").exists()
+
+
+def test_finetune_merge_command_on_a_classifier_adapter(assets, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    res = finetune(
+        tmp_path / "cls",
+        "--model",
+        assets.llama,
+        "--task",
+        "classification",
+        "--dataset",
+        assets.classification,
+        "--eval_dataset",
+        assets.classification_eval,
+        "--max_steps",
+        "3",
+        "--per_device_train_batch_size",
+        "8",
+        "--max_seq_length",
+        "32",
+        "--learning_rate",
+        "1e-2",
+        "--save_steps",
+        "null",
+        *LORA,
+    )
+    final = res.output_dir / "final"
+    proc = subprocess.run(
+        [sys.executable, "-m", "finetune", "merge", str(final)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    merged = AutoModelForSequenceClassification.from_pretrained(final / "merged")
+    assert merged.config.id2label == {0: "food", 1: "sports", 2: "tech", 3: "weather"}
+    base = AutoModelForSequenceClassification.from_pretrained(assets.llama, num_labels=4)
+    adapter = PeftModel.from_pretrained(base, final)
+    ids = torch.randint(3, 500, (2, 16))
+    with torch.no_grad():
+        assert (adapter(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max().item() <= 1e-5
+    bad = subprocess.run(
+        [sys.executable, "-m", "finetune", "merge", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "adapter_config.json" in bad.stderr
