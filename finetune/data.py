@@ -9,6 +9,7 @@ Formats and what the loss sees (labels = -100 are not supervised):
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -378,6 +379,8 @@ def build_datasets(
     data: DataArgs, task: str, tokenizer, seed: int, main_first: Callable[[], AbstractContextManager]
 ) -> Datasets:
     """Load, format, tokenize (main process first, so the others hit the datasets cache), filter, pack."""
+    from datasets.fingerprint import Hasher
+
     with main_first():
         train_raw, eval_raw = load_splits(data, seed)
     columns = list(train_raw.column_names)
@@ -459,7 +462,17 @@ def build_datasets(
                 "dropped %d of %d training examples with no supervised token (truncated away?)", dropped, len(train_raw)
             )
         if data.packing:
-            train = train.map(pack, batched=True, batch_size=1000, fn_kwargs={"max_len": max_len}, desc="packing")
+            # datasets hashes a module-level function by name, not code: put the code in the cache key,
+            # so a changed packing algorithm never reuses rows packed by an older one.
+            fingerprint = Hasher.hash([train._fingerprint, inspect.getsource(pack), max_len])
+            train = train.map(
+                pack,
+                batched=True,
+                batch_size=1000,
+                fn_kwargs={"max_len": max_len},
+                desc="packing",
+                new_fingerprint=fingerprint,
+            )
     if fmt == "classification":
         n_super = len(train)
     else:
