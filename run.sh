@@ -3,6 +3,7 @@
 #
 #   ./run.sh demo [finetune args]   fine-tune the offline demo under DDP (2 CPU processes, or every GPU)
 #   ./run.sh test [pytest args]     the whole test suite (CPU only, offline)
+#   ./run.sh bench [perf.py args]   the benchmark table (bench/README.md); bench/zero_memory.py for ZeRO memory
 #   ./run.sh setup                  only create/refresh .venv
 #
 # Environment: FINETUNE_TORCH overrides the torch requirement installed into a new .venv (default:
@@ -50,7 +51,10 @@ case "$cmd" in
   test)
     setup
     "$PY" -m pytest -q tests "$@" ;;
+  bench)
+    setup
+    "$PY" bench/perf.py "$@" ;;
   *)
-    sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
     [ "$cmd" = help ] || exit 2 ;;
 esac
