@@ -164,10 +164,11 @@ def load_checkpoint(accelerator, path: str) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- resuming under another layout
 #
-# A checkpoint written by ZeRO-3 on 2 ranks can resume under DDP or a single process (and a DDP
-# one under another world size): the model is rebuilt from the checkpoint's full weights through
-# from_pretrained, and AdamW's moments are set per parameter name. The global batch must be the
-# one the checkpoint was trained with, so the data position and the schedule carry over exactly.
+# Any layout resumes under any other (ZeRO-3 on 2 ranks under DDP, one process or ZeRO-1/2, and the
+# reverse; any world size): the model is rebuilt from the checkpoint's full weights through
+# from_pretrained (ZeRO-3 aware), and AdamW's step, moments and fp32 master weights are set per
+# parameter name. The global batch must be the one the checkpoint was trained with, so the data
+# position and the schedule carry over exactly. Adapter and tensor-parallel runs are refused.
 
 PORTABLE = "portable"
 PARAM_NAMES = "optimizer_param_names.json"
@@ -233,15 +234,6 @@ def check_portable_resume(
     was = saved["layout"]
     desc = f"{was['distributed_type']} (ZeRO-{was['zero_stage']}) on {was['world_size']} process(es)"
     problems = []
-    if here["zero_stage"] > 0:
-        problems.append(
-            (
-                "resume_from_checkpoint",
-                f"{path} was written by {desc}; resuming it under DeepSpeed with "
-                "another layout is not supported yet. Resume with the layout it "
-                "was saved with, or under DDP / a single process",
-            )
-        )
     if was.get("tensor_parallel", 1) > 1 or here.get("tensor_parallel", 1) > 1:
         problems.append(
             (
@@ -276,37 +268,108 @@ def portable_model_dir(path: str, saved: dict[str, Any]) -> str:
     return os.path.join(path, PORTABLE) if saved["layout"]["zero_stage"] > 0 else path
 
 
-def load_portable_optimizer(accelerator, model, optimizer, path: str, saved: dict[str, Any]) -> None:
-    """Set AdamW's moments (and, from a DeepSpeed checkpoint, the fp32 master weights) by parameter name."""
+def load_portable_optimizer(
+    accelerator, model, optimizer, path: str, saved: dict[str, Any], here: dict[str, Any]
+) -> None:
+    """Set AdamW's moments, step and fp32 master weights by parameter name, from any layout into any
+    layout: into torch AdamW directly, into DeepSpeed's partitions through its safe_set_full_* API."""
     import torch
     from safetensors.torch import load_file
 
     net = accelerator.unwrap_model(model)
-    named = dict(net.named_parameters())
-    step = torch.tensor(float(saved["step"]))
+    named = {n: p for n, p in net.named_parameters() if p.requires_grad}
     if saved["layout"]["zero_stage"] > 0:
         tensors = load_file(os.path.join(path, PORTABLE, "optimizer.safetensors"))
         names = [k.split("/", 1)[1] for k in tensors if k.startswith("param/")]
         moments = {n: (tensors[f"exp_avg/{n}"], tensors[f"exp_avg_sq/{n}"]) for n in names}
-        with torch.no_grad():
-            for n in names:
-                named[n].copy_(tensors[f"param/{n}"].to(named[n].dtype))
+        masters = {n: tensors[f"param/{n}"] for n in names}
     else:
         with open(os.path.join(path, PARAM_NAMES)) as f:
             names = json.load(f)
         state = torch.load(os.path.join(path, "optimizer.bin"), map_location="cpu", weights_only=True)["state"]
         moments = {n: (state[i]["exp_avg"], state[i]["exp_avg_sq"]) for i, n in enumerate(names)}
-    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper -> torch AdamW
-    missing = set(n for n, p in named.items() if p.requires_grad) ^ set(moments)
+        masters = {n: t for n, t in load_file(os.path.join(path, "model.safetensors")).items() if n in moments}
+    missing = set(named) ^ set(moments)
     if missing:
         raise RuntimeError(f"checkpoint {path} and this model disagree on parameters: {sorted(missing)[:5]}")
+    if here["zero_stage"] > 0:
+        _set_deepspeed_state(optimizer, named, moments, masters, saved["step"])
+        return
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper -> torch AdamW
+    with torch.no_grad():
+        for n, w in masters.items():
+            named[n].copy_(w.to(named[n].dtype))
     for n, (m, v) in moments.items():
         p = named[n]
         inner.state[p] = {
-            "step": step.clone(),
+            "step": torch.tensor(float(saved["step"])),
             "exp_avg": m.to(p.device, p.dtype),
             "exp_avg_sq": v.to(p.device, p.dtype),
         }
+
+
+def _set_deepspeed_state(optimizer, named: dict, moments: dict, masters: dict, step: int) -> None:
+    """DeepSpeed creates Adam's state lazily, at the first step, and safe_set_full_optimizer_state can
+    only write into state that exists. So: one step of the inner optimizer (torch AdamW or DeepSpeedCPUAdam
+    over the flat fp32 partitions) with zero gradients and lr 0, which creates the state and changes no
+    weight; then the step count, and every parameter's moments and master weights by name. Every rank
+    holds the full tensors and keeps its own partition of them."""
+    import torch
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    zero = optimizer.optimizer  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer
+    inner = zero.optimizer  # -> the torch-style optimizer over this rank's flat fp32 partitions
+    zero3 = hasattr(zero, "fp32_partitioned_groups_flat")
+    # ZeRO-3 hands the optimizer one sub-group at a time (its param groups are empty in between)
+    flats = zero.fp32_partitioned_groups_flat if zero3 else [p for g in inner.param_groups for p in g["params"]]
+    lrs = [group["lr"] for group in inner.param_groups]
+    grads = [p.grad for p in flats]  # ZeRO-3 with offload keeps a gradient buffer attached
+    for group in inner.param_groups:
+        group["lr"] = 0.0
+    for p in flats:
+        p.grad = torch.zeros_like(p)
+    if zero3:
+        for i in range(len(flats)):
+            zero._optimizer_step(i)
+    else:
+        inner.step()
+    for group, lr in zip(inner.param_groups, lrs):
+        group["lr"] = lr
+    for p, g in zip(flats, grads):
+        p.grad = g
+        state = inner.state[p]
+        if torch.is_tensor(state["step"]):
+            state["step"].fill_(step)
+        else:  # DeepSpeedCPUAdam counts in a Python int
+            state["step"] = step
+    relink_deepspeed_optimizer_states(optimizer)  # ZeRO-1/2: link the new state to each parameter's fragment
+    for n, p in named.items():  # the same order on every rank
+        m, v = moments[n]
+        for key, value in ((None, masters.get(n)), ("exp_avg", m), ("exp_avg_sq", v)):
+            if value is None:
+                continue
+            if hasattr(p, "ds_id") and p.ds_numel % zero.partition_count:
+                _set_uneven_zero3_partition(p, value.float(), key)
+            elif key is None:
+                safe_set_full_fp32_param(p, value.float())
+            else:
+                safe_set_full_optimizer_state(p, value.float(), key)
+
+
+def _set_uneven_zero3_partition(param, value, key: str | None) -> None:
+    """Workaround (DeepSpeed 0.19.8): ZeRO-3's set_full_hp_param cuts this rank's slice out of the full
+    value at rank x partition size, for a whole partition; when the parameter's size is not a multiple
+    of the world size, the last rank's slice runs past the end ("start (2) + length (2) exceeds
+    dimension size (3)"). The same write, with the slice's missing tail left as DeepSpeed's zero
+    padding. tests/test_resume_layouts.py::test_into_offloaded_zero_with_uneven_partitions needs it."""
+    opt = param._z3_optimizer
+    part, group = opt._get_fp32_opt_state_partition(param, release_swap_buffers=False, optim_state_key=key)
+    start = part.numel() * opt._get_param_partition_rank(param)
+    piece = value.flatten()[start : start + part.numel()]
+    part.data.zero_()
+    part.data[: piece.numel()].copy_(piece)
+    if opt._swappable_optimizer_subgroup(group):
+        opt._optimizer_states_and_gradient_swap_out(group)
 
 
 def set_scheduler_position(scheduler, step: int, world_size: int) -> None:

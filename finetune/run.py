@@ -194,7 +194,7 @@ def run(cfg: RunConfig) -> dict:
     state = loop.TrainState()
     if resume_path:
         if portable:
-            checkpoint.load_portable_optimizer(acc, net, optimizer, resume_path, saved)
+            checkpoint.load_portable_optimizer(acc, net, optimizer, resume_path, saved, here)
             checkpoint.set_scheduler_position(scheduler, saved["step"], acc.num_processes)
         else:
             saved = checkpoint.load_checkpoint(acc, resume_path)
