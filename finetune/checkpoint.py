@@ -168,7 +168,8 @@ def load_checkpoint(accelerator, path: str) -> dict[str, Any]:
 # reverse; any world size): the model is rebuilt from the checkpoint's full weights through
 # from_pretrained (ZeRO-3 aware), and AdamW's step, moments and fp32 master weights are set per
 # parameter name. The global batch must be the one the checkpoint was trained with, so the data
-# position and the schedule carry over exactly. Adapter and tensor-parallel runs are refused.
+# position and the schedule carry over exactly. Adapter runs keep their base model and take the
+# adapter's weights by name. Tensor-parallel runs are refused.
 
 PORTABLE = "portable"
 PARAM_NAMES = "optimizer_param_names.json"
@@ -225,9 +226,7 @@ def needs_portable_resume(saved: dict[str, Any], here: dict[str, Any]) -> bool:
     return saved["layout"] != here
 
 
-def check_portable_resume(
-    path: str, saved: dict[str, Any], here: dict[str, Any], global_batch: int, peft_on: bool
-) -> None:
+def check_portable_resume(path: str, saved: dict[str, Any], here: dict[str, Any], global_batch: int) -> None:
     """Refuse, before the model loads, what a resume under another layout cannot do exactly."""
     from finetune.config import ConfigError
 
@@ -241,13 +240,6 @@ def check_portable_resume(
                 f"{path} was written by {desc} with tensor parallel "
                 f"{was.get('tensor_parallel', 1)}; tensor-parallel runs resume "
                 "only under the layout they were saved with",
-            )
-        )
-    if peft_on:
-        problems.append(
-            (
-                "resume_from_checkpoint",
-                f"{path} was written by {desc}; adapter runs resume only under the layout they were saved with",
             )
         )
     if was["global_batch_size"] != global_batch:
@@ -268,30 +260,62 @@ def portable_model_dir(path: str, saved: dict[str, Any]) -> str:
     return os.path.join(path, PORTABLE) if saved["layout"]["zero_stage"] > 0 else path
 
 
+def _read_portable(path: str, saved: dict[str, Any]) -> tuple[dict, dict]:
+    """A checkpoint's trainable weights (fp32 masters) and Adam moments, by parameter name."""
+    import torch
+    from safetensors.torch import load_file
+
+    if saved["layout"]["zero_stage"] > 0:
+        tensors = load_file(os.path.join(path, PORTABLE, "optimizer.safetensors"))
+        names = [k.split("/", 1)[1] for k in tensors if k.startswith("param/")]
+        moments = {n: (tensors[f"exp_avg/{n}"], tensors[f"exp_avg_sq/{n}"]) for n in names}
+        return {n: tensors[f"param/{n}"] for n in names}, moments
+    with open(os.path.join(path, PARAM_NAMES)) as f:
+        names = json.load(f)
+    state = torch.load(os.path.join(path, "optimizer.bin"), map_location="cpu", weights_only=True)["state"]
+    moments = {n: (state[i]["exp_avg"], state[i]["exp_avg_sq"]) for i, n in enumerate(names)}
+    masters = {n: t for n, t in load_file(os.path.join(path, "model.safetensors")).items() if n in moments}
+    return masters, moments
+
+
+def _trainable(net, path: str, names) -> dict:
+    named = {n: p for n, p in net.named_parameters() if p.requires_grad}
+    differ = set(named) ^ set(names)
+    if differ:
+        raise RuntimeError(f"checkpoint {path} and this model disagree on parameters: {sorted(differ)[:5]}")
+    return named
+
+
+def load_portable_adapter(net, path: str, saved: dict[str, Any]) -> None:
+    """Adapter runs: the base model is the run's own (frozen, unchanged by training); the adapter's
+    trained weights are set by name before accelerate.prepare (under ZeRO-3, where PEFT's copies of
+    partitioned modules are partitioned too, through GatheredParameters)."""
+    import contextlib
+
+    import torch
+
+    masters, _ = _read_portable(path, saved)
+    named = _trainable(net, path, masters)
+    params = [named[n] for n in masters]
+    gathered = contextlib.nullcontext()
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+    with gathered, torch.no_grad():
+        for n, w in masters.items():
+            named[n].copy_(w.to(named[n].dtype))
+
+
 def load_portable_optimizer(
     accelerator, model, optimizer, path: str, saved: dict[str, Any], here: dict[str, Any]
 ) -> None:
     """Set AdamW's moments, step and fp32 master weights by parameter name, from any layout into any
     layout: into torch AdamW directly, into DeepSpeed's partitions through its safe_set_full_* API."""
     import torch
-    from safetensors.torch import load_file
 
-    net = accelerator.unwrap_model(model)
-    named = {n: p for n, p in net.named_parameters() if p.requires_grad}
-    if saved["layout"]["zero_stage"] > 0:
-        tensors = load_file(os.path.join(path, PORTABLE, "optimizer.safetensors"))
-        names = [k.split("/", 1)[1] for k in tensors if k.startswith("param/")]
-        moments = {n: (tensors[f"exp_avg/{n}"], tensors[f"exp_avg_sq/{n}"]) for n in names}
-        masters = {n: tensors[f"param/{n}"] for n in names}
-    else:
-        with open(os.path.join(path, PARAM_NAMES)) as f:
-            names = json.load(f)
-        state = torch.load(os.path.join(path, "optimizer.bin"), map_location="cpu", weights_only=True)["state"]
-        moments = {n: (state[i]["exp_avg"], state[i]["exp_avg_sq"]) for i, n in enumerate(names)}
-        masters = {n: t for n, t in load_file(os.path.join(path, "model.safetensors")).items() if n in moments}
-    missing = set(named) ^ set(moments)
-    if missing:
-        raise RuntimeError(f"checkpoint {path} and this model disagree on parameters: {sorted(missing)[:5]}")
+    masters, moments = _read_portable(path, saved)
+    named = _trainable(accelerator.unwrap_model(model), path, moments)
     if here["zero_stage"] > 0:
         _set_deepspeed_state(optimizer, named, moments, masters, saved["step"])
         return

@@ -134,9 +134,9 @@ def run(cfg: RunConfig) -> dict:
         saved = checkpoint.read_trainer_state(resume_path)
         portable = checkpoint.needs_portable_resume(saved, here)
         if portable:
-            checkpoint.check_portable_resume(resume_path, saved, here, plan.global_batch_size, peft_on)
+            checkpoint.check_portable_resume(resume_path, saved, here, plan.global_batch_size)
     model_args = cfg.model
-    if portable:  # weights from the checkpoint's full copy, through from_pretrained (ZeRO-3 aware)
+    if portable and not peft_on:  # weights from the checkpoint's full copy, through from_pretrained (ZeRO-3 aware)
         model_args = dataclasses.replace(cfg.model, model=checkpoint.portable_model_dir(resume_path, saved))
 
     set_seed(t.seed)  # same initial weights (e.g. a new classifier head) on every rank and world size
@@ -149,6 +149,8 @@ def run(cfg: RunConfig) -> dict:
         reentrant_checkpointing=parallel.reentrant_checkpointing(acc, peft_on),
         extra_kwargs=megatron.tp_model_kwargs(acc),
     )
+    if portable and peft_on:  # the run's own base model; the adapter's weights from the checkpoint
+        checkpoint.load_portable_adapter(net, resume_path, saved)
     net = parallel.maybe_sync_batchnorm(net, t, acc)
     trainable, total = model.count_parameters(net)
     logger.info(

@@ -124,6 +124,31 @@ def test_into_offloaded_zero_with_uneven_partitions(assets, tmp_path):
     assert last.eval_rows[-1]["eval_loss"] == pytest.approx(straight.eval_rows[-1]["eval_loss"], rel=1e-5)
 
 
+def test_adapter_run_ddp_to_zero3_to_single(assets, tmp_path):
+    """A LoRA classifier (adapter + the head PEFT trains in full): the base model is the run's own, the
+    adapter's weights and moments come by name; under ZeRO-3 the head's copy is partitioned."""
+    args = [
+        "--model", assets.llama, "--task", "classification", "--dataset", assets.classification,
+        "--eval_fraction", "0.1", "--max_steps", "6", "--save_steps", "2", "--logging_steps", "1",
+        "--per_device_train_batch_size", "4", "--max_seq_length", "32", "--learning_rate", "1e-2",
+        "--peft.method", "lora", "--peft.r", "4", "--peft.alpha", "8",
+    ]  # fmt: skip
+    straight = finetune(tmp_path / "straight", *args, launcher="ddp")
+    run = tmp_path / "chain"
+    finetune(run, *args, launcher="ddp")
+    crash_after(run, 2)
+    finetune(run, *args, "--resume_from_checkpoint", "latest", launcher="zero3")
+    crash_after(run, 4)
+    last = finetune(
+        run, *args, "--resume_from_checkpoint", "latest", "--gradient_accumulation_steps", "2", launcher="single"
+    )
+    assert "written by DEEPSPEED ZeRO-3 on 2 process(es), converted" in last.output
+    assert [r["distributed_type"] for r in last.train_rows] == ["MULTI_CPU"] * 2 + ["DEEPSPEED"] * 2 + ["NO"] * 2
+    for a, b in zip(straight.losses(), last.losses()):
+        assert abs(a - b) / abs(a) <= 1e-5, (straight.losses(), last.losses())
+    assert last.eval_rows[-1]["eval_loss"] == pytest.approx(straight.eval_rows[-1]["eval_loss"], rel=1e-5)
+
+
 def test_resume_with_another_global_batch_is_refused(assets, tmp_path):
     args = base_args(assets.gpt2, assets.text, "--max_steps", "2", "--save_steps", "1", "--eval_fraction", "0")
     finetune(tmp_path / "run", *args, launcher="ddp")
