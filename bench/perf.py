@@ -807,7 +807,7 @@ def worker_bare(spec: dict) -> dict:
     t = time.perf_counter()
     for step, batch in enumerate(loader):
         tokens = int(batch.pop("num_tokens"))
-        batch.pop("num_supervised")
+        batch.pop("num_supervised"), batch.pop("num_positions")
         loss = model(**batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["max_grad_norm"])
@@ -941,6 +941,7 @@ def worker_balance(spec: dict) -> dict:
             t0 = time.perf_counter()
             batch = collate([train[i] for i in plans[mode][step][rank]])
             real = batch.pop("num_tokens").float()
+            batch.pop("num_positions")
             n = batch.pop("num_supervised").float()
             count = n.clone()
             dist.all_reduce(count)

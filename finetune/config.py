@@ -97,6 +97,12 @@ class DataArgs:
     label_column: str = _f("label", "Classification format: label column (int ids or strings).")
     max_seq_length: int = _f(512, "Tokens per example; longer examples are truncated, raw text is chunked to it.")
     packing: bool = _f(False, "Pack several short examples into each row (causal LM), attention kept per example.")
+    length_aware_batching: bool = _f(
+        False,
+        "Split each global batch into micro batches of similar token cost (long examples in smaller micro "
+        "batches, short ones in larger): less padding, and ranks wait less for each other. The examples of "
+        "each optimizer step stay the same; per_device_train_batch_size becomes the average rows per micro batch.",
+    )
     max_train_samples: int | None = _f(None, "Use only the first N training examples (debugging).")
     preprocessing_num_workers: int | None = _f(None, "Processes for tokenization (datasets.map num_proc).")
 

@@ -344,9 +344,11 @@ class Collator:
             "input_ids": torch.tensor(ids, dtype=torch.long),
             "labels": labels_t,
             ("position_ids" if packed else "attention_mask"): torch.tensor(extra, dtype=torch.long),
-            # Batch facts for the loop (popped before the forward): real input tokens, and what the
-            # model's mean loss is taken over (causal LM: labels after the one-token shift).
+            # Batch facts for the loop (popped before the forward): real input tokens, positions
+            # computed (padding included), and what the model's mean loss is taken over (causal LM:
+            # labels after the one-token shift).
             "num_tokens": torch.tensor(sum(len(e["input_ids"]) for e in examples)),
+            "num_positions": torch.tensor(len(examples) * width),
             "num_supervised": (labels_t[:, 1:] != IGNORE).sum() if per_token else torch.tensor(len(examples)),
         }
 
@@ -370,6 +372,79 @@ class EpochSampler(torch.utils.data.Sampler):
     def __iter__(self):
         g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
         return iter(torch.randperm(self.n, generator=g).tolist())
+
+
+class LengthAwareBatchSampler(torch.utils.data.Sampler):
+    """Micro batches of similar cost: `length_aware_batching`.
+
+    The epoch's order and its global batches are EpochSampler's, unchanged (the same examples in the
+    same optimizer step under every layout). Only the split of one global batch into its
+    `micro_batches` micro batches changes: longest first, cut into contiguous groups so that the most
+    expensive group is as cheap as possible, cost = rows x padded width x (1 + attention_weight x width).
+    Long examples end up in small micro batches and short ones in large ones, so ranks (and
+    accumulation steps) do similar work and little padding is computed. The split depends only on
+    the examples' lengths and the number of micro batches, so 2 ranks x GA 1 and 1 rank x GA 2 get
+    the same micro batches. accelerate deals them to ranks round-robin, as with fixed-size batches.
+    """
+
+    def __init__(
+        self, sampler: EpochSampler, lengths: list[int], global_batch: int, micro_batches: int, attention_weight: float
+    ):
+        self.sampler, self.lengths = sampler, lengths
+        self.global_batch, self.micro_batches, self.attention_weight = global_batch, micro_batches, attention_weight
+        self.batch_size = None  # accelerate: batches of varying size
+        self.drop_last = True
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.global_batch * self.micro_batches
+
+    def __iter__(self):
+        order = list(self.sampler)
+        for start in range(0, len(order) - self.global_batch + 1, self.global_batch):
+            window = order[start : start + self.global_batch]
+            for group in balanced_split([self.lengths[i] for i in window], self.micro_batches, self.attention_weight):
+                yield [window[i] for i in group]
+
+
+def balanced_split(lengths: list[int], parts: int, attention_weight: float, multiple_of: int = 8) -> list[list[int]]:
+    """Positions 0..len(lengths)-1 in `parts` non-empty groups, longest first, minimising the largest
+    group's cost (see LengthAwareBatchSampler). Bisection on that cost with greedy contiguous groups
+    (optimal for contiguous groups of a sorted list), then the largest groups halved until there are
+    exactly `parts`. Deterministic: ties keep their position order."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    widths = [-(-lengths[i] // multiple_of) * multiple_of for i in order]
+
+    def cost(a: int, b: int) -> float:  # the group order[a:b]; its width is its first (longest) one's
+        return (b - a) * widths[a] * (1 + attention_weight * widths[a])
+
+    def greedy(limit: float) -> list[tuple[int, int]]:
+        groups, a = [], 0
+        while a < len(order):
+            b = a + 1
+            while b < len(order) and cost(a, b + 1) <= limit:
+                b += 1
+            groups.append((a, b))
+            a = b
+        return groups
+
+    lo, hi = cost(0, 1), cost(0, len(order))  # lo: the longest example alone; hi: one group
+    for _ in range(60):
+        if len(greedy(lo)) <= parts:
+            break
+        mid = (lo + hi) / 2
+        if len(greedy(mid)) <= parts:
+            hi = mid
+        else:
+            lo = mid
+    groups = greedy(lo) if len(greedy(lo)) <= parts else greedy(hi)
+    while len(groups) < parts:  # fewer groups than micro batches: halve the one with most rows
+        k = max(range(len(groups)), key=lambda g: (groups[g][1] - groups[g][0], -g))
+        a, b = groups[k]
+        groups[k : k + 1] = [(a, (a + b) // 2), ((a + b) // 2, b)]
+    return [order[a:b] for a, b in groups]
 
 
 # ---------------------------------------------------------------- the builder

@@ -67,6 +67,7 @@ def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: i
     acc, ga = run.accelerator, run.plan.gradient_accumulation_steps
     counts = [b.pop("num_supervised") for b in micro_batches]
     tokens = sum(b.pop("num_tokens") for b in micro_batches)
+    positions = sum(b.pop("num_positions") for b in micro_batches)
     global_count = acc.reduce(torch.stack(counts).sum().float(), reduction="sum")
     scale = acc.num_processes * ga / global_count
     nll_sum, grad_norm = 0.0, None
@@ -86,7 +87,7 @@ def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: i
             run.scheduler.step()
             run.optimizer.zero_grad(set_to_none=True)
         nll_sum = nll_sum + loss.detach().float() * n
-    return nll_sum, global_count, tokens, grad_norm
+    return nll_sum, global_count, tokens, positions, grad_norm
 
 
 @torch.no_grad()
@@ -96,7 +97,7 @@ def evaluate(run: Run) -> dict[str, float]:
     run.model.eval()
     parts: dict[str, list[torch.Tensor]] = defaultdict(list)
     for batch in run.eval_loader:
-        batch.pop("num_supervised"), batch.pop("num_tokens")
+        batch.pop("num_supervised"), batch.pop("num_tokens"), batch.pop("num_positions")
         labels = batch.pop("labels")
         stats = per_example_stats(run.model(**batch).logits, labels, run.task)
         for k, v in gather_for_metrics(acc, stats).items():  # drops the padding of an uneven last batch
@@ -109,7 +110,8 @@ class _Window:
     """Running sums between two log rows (kept as tensors: no host sync per step)."""
 
     def __init__(self) -> None:
-        self.nll, self.count, self.tokens, self.steps, self.t0 = 0.0, 0.0, 0, 0, time.perf_counter()
+        self.nll, self.count, self.tokens, self.positions, self.steps = 0.0, 0.0, 0, 0, 0
+        self.t0 = time.perf_counter()
 
 
 def train(run: Run, state: TrainState) -> dict[str, float]:
@@ -139,12 +141,13 @@ def train(run: Run, state: TrainState) -> dict[str, float]:
         batches = iter(loader)
         for step_in_epoch in range(start, plan.steps_per_epoch):
             micro = [next(batches) for _ in range(plan.gradient_accumulation_steps)]
-            nll, count, tokens, grad_norm = train_step(run, micro, epoch, step_in_epoch)
+            nll, count, tokens, positions, grad_norm = train_step(run, micro, epoch, step_in_epoch)
             state.step += 1
-            win.nll, win.count, win.tokens, win.steps = (
+            win.nll, win.count, win.tokens, win.positions, win.steps = (
                 win.nll + nll,
                 win.count + count,
                 win.tokens + tokens,
+                win.positions + positions,
                 win.steps + 1,
             )
             done = state.step == plan.total_steps
@@ -164,11 +167,12 @@ def train(run: Run, state: TrainState) -> dict[str, float]:
 
 def _log_train(run: Run, state: TrainState, win: _Window, grad_norm, bar) -> None:
     acc = run.accelerator
-    nll, tokens = acc.reduce(
+    nll, tokens, positions = acc.reduce(
         torch.stack(
             [
                 torch.as_tensor(win.nll, device=acc.device).float(),
                 torch.as_tensor(win.tokens, device=acc.device).float(),
+                torch.as_tensor(win.positions, device=acc.device).float(),
             ]
         ),
         reduction="sum",
@@ -186,6 +190,7 @@ def _log_train(run: Run, state: TrainState, win: _Window, grad_norm, bar) -> Non
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
         "tokens_seen": state.tokens_seen,
         "tokens_per_s": tokens.item() / seconds,
+        "padding_fraction": 1 - tokens.item() / positions.item(),  # of the token positions computed
         "step_time_s": seconds / win.steps,
         "mfu": run.flops_per_token * tokens.item() / seconds / run.peak_flops if run.peak_flops else None,
         "epoch": state.step / run.plan.steps_per_epoch,

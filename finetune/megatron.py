@@ -264,6 +264,14 @@ def megatron_problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> li
                 "is not supported under Megatron-LM (its GPT step attends across packed examples); set packing: false",
             )
         )
+    if cfg.data.length_aware_batching:
+        p.append(
+            (
+                "length_aware_batching",
+                "is not supported under Megatron-LM (accelerate rebuilds the train loader with a fixed batch "
+                "size); set length_aware_batching: false",
+            )
+        )
     n = world_size(env)
     if n % (layout.tp * layout.pp):
         p.append(

@@ -78,6 +78,24 @@ def _clear_previous_run(output_dir: str) -> None:
             os.remove(path)
 
 
+def _length_aware_batches(train, sampler, plan: parallel.Plan, net) -> data.LengthAwareBatchSampler:
+    """length_aware_batching: every global batch split into its GA x data-parallel micro batches of
+    similar cost. Per token, attention costs about width / (6 x hidden size) of the linear layers."""
+    import pyarrow.compute as pc
+
+    lengths = pc.list_value_length(train.with_format("arrow")["input_ids"]).to_pylist()
+    hidden = getattr(getattr(net, "config", None), "hidden_size", None)
+    parts = plan.gradient_accumulation_steps * plan.world_size
+    logger.info(
+        "length-aware batching: each global batch of %d rows split into %d micro batches of similar cost",
+        plan.global_batch_size,
+        parts,
+    )
+    return data.LengthAwareBatchSampler(
+        sampler, lengths, plan.global_batch_size, parts, 1 / (6 * hidden) if hidden else 0.0
+    )
+
+
 def run(cfg: RunConfig) -> dict:
     """Train as the config says; return the final eval metrics (empty without eval data)."""
     from accelerate.utils import gather_object, set_seed
@@ -167,11 +185,13 @@ def run(cfg: RunConfig) -> dict:
 
     collate = data.Collator(tokenizer.pad_token_id)
     sampler = data.EpochSampler(len(ds.train), t.seed)
+    if cfg.data.length_aware_batching:
+        batches = {"batch_sampler": _length_aware_batches(ds.train, sampler, plan, net)}
+    else:
+        batches = {"batch_size": plan.micro_batch_size, "sampler": sampler, "drop_last": True}
     train_loader = torch.utils.data.DataLoader(
         ds.train,
-        batch_size=plan.micro_batch_size,
-        sampler=sampler,
-        drop_last=True,
+        **batches,
         collate_fn=collate,
         num_workers=t.dataloader_num_workers,
         generator=torch.Generator().manual_seed(t.seed),

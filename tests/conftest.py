@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -186,3 +187,12 @@ def reevaluate(
             for k, v in per_example_stats(model(**batch).logits, labels, task).items():
                 stats.setdefault(k, []).append(v)
     return summarize({k: torch.cat(v) for k, v in stats.items()}, {}, None)
+
+
+def crash_after(output_dir, step: int) -> None:
+    """Make a finished run look like one that died right after its step-`step` checkpoint."""
+    shutil.rmtree(output_dir / "final")
+    for ckpt in (output_dir / "checkpoints").glob("step_*"):
+        if int(ckpt.name.split("_")[1]) > step:
+            shutil.rmtree(ckpt)
+    (output_dir / "checkpoints" / "latest").write_text(f"step_{step}\n")

@@ -13,7 +13,16 @@ import pytest
 import torch
 
 from finetune.config import ConfigError, DataArgs, TrainArgs
-from finetune.data import IGNORE, Collator, EpochSampler, build_datasets, pack, supervised_count
+from finetune.data import (
+    IGNORE,
+    Collator,
+    EpochSampler,
+    LengthAwareBatchSampler,
+    balanced_split,
+    build_datasets,
+    pack,
+    supervised_count,
+)
 from finetune.demo import write_jsonl
 from finetune.parallel import global_batch_index, make_plan
 
@@ -261,6 +270,7 @@ def test_collator_pads_unpacked_examples(lengths, width):
         assert batch["labels"][k].tolist() == ex["labels"] + [IGNORE] * (width - n)
         assert batch["attention_mask"][k].tolist() == [1] * n + [0] * (width - n)
     assert batch["num_tokens"].item() == sum(lengths)
+    assert batch["num_positions"].item() == len(lengths) * width
     assert batch["num_supervised"].item() == sum(supervised_count(e["labels"], "causal_lm") for e in examples)
     assert batch["num_supervised"].item() == (batch["labels"][:, 1:] != IGNORE).sum().item()
 
@@ -278,6 +288,7 @@ def test_collator_packed_rows_get_position_ids_not_attention_mask():
     assert batch["labels"][0, 5:].eq(IGNORE).all() and batch["labels"][1, 9:].eq(IGNORE).all()
     assert batch["input_ids"][0, 5:].eq(0).all()
     assert batch["num_tokens"].item() == 14
+    assert batch["num_positions"].item() == 2 * 16
     assert batch["num_supervised"].item() == 3 + 8
 
 
@@ -394,3 +405,53 @@ def test_null_responses_are_dropped_not_trained_as_none(assets, tmp_path):
     assert len(ds.train) == 1
     supervised = [t for t in ds.train[0]["labels"] if t != -100]
     assert assets.tokenizer.decode(supervised) == "yes</s>"
+
+
+# ---------------------------------------------------------------- length-aware batching
+
+
+def padded_cost(lengths: list[int], group: list[int], attention_weight: float) -> float:
+    width = -(-max(lengths[i] for i in group) // 8) * 8
+    return len(group) * width * (1 + attention_weight * width)
+
+
+@pytest.mark.parametrize("n,parts", [(16, 2), (64, 16), (32, 32), (24, 3)])
+def test_balanced_split_is_a_partition_no_worse_than_fixed_batches(n, parts):
+    import random
+
+    rng = random.Random(n * parts)
+    w = 1 / (6 * 256)
+    worse = 0
+    for _ in range(50):
+        lengths = [rng.randint(16, 512) for _ in range(n)]
+        groups = balanced_split(lengths, parts, w)
+        assert len(groups) == parts and all(groups)
+        assert sorted(i for g in groups for i in g) == list(range(n))
+        assert groups == balanced_split(lengths, parts, w)  # deterministic
+        micro = n // parts
+        fixed = max(padded_cost(lengths, list(range(k, k + micro)), w) for k in range(0, n, micro))
+        ours = max(padded_cost(lengths, g, w) for g in groups)
+        worse += ours > fixed
+        # the most expensive micro batch is at most the longest example's width times the fixed row count
+        assert ours <= padded_cost(lengths, [max(range(n), key=lambda i: lengths[i])] * micro, w)
+    assert worse == 0
+
+
+def test_length_aware_batches_keep_each_steps_examples():
+    """Same examples per global batch as the fixed-size order, in GA x world micro batches; the
+    split does not depend on how those micro batches are dealt to ranks."""
+    import random
+
+    rng = random.Random(0)
+    lengths = [rng.randint(16, 512) for _ in range(100)]
+    sampler = EpochSampler(100, seed=3)
+    batches = LengthAwareBatchSampler(sampler, lengths, global_batch=16, micro_batches=4, attention_weight=0.001)
+    for epoch in (0, 1):
+        batches.set_epoch(epoch)
+        order = list(sampler)
+        got = list(batches)
+        assert len(got) == len(batches) == 100 // 16 * 4
+        for s in range(len(got) // 4):
+            assert sorted(i for b in got[4 * s : 4 * s + 4] for i in b) == sorted(order[16 * s : 16 * s + 16])
+        widths = [max(lengths[i] for i in b) for b in got]
+        assert widths != sorted(widths) or len(set(len(b) for b in got)) > 1  # really reshaped

@@ -4,21 +4,11 @@ ZeRO-3 (2 ranks) -> DDP (2 ranks) -> single process, and single -> ZeRO-3 -> ZeR
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
-from conftest import base_args, finetune
+from conftest import base_args, crash_after, finetune
 
 pytestmark = pytest.mark.slow
-
-
-def crash_after(output_dir, step: int) -> None:
-    """Make a finished run look like one that died right after its step-`step` checkpoint."""
-    shutil.rmtree(output_dir / "final")
-    for ckpt in (output_dir / "checkpoints").glob("step_*"):
-        if int(ckpt.name.split("_")[1]) > step:
-            shutil.rmtree(ckpt)
-    (output_dir / "checkpoints" / "latest").write_text(f"step_{step}\n")
 
 
 def test_zero3_to_ddp_to_single_chain_continues_the_run(assets, tmp_path):

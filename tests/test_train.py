@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import ROOT, base_args, finetune, reevaluate
+from conftest import ROOT, base_args, crash_after, finetune, reevaluate
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -33,6 +33,34 @@ def test_two_ranks_equal_one_rank_with_accumulation(assets, tmp_path):
     wa, wb = weights(ddp.output_dir), weights(one.output_dir)
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-5
     assert ddp.eval_rows[-1]["eval_loss"] == pytest.approx(one.eval_rows[-1]["eval_loss"], rel=1e-5)
+
+
+def test_length_aware_batching_changes_speed_not_the_run(assets, tmp_path):
+    """length_aware_batching reshapes each global batch's micro batches (less padding) but keeps its
+    examples: the losses equal fixed-size batching's to rounding; 2x1 equals 1x2; resume is exact."""
+    import random
+
+    rng = random.Random(0)
+    words = "the cat sat on a mat while rain fell over green hills and quiet towns".split()
+    rows = [
+        {"prompt": f"tell me {k}", "response": " ".join(rng.choices(words, k=rng.randint(0, 24)))} for k in range(80)
+    ]
+    data = tmp_path / "varied.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = base_args(assets.llama, str(data), "--max_steps", "6", "--eval_fraction", "0", "--save_steps", "3")
+    fixed = finetune(tmp_path / "fixed", *args, launcher="ddp")
+    aware = [*args, "--length_aware_batching", "true"]
+    ddp = finetune(tmp_path / "ddp", *aware, launcher="ddp")
+    assert "length-aware batching: each global batch of 8 rows split into 2 micro batches" in ddp.output
+    one = finetune(tmp_path / "one", *aware, "--gradient_accumulation_steps", "2")
+    assert [r["tokens_seen"] for r in ddp.train_rows] == [r["tokens_seen"] for r in fixed.train_rows]
+    assert max_rel(fixed.losses(), ddp.losses()) <= 1e-5
+    assert max_rel(ddp.losses(), one.losses()) <= 1e-5
+    pad = [sum(r["padding_fraction"] for r in run.train_rows) for run in (fixed, ddp)]
+    assert pad[1] < pad[0], pad
+    crash_after(ddp.output_dir, 3)
+    resumed = finetune(ddp.output_dir, *aware, "--resume_from_checkpoint", "latest", launcher="ddp")
+    assert resumed.losses() == ddp.losses()
 
 
 def test_dropout_does_not_depend_on_rank_layout(assets, tmp_path):
