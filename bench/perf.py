@@ -273,7 +273,13 @@ def run_finetune(
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [row for row in rows if "loss" in row]
     per_step = [(row["tokens_per_s"] * row["step_time_s"], row["step_time_s"]) for row in train]
-    return {**steady(per_step, warmup), "losses": [row["loss"] for row in train], "wall_s": r["wall_s"]}
+    padding = [row["padding_fraction"] for row in train[warmup:]]
+    return {
+        **steady(per_step, warmup),
+        "losses": [row["loss"] for row in train],
+        "padding_fraction": statistics.mean(padding) if padding else None,
+        "wall_s": r["wall_s"],
+    }
 
 
 def run_worker(kind: str, spec: dict, work: Path, threads: int, tag: str) -> dict:
@@ -580,44 +586,14 @@ def _importtime(code: str) -> tuple[float, list[tuple[float, int, str]]]:
 # ---------------------------------------------------------------- 5. rank balance
 
 
-def balanced_split(lengths: list[int], n_parts: int, quad: float) -> list[list[int]]:
-    """Indices (into lengths) split into n_parts micro batches of balanced padded cost.
-
-    Sort by length (longest first) and cut the sorted list into contiguous groups of variable size,
-    choosing the cuts that minimise the largest group cost, cost = rows x width + quad x rows x width^2
-    (linear layers on padded tokens, attention quadratic): the long examples go together in a small
-    group, the short ones in a big group. Exact (dynamic programme; a global batch is small)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    n = len(order)
-
-    def cost(a: int, b: int) -> float:  # group = order[a:b]; its width is its first (longest) length
-        w = -(-lengths[order[a]] // 8) * 8
-        return (b - a) * w * (1 + quad * w)
-
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(n_parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(n_parts + 1)]
-    best[0][0] = 0.0
-    for k in range(1, n_parts + 1):
-        for b in range(k, n + 1):
-            for a in range(k - 1, b):
-                c = max(best[k - 1][a], cost(a, b))
-                if c < best[k][b]:
-                    best[k][b], cut[k][b] = c, a
-    groups, b = [], n
-    for k in range(n_parts, 0, -1):
-        a = cut[k][b]
-        groups.append([order[i] for i in range(a, b)])
-        b = a
-    return groups[::-1]
-
-
 def rank_batches(lengths: list[int], world: int, micro: int, seed: int, mode: str, quad: float, epoch: int = 0):
     """Per optimizer step, the example indices each rank holds (GA 1).
 
-    round_robin: what finetune does now: EpochSampler order, batches of `micro`, accelerate deals
-    batch j*world + r to rank r. balanced: the same global batch (same examples, same step) split
-    across ranks by balanced_split."""
+    round_robin: finetune's default: EpochSampler order, batches of `micro`, accelerate deals batch
+    j*world + r to rank r. balanced: `length_aware_batching`: the same global batch (same examples,
+    same step) split across ranks by finetune.data.balanced_split (the app's own function)."""
+    from finetune.data import balanced_split
+
     order = epoch_order(len(lengths), seed, epoch)
     per_step = world * micro
     steps = []
@@ -723,6 +699,28 @@ def bench_balance(work: Path, assets: dict, o) -> dict:
     out["measured"] = json.loads(result.read_text())
     m = out["measured"]
     out["measured_step_x"] = m["round_robin"]["step_time_s"] / m["balanced"]["step_time_s"]
+    # The app itself: DDP on 2 ranks, with and without length_aware_batching, interleaved.
+    aware = write_run_config(
+        work,
+        "balance_aware",
+        model=assets["small_model"],
+        dataset=assets["instr"],
+        format="instruction",
+        max_seq_length=512,
+        length_aware_batching=True,
+    )
+    systems = {
+        "finetune_fixed": lambda rep: run_finetune(f"bal_fixed_{rep}", config, work, o.steps, o.warmup, 1, "ddp"),
+        "finetune_length_aware": lambda rep: run_finetune(f"bal_aware_{rep}", aware, work, o.steps, o.warmup, 1, "ddp"),
+    }
+    runs = interleaved(systems, o.repeats)
+    app = {
+        name: {**summary(r), "padding_fraction": statistics.median(x["padding_fraction"] for x in r)}
+        for name, r in runs.items()
+    }
+    app["aware_x_fixed"] = app["finetune_length_aware"]["tokens_per_s"] / app["finetune_fixed"]["tokens_per_s"]
+    app["aware_x_fixed_paired"] = paired_ratios(runs["finetune_length_aware"], runs["finetune_fixed"])
+    out["app"] = app
     out["setup"] = (
         "7M Llama (hidden 256, 4 layers), instruction data 16..512 tokens, padding, 2 ranks x micro 8 x 1 thread"
     )
@@ -1081,6 +1079,16 @@ def rows_for(results: dict) -> list[tuple]:
         note = f"sim {1 / sim['predicted_step_time_x']:.2f}x (padding {sim['round_robin']['padding_fraction']:.0%}"
         note += f" -> {sim['balanced']['padding_fraction']:.0%})"
         rows.append(("5 balance", "step: now / length-aware", r["measured_step_x"], "x", note, "", None))
+        app = r.get("app")
+        if app:
+            for name, label in (
+                ("finetune_fixed", "finetune ddp, fixed"),
+                ("finetune_length_aware", "finetune ddp, length-aware"),
+            ):
+                note = f"padding {app[name]['padding_fraction']:.0%}, step {app[name]['step_time_s']:.2f} s"
+                rows.append(("5 balance", label, app[name]["tokens_per_s"], "real tok/s", note, "", None))
+            note = _range(app["aware_x_fixed_paired"])
+            rows.append(("5 balance", "length-aware / fixed", app["aware_x_fixed"], "x", note, "", None))
         sp = r["simulated_packing"]
         note = f"length-aware: sim {1 / sp['predicted_step_time_x']:.2f}x faster"
         rows.append(
