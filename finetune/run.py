@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import shutil
 import sys
@@ -68,6 +69,27 @@ def _optimizer(net, t) -> torch.optim.Optimizer:
     )
 
 
+def _scheduler(optimizer, kind: str, warmup: int, total: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """transformers.get_scheduler's linear / cosine / constant / constant_with_warmup schedules, the same
+    formulas (tests/test_train.py::test_schedules_equal_transformers checks every step). Written here
+    because importing transformers.optimization imports transformers.trainer_utils and through it all
+    of peft: about 1.7 s of every launch (bench/perf.py --only launch)."""
+
+    def factor(step: int) -> float:
+        if kind == "constant":
+            return 1.0
+        if step < warmup:
+            return step / max(1, warmup)
+        if kind == "constant_with_warmup":
+            return 1.0
+        progress = (step - warmup) / max(1, total - warmup)
+        if kind == "cosine":
+            return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+        return max(0.0, (total - step) / max(1, total - warmup))  # linear
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
 def _clear_previous_run(output_dir: str) -> None:
     """--overwrite_output_dir: remove what a previous run left (only the files a run writes)."""
     for name in (*RUN_MARKERS, ".tmp_final"):
@@ -99,7 +121,6 @@ def _length_aware_batches(train, sampler, plan: parallel.Plan, net) -> data.Leng
 def run(cfg: RunConfig) -> dict:
     """Train as the config says; return the final eval metrics (empty without eval data)."""
     from accelerate.utils import gather_object, set_seed
-    from transformers import get_scheduler
 
     parallel.prepare_environment(cfg.train)
     megatron.check_before_start(cfg)  # Megatron-LM / tensor parallelism: refuse what cannot run, before anything heavy
@@ -181,7 +202,7 @@ def run(cfg: RunConfig) -> dict:
     )
     optimizer = _optimizer(net, t)
     warmup, length = plan.scheduler_steps
-    scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=length)
+    scheduler = _scheduler(optimizer, t.lr_scheduler_type, warmup, length)
 
     collate = data.Collator(tokenizer.pad_token_id)
     sampler = data.EpochSampler(len(ds.train), t.seed)

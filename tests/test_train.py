@@ -63,6 +63,29 @@ def test_length_aware_batching_changes_speed_not_the_run(assets, tmp_path):
     assert resumed.losses() == ddp.losses()
 
 
+@pytest.mark.parametrize("kind", ["linear", "cosine", "constant", "constant_with_warmup"])
+@pytest.mark.parametrize("warmup,total", [(0, 10), (3, 10), (10, 10), (4, 7)])
+def test_schedules_equal_transformers(kind, warmup, total):
+    """finetune's schedules (no transformers.optimization import at start-up) are transformers' own."""
+    from transformers import get_scheduler
+
+    from finetune.run import _scheduler
+
+    def lrs(make):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        sched = make(opt)
+        out = []
+        for _ in range(total + 2):
+            out.append(sched.get_last_lr()[0])
+            opt.step()
+            sched.step()
+        return out
+
+    ours = lrs(lambda opt: _scheduler(opt, kind, warmup, total))
+    theirs = lrs(lambda opt: get_scheduler(kind, opt, num_warmup_steps=warmup, num_training_steps=total))
+    assert ours == pytest.approx(theirs, abs=1e-12)
+
+
 def test_dropout_does_not_depend_on_rank_layout(assets, tmp_path):
     """Dropout masks are seeded by data position: 2x1 and 1x2 agree even with dropout on."""
     from finetune import demo
