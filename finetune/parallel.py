@@ -75,6 +75,15 @@ def _ds_expected(train: TrainArgs) -> dict[str, float]:
     }
 
 
+def fill_deepspeed_micro_batch(accelerator, micro_batch_size: int) -> None:
+    """accelerate fills DeepSpeed's "auto" train_micro_batch_size_per_gpu from the loaders' batch_size,
+    and refuses a loader without one: length_aware_batching's micro batches vary in rows. Fill it
+    with the run's micro batch (what DeepSpeed's batch arithmetic and logging use)."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None and plugin.is_auto("train_micro_batch_size_per_gpu"):
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = micro_batch_size
+
+
 def check_deepspeed_config(train: TrainArgs) -> None:
     """Refuse a DeepSpeed JSON whose batch/accumulation/clipping contradict the run config, and one that
     defines its own optimizer or scheduler (finetune's AdamW and schedule are the run config's)."""

@@ -226,6 +226,7 @@ def run(cfg: RunConfig) -> dict:
             collate_fn=collate,
             num_workers=t.dataloader_num_workers,
         )
+    parallel.fill_deepspeed_micro_batch(acc, plan.micro_batch_size)
     net, optimizer, train_loader, scheduler = acc.prepare(net, optimizer, train_loader, scheduler)
     if megatron.tp_enabled(acc):
         megatron.enable_tp_checkpointing(acc, net, optimizer)

@@ -37,7 +37,7 @@ def test_two_ranks_equal_one_rank_with_accumulation(assets, tmp_path):
 
 def test_length_aware_batching_changes_speed_not_the_run(assets, tmp_path):
     """length_aware_batching reshapes each global batch's micro batches (less padding) but keeps its
-    examples: the losses equal fixed-size batching's to rounding; 2x1 equals 1x2; resume is exact."""
+    examples: the losses equal fixed-size batching's to rounding; 2x1 equals 1x2 and ZeRO-2; resume is exact."""
     import random
 
     rng = random.Random(0)
@@ -56,6 +56,8 @@ def test_length_aware_batching_changes_speed_not_the_run(assets, tmp_path):
     assert [r["tokens_seen"] for r in ddp.train_rows] == [r["tokens_seen"] for r in fixed.train_rows]
     assert max_rel(fixed.losses(), ddp.losses()) <= 1e-5
     assert max_rel(ddp.losses(), one.losses()) <= 1e-5
+    zero2 = finetune(tmp_path / "zero2", *aware, launcher="zero2")  # DeepSpeed wants a fixed micro batch size
+    assert max_rel(ddp.losses(), zero2.losses()) <= 1e-5
     pad = [sum(r["padding_fraction"] for r in run.train_rows) for run in (fixed, ddp)]
     assert pad[1] < pad[0], pad
     crash_after(ddp.output_dir, 3)
