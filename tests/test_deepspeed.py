@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, base_args, finetune
+from conftest import ROOT, base_args, crash_after, finetune
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -104,9 +104,7 @@ def test_zero_resume_equals_uninterrupted(assets, tmp_path, launcher):
     straight = finetune(tmp_path / "straight", *args, launcher=launcher)
     part = tmp_path / "part"
     shutil.copytree(straight.output_dir, part)  # the same run, "crashed" after its step-3 checkpoint
-    shutil.rmtree(part / "final")
-    shutil.rmtree(part / "checkpoints" / "step_6")
-    (part / "checkpoints" / "latest").write_text("step_3\n")
+    crash_after(part, 3)
     resumed = finetune(part, *args, "--resume_from_checkpoint", "latest", launcher=launcher)
     assert [r["step"] for r in resumed.train_rows] == [1, 2, 3, 4, 5, 6]
     a, b = straight.losses(), resumed.losses()

@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 import yaml
-from conftest import ROOT, base_args, finetune
+from conftest import ROOT, base_args, crash_after, finetune
 
 from finetune import megatron
 from finetune.config import ConfigError, build_config
@@ -365,9 +365,7 @@ def test_tp2_on_cpu_equals_one_process_and_resumes_exactly(assets, tmp_path):
 
     part = tmp_path / "part"
     shutil.copytree(tp.output_dir, part)
-    shutil.rmtree(part / "final")
-    shutil.rmtree(part / "checkpoints" / "step_4")
-    (part / "checkpoints" / "latest").write_text("step_2\n")
+    crash_after(part, 2)
     resumed = finetune(part, *args, "--resume_from_checkpoint", "latest", launcher="tp2")
     assert [r["step"] for r in resumed.train_rows] == [1, 2, 3, 4]
     assert max(abs(x - y) / abs(x) for x, y in zip(b, resumed.losses())) <= 1e-6

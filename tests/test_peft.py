@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, base_args, finetune, reevaluate
+from conftest import ROOT, base_args, crash_after, finetune, reevaluate
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -179,9 +179,7 @@ def test_adapter_resume_equals_uninterrupted(assets, tmp_path):
     straight = finetune(tmp_path / "straight", *args, launcher="ddp")
     part = tmp_path / "part"
     shutil.copytree(straight.output_dir, part)
-    shutil.rmtree(part / "final")
-    shutil.rmtree(part / "checkpoints" / "step_4")
-    (part / "checkpoints" / "latest").write_text("step_2\n")
+    crash_after(part, 2)
     resumed = finetune(part, *args, "--resume_from_checkpoint", "latest", launcher="ddp")
     assert max(abs(x - y) / abs(x) for x, y in zip(straight.losses(), resumed.losses())) <= 1e-6
     a = load_file(str(straight.output_dir / "final" / "adapter_model.safetensors"))

@@ -126,11 +126,7 @@ def test_resume_equals_uninterrupted(assets, tmp_path):
     # First half: the same 4-step run, stopped after step 2 by max_steps... would change the schedule,
     # so run the full config and then simulate the crash by deleting what came after step 2.
     finetune(part, *args)
-    import shutil
-
-    shutil.rmtree(part / "final")
-    shutil.rmtree(part / "checkpoints" / "step_4")
-    (part / "checkpoints" / "latest").write_text("step_2\n")
+    crash_after(part, 2)
     resumed = finetune(part, *args, "--resume_from_checkpoint", "latest")
     assert "resumed from" in resumed.output
     assert [r["step"] for r in resumed.train_rows] == [1, 2, 3, 4]  # log continued, not duplicated
@@ -157,12 +153,7 @@ def test_resume_across_epoch_boundary_under_ddp(assets, tmp_path):
     assert len(straight.losses()) == 18  # 48 rows / (4 x 2 ranks) = 6 steps per epoch
     part = tmp_path / "part"
     finetune(part, *args, launcher="ddp")
-    import shutil
-
-    for name in ("step_12", "step_16", "step_18"):
-        shutil.rmtree(part / "checkpoints" / name, ignore_errors=True)
-    shutil.rmtree(part / "final")
-    (part / "checkpoints" / "latest").write_text("step_8\n")
+    crash_after(part, 8)
     resumed = finetune(part, *args, "--resume_from_checkpoint", "latest", launcher="ddp")
     assert max_rel(resumed.losses(), straight.losses()) <= 1e-6
 
