@@ -320,6 +320,14 @@ def summary(runs: list[dict]) -> dict:
     }
 
 
+def same_batches(runs: dict[str, list[dict]], names: tuple[str, ...]) -> None:
+    """Systems compared batch for batch must have measured the same steps: equal real tokens per step
+    (a different warm-up cut, or another data order, would compare different batches)."""
+    per_step = {n: [round(r["tokens_per_step"], 3) for r in runs[n]] for n in names}
+    if len({tuple(v) for v in per_step.values()}) > 1:
+        raise RuntimeError(f"the compared runs measured different batches (tokens per step): {per_step}")
+
+
 def paired_ratios(a: list[dict], b: list[dict]) -> list[float]:
     return [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(a, b)]
 
@@ -333,13 +341,14 @@ def bench_throughput(work: Path, assets: dict, o) -> dict:
     config = write_run_config(
         work, "throughput", model=assets["model"], dataset=assets["text"], format="text", max_seq_length=256
     )
-    spec = {"config": config, "steps": steps, "threads": 2, "collator": "default"}
+    spec = {"config": config, "steps": steps, "threads": 2, "collator": "default", "warmup": o.warmup}
     systems = {
         "finetune": lambda rep: run_finetune(f"tp_finetune_{rep}", config, work, steps, o.warmup, 2),
         "bare_loop": lambda rep: run_worker("bare", spec, work, 2, f"tp_bare_{rep}"),
         "hf_trainer": lambda rep: run_worker("trainer", spec, work, 2, f"tp_trainer_{rep}"),
     }
     runs = interleaved(systems, o.repeats)
+    same_batches(runs, ("finetune", "bare_loop", "hf_trainer"))
     out = {name: summary(r) for name, r in runs.items()}
     for other in ("bare_loop", "hf_trainer"):
         out[f"finetune_x_{other}"] = out["finetune"]["tokens_per_s"] / out[other]["tokens_per_s"]
@@ -358,13 +367,14 @@ def bench_packing(work: Path, assets: dict, o) -> dict:
     common = dict(model=assets["model"], dataset=assets["instr"], format="instruction", max_seq_length=512)
     padded = write_run_config(work, "packing_off", packing=False, **common)
     packed = write_run_config(work, "packing_on", packing=True, **common)
-    spec = {"config": padded, "steps": steps, "threads": 2, "collator": "seq2seq"}
+    spec = {"config": padded, "steps": steps, "threads": 2, "collator": "seq2seq", "warmup": o.warmup}
     systems = {
         "finetune_packing": lambda rep: run_finetune(f"pk_on_{rep}", packed, work, steps, o.warmup, 2),
         "finetune_padding": lambda rep: run_finetune(f"pk_off_{rep}", padded, work, steps, o.warmup, 2),
         "hf_trainer": lambda rep: run_worker("trainer", spec, work, 2, f"pk_trainer_{rep}"),
     }
     runs = interleaved(systems, o.repeats)
+    same_batches(runs, ("finetune_padding", "hf_trainer"))
     out = {name: summary(r) for name, r in runs.items()}
     for name in ("finetune_packing", "finetune_padding"):
         out[f"{name}_x_hf_trainer"] = out[name]["tokens_per_s"] / out["hf_trainer"]["tokens_per_s"]
@@ -817,7 +827,7 @@ def worker_bare(spec: dict) -> dict:
         t = now
         if step + 1 == total:
             break
-    return {**steady(per_step, spec.get("warmup", 2)), "losses": losses}
+    return {**steady(per_step, spec["warmup"]), "losses": losses}
 
 
 def worker_trainer(spec: dict) -> dict:
@@ -878,7 +888,7 @@ def worker_trainer(spec: dict) -> dict:
         trainer.train()
     times = [b - a for a, b in zip(marks, marks[1:])]
     tokens = [sum(lengths[i * micro : (i + 1) * micro]) for i in range(len(times))]
-    return {**steady(list(zip(tokens, times)), spec.get("warmup", 2)), "optim": str(args.optim)}
+    return {**steady(list(zip(tokens, times)), spec["warmup"]), "optim": str(args.optim)}
 
 
 def worker_tokenize(spec: dict) -> dict:
