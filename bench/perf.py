@@ -665,18 +665,10 @@ def simulate_balance(lengths: list[int], world: int, micro: int, quad: float) ->
 
 def bench_balance(work: Path, assets: dict, o) -> dict:
     """Simulated over a whole epoch (exact token counts), then measured for a few steps on 2 ranks."""
-    config = write_run_config(
-        work, "balance", model=assets["small_model"], dataset=assets["instr"], format="instruction", max_seq_length=512
-    )
-    packed = write_run_config(
-        work,
-        "balance_packed",
-        model=assets["small_model"],
-        dataset=assets["instr"],
-        format="instruction",
-        max_seq_length=512,
-        packing=True,
-    )
+    run = {"model": assets["small_model"], "dataset": assets["instr"], "format": "instruction", "max_seq_length": 512}
+    config = write_run_config(work, "balance", **run)
+    packed = write_run_config(work, "balance_packed", **run, packing=True)
+    aware = write_run_config(work, "balance_aware", **run, length_aware_batching=True)
     quad = 1 / (6 * LLAMA_7M["hidden_size"])  # attention FLOPs / linear FLOPs per token and unit of width
     lengths = tokenized_lengths(config, work)
     out = {
@@ -709,15 +701,6 @@ def bench_balance(work: Path, assets: dict, o) -> dict:
     m = out["measured"]
     out["measured_step_x"] = m["round_robin"]["step_time_s"] / m["balanced"]["step_time_s"]
     # The app itself: DDP on 2 ranks, with and without length_aware_batching, interleaved.
-    aware = write_run_config(
-        work,
-        "balance_aware",
-        model=assets["small_model"],
-        dataset=assets["instr"],
-        format="instruction",
-        max_seq_length=512,
-        length_aware_batching=True,
-    )
     systems = {
         "finetune_fixed": lambda rep: run_finetune(f"bal_fixed_{rep}", config, work, o.steps, o.warmup, 1, "ddp"),
         "finetune_length_aware": lambda rep: run_finetune(f"bal_aware_{rep}", aware, work, o.steps, o.warmup, 1, "ddp"),
