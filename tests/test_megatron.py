@@ -195,6 +195,7 @@ def test_a_supported_megatron_run_passes_the_checks(on_a_gpu_machine_with_megatr
         ({"per_device_eval_batch_size": 2}, "per_device_eval_batch_size", "micro batch"),
         ({"peft": {"method": "lora"}}, "peft.method", "peft.method: none"),
         ({"packing": True}, "packing", "packing: false"),
+        ({"length_aware_batching": True}, "length_aware_batching", "length_aware_batching: false"),
         ({"max_seq_length": 63}, "max_seq_length", "multiple of megatron_lm_tp_degree 2"),
         ({"task": "classification"}, "task", "causal_lm"),
     ],
