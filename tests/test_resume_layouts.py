@@ -11,8 +11,30 @@ from conftest import base_args, crash_after, finetune
 pytestmark = pytest.mark.slow
 
 
-def test_zero3_to_ddp_to_single_chain_continues_the_run(assets, tmp_path):
-    args = base_args(
+def chain(tmp_path, args: list[str], legs: list[tuple[str, ...]], every: int):
+    """The same run straight (DDP) and as a chain of layouts: leg i (launcher, extra args...) resumes
+    from the checkpoint at step i x `every`, as if the previous leg had died right after it.
+    Returns the straight run and every leg's result."""
+    straight = finetune(tmp_path / "straight", *args, launcher="ddp")
+    run = tmp_path / "chain"
+    results = []
+    for i, (launcher, *extra) in enumerate(legs):
+        if i:
+            crash_after(run, i * every)
+            extra = [*extra, "--resume_from_checkpoint", "latest"]
+        results.append(finetune(run, *args, *extra, launcher=launcher))
+    return straight, results
+
+
+def assert_continues(straight, last) -> None:
+    """The chained run's losses and final eval loss are the uninterrupted run's (1e-5 relative)."""
+    for a, b in zip(straight.losses(), last.losses()):
+        assert abs(a - b) / abs(a) <= 1e-5, (straight.losses(), last.losses())
+    assert last.eval_rows[-1]["eval_loss"] == pytest.approx(straight.eval_rows[-1]["eval_loss"], rel=1e-5)
+
+
+def llama_chain_args(assets) -> list[str]:
+    return base_args(
         assets.llama,
         assets.instruction,
         "--max_steps",
@@ -26,59 +48,40 @@ def test_zero3_to_ddp_to_single_chain_continues_the_run(assets, tmp_path):
         "--warmup_steps",
         "2",
     )
-    straight = finetune(tmp_path / "straight", *args, launcher="ddp")
-    run = tmp_path / "chain"
-    finetune(run, *args, launcher="zero3")
-    crash_after(run, 3)
-    via_ddp = finetune(run, *args, "--resume_from_checkpoint", "latest", launcher="ddp")
-    assert "written by DEEPSPEED ZeRO-3 on 2 process(es), converted" in via_ddp.output
-    crash_after(run, 6)
-    last = finetune(
-        run, *args, "--resume_from_checkpoint", "latest", "--gradient_accumulation_steps", "2", launcher="single"
+
+
+def test_zero3_to_ddp_to_single_chain_continues_the_run(assets, tmp_path):
+    straight, (_, via_ddp, last) = chain(
+        tmp_path,
+        llama_chain_args(assets),
+        [("zero3",), ("ddp",), ("single", "--gradient_accumulation_steps", "2")],
+        every=3,
     )
+    assert "written by DEEPSPEED ZeRO-3 on 2 process(es), converted" in via_ddp.output
     assert "written by MULTI_CPU ZeRO-0 on 2 process(es), converted" in last.output
     rows = last.train_rows
     assert [r["step"] for r in rows] == list(range(1, 10))
     assert [r["distributed_type"] for r in rows] == ["DEEPSPEED"] * 3 + ["MULTI_CPU"] * 3 + ["NO"] * 3
-    for a, b in zip(straight.losses(), last.losses()):
-        assert abs(a - b) / abs(a) <= 1e-5, (straight.losses(), last.losses())
+    assert_continues(straight, last)
     assert [r["learning_rate"] for r in rows] == pytest.approx([r["learning_rate"] for r in straight.train_rows])
-    assert last.eval_rows[-1]["eval_loss"] == pytest.approx(straight.eval_rows[-1]["eval_loss"], rel=1e-5)
 
 
 def test_single_to_zero3_to_zero1_chain_continues_the_run(assets, tmp_path):
     """Into DeepSpeed: Adam's moments and step land in ZeRO's partitions (lazily created there). Without
     them the next step's update would be far off and the losses would part at the first resumed step."""
-    args = base_args(
-        assets.llama,
-        assets.instruction,
-        "--max_steps",
-        "9",
-        "--save_steps",
-        "3",
-        "--eval_fraction",
-        "0.1",
-        "--lr_scheduler_type",
-        "cosine",
-        "--warmup_steps",
-        "2",
+    straight, (_, via_zero3, last) = chain(
+        tmp_path,
+        llama_chain_args(assets),
+        [("single", "--gradient_accumulation_steps", "2"), ("zero3",), ("zero1",)],
+        every=3,
     )
-    straight = finetune(tmp_path / "straight", *args, launcher="ddp")
-    run = tmp_path / "chain"
-    finetune(run, *args, "--gradient_accumulation_steps", "2", launcher="single")
-    crash_after(run, 3)
-    via_zero3 = finetune(run, *args, "--resume_from_checkpoint", "latest", launcher="zero3")
     assert "written by NO ZeRO-0 on 1 process(es), converted" in via_zero3.output
-    crash_after(run, 6)
-    last = finetune(run, *args, "--resume_from_checkpoint", "latest", launcher="zero1")
     assert "written by DEEPSPEED ZeRO-3 on 2 process(es), converted" in last.output
     rows = last.train_rows
     assert [r["step"] for r in rows] == list(range(1, 10))
     assert [r["distributed_type"] for r in rows] == ["NO"] * 3 + ["DEEPSPEED"] * 6
-    for a, b in zip(straight.losses(), last.losses()):
-        assert abs(a - b) / abs(a) <= 1e-5, (straight.losses(), last.losses())
+    assert_continues(straight, last)
     assert [r["learning_rate"] for r in rows] == pytest.approx([r["learning_rate"] for r in straight.train_rows])
-    assert last.eval_rows[-1]["eval_loss"] == pytest.approx(straight.eval_rows[-1]["eval_loss"], rel=1e-5)
 
 
 def test_into_offloaded_zero_with_uneven_partitions(assets, tmp_path):
@@ -100,18 +103,10 @@ def test_into_offloaded_zero_with_uneven_partitions(assets, tmp_path):
         "--eval_fraction",
         "0.1",
     )
-    straight = finetune(tmp_path / "straight", *args, launcher="ddp")
-    run = tmp_path / "chain"
-    finetune(run, *args, launcher="ddp")
-    crash_after(run, 2)
-    finetune(run, *args, "--resume_from_checkpoint", "latest", launcher="zero3_offload")
-    crash_after(run, 4)
-    last = finetune(run, *args, "--resume_from_checkpoint", "latest", launcher="zero2_offload")
+    straight, (*_, last) = chain(tmp_path, args, [("ddp",), ("zero3_offload",), ("zero2_offload",)], every=2)
     assert "written by DEEPSPEED ZeRO-3 on 2 process(es), converted" in last.output
     assert [r["distributed_type"] for r in last.train_rows] == ["MULTI_CPU"] * 2 + ["DEEPSPEED"] * 4
-    for a, b in zip(straight.losses(), last.losses()):
-        assert abs(a - b) / abs(a) <= 1e-5, (straight.losses(), last.losses())
-    assert last.eval_rows[-1]["eval_loss"] == pytest.approx(straight.eval_rows[-1]["eval_loss"], rel=1e-5)
+    assert_continues(straight, last)
 
 
 def test_adapter_run_ddp_to_zero3_to_single(assets, tmp_path):
@@ -123,20 +118,12 @@ def test_adapter_run_ddp_to_zero3_to_single(assets, tmp_path):
         "--per_device_train_batch_size", "4", "--max_seq_length", "32", "--learning_rate", "1e-2",
         "--peft.method", "lora", "--peft.r", "4", "--peft.alpha", "8",
     ]  # fmt: skip
-    straight = finetune(tmp_path / "straight", *args, launcher="ddp")
-    run = tmp_path / "chain"
-    finetune(run, *args, launcher="ddp")
-    crash_after(run, 2)
-    finetune(run, *args, "--resume_from_checkpoint", "latest", launcher="zero3")
-    crash_after(run, 4)
-    last = finetune(
-        run, *args, "--resume_from_checkpoint", "latest", "--gradient_accumulation_steps", "2", launcher="single"
+    straight, (*_, last) = chain(
+        tmp_path, args, [("ddp",), ("zero3",), ("single", "--gradient_accumulation_steps", "2")], every=2
     )
     assert "written by DEEPSPEED ZeRO-3 on 2 process(es), converted" in last.output
     assert [r["distributed_type"] for r in last.train_rows] == ["MULTI_CPU"] * 2 + ["DEEPSPEED"] * 2 + ["NO"] * 2
-    for a, b in zip(straight.losses(), last.losses()):
-        assert abs(a - b) / abs(a) <= 1e-5, (straight.losses(), last.losses())
-    assert last.eval_rows[-1]["eval_loss"] == pytest.approx(straight.eval_rows[-1]["eval_loss"], rel=1e-5)
+    assert_continues(straight, last)
 
 
 def test_resume_with_another_global_batch_is_refused(assets, tmp_path):
