@@ -328,8 +328,11 @@ def same_batches(runs: dict[str, list[dict]], names: tuple[str, ...]) -> None:
         raise RuntimeError(f"the compared runs measured different batches (tokens per step): {per_step}")
 
 
-def paired_ratios(a: list[dict], b: list[dict]) -> list[float]:
-    return [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(a, b)]
+def compare(out: dict, runs: dict[str, list[dict]], ours: str, other: str, key: str) -> None:
+    """out[key]: ours / other in median tokens/s; out[key + "_paired"]: the same per repeat (each
+    repeat's two runs ran side by side)."""
+    out[key] = out[ours]["tokens_per_s"] / out[other]["tokens_per_s"]
+    out[f"{key}_paired"] = [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(runs[ours], runs[other])]
 
 
 # ---------------------------------------------------------------- 1. throughput
@@ -351,8 +354,7 @@ def bench_throughput(work: Path, assets: dict, o) -> dict:
     same_batches(runs, ("finetune", "bare_loop", "hf_trainer"))
     out = {name: summary(r) for name, r in runs.items()}
     for other in ("bare_loop", "hf_trainer"):
-        out[f"finetune_x_{other}"] = out["finetune"]["tokens_per_s"] / out[other]["tokens_per_s"]
-        out[f"finetune_x_{other}_paired"] = paired_ratios(runs["finetune"], runs[other])
+        compare(out, runs, "finetune", other, f"finetune_x_{other}")
     out["losses_first_steps"] = {n: r[0].get("losses", [])[:3] for n, r in runs.items()}
     out["setup"] = "34M Llama (hidden 512, 8 layers, vocab 8192), seq 256, micro batch 8, fp32, 1 process x 2 threads"
     return out
@@ -377,8 +379,7 @@ def bench_packing(work: Path, assets: dict, o) -> dict:
     same_batches(runs, ("finetune_padding", "hf_trainer"))
     out = {name: summary(r) for name, r in runs.items()}
     for name in ("finetune_packing", "finetune_padding"):
-        out[f"{name}_x_hf_trainer"] = out[name]["tokens_per_s"] / out["hf_trainer"]["tokens_per_s"]
-        out[f"{name}_x_hf_trainer_paired"] = paired_ratios(runs[name], runs["hf_trainer"])
+        compare(out, runs, name, "hf_trainer", f"{name}_x_hf_trainer")
     out["data"] = length_stats(padded, packed, work)
     out["setup"] = "34M Llama, instruction data 16..512 tokens, micro batch 8, max_seq_length 512, fp32, 2 threads"
     return out
@@ -510,8 +511,7 @@ def bench_ddp(work: Path, assets: dict, o) -> dict:
     }
     runs = interleaved(systems, o.repeats)
     out = {name: summary(r) for name, r in runs.items()}
-    out["ddp_x_single"] = out["2proc_x_1thread"]["tokens_per_s"] / out["1proc_x_2threads"]["tokens_per_s"]
-    out["ddp_x_single_paired"] = paired_ratios(runs["2proc_x_1thread"], runs["1proc_x_2threads"])
+    compare(out, runs, "2proc_x_1thread", "1proc_x_2threads", "ddp_x_single")
     single_loss, ddp_loss = runs["1proc_x_2threads"][0]["losses"], runs["2proc_x_1thread"][0]["losses"]
     out["max_loss_diff"] = max(abs(a - b) for a, b in zip(single_loss, ddp_loss))
     out["setup"] = "34M Llama, seq 256, global batch 8, fp32 (finetune under single and accelerate_configs/ddp.yaml)"
@@ -710,8 +710,7 @@ def bench_balance(work: Path, assets: dict, o) -> dict:
         name: {**summary(r), "padding_fraction": statistics.median(x["padding_fraction"] for x in r)}
         for name, r in runs.items()
     }
-    app["aware_x_fixed"] = app["finetune_length_aware"]["tokens_per_s"] / app["finetune_fixed"]["tokens_per_s"]
-    app["aware_x_fixed_paired"] = paired_ratios(runs["finetune_length_aware"], runs["finetune_fixed"])
+    compare(app, runs, "finetune_length_aware", "finetune_fixed", "aware_x_fixed")
     out["app"] = app
     out["setup"] = (
         "7M Llama (hidden 256, 4 layers), instruction data 16..512 tokens, padding, 2 ranks x micro 8 x 1 thread"
