@@ -286,13 +286,19 @@ def _trainable(net, path: str, names) -> dict:
     return named
 
 
+def _copy_by_name(named: dict, weights: dict) -> None:
+    import torch
+
+    with torch.no_grad():
+        for n, w in weights.items():
+            named[n].copy_(w.to(named[n].dtype))
+
+
 def load_portable_adapter(net, path: str, saved: dict[str, Any]) -> None:
     """Adapter runs: the base model is the run's own (frozen, unchanged by training); the adapter's
     trained weights are set by name before accelerate.prepare (under ZeRO-3, where PEFT's copies of
     partitioned modules are partitioned too, through GatheredParameters)."""
     import contextlib
-
-    import torch
 
     masters, _ = _read_portable(path, saved)
     named = _trainable(net, path, masters)
@@ -302,9 +308,8 @@ def load_portable_adapter(net, path: str, saved: dict[str, Any]) -> None:
         import deepspeed
 
         gathered = deepspeed.zero.GatheredParameters(params, modifier_rank=0)
-    with gathered, torch.no_grad():
-        for n, w in masters.items():
-            named[n].copy_(w.to(named[n].dtype))
+    with gathered:
+        _copy_by_name(named, masters)
 
 
 def load_portable_optimizer(
@@ -320,9 +325,7 @@ def load_portable_optimizer(
         _set_deepspeed_state(optimizer, named, moments, masters, saved["step"])
         return
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper -> torch AdamW
-    with torch.no_grad():
-        for n, w in masters.items():
-            named[n].copy_(w.to(named[n].dtype))
+    _copy_by_name(named, masters)
     for n, (m, v) in moments.items():
         p = named[n]
         inner.state[p] = {

@@ -430,16 +430,13 @@ def balanced_split(lengths: list[int], parts: int, attention_weight: float, mult
             a = b
         return groups
 
-    lo, hi = cost(0, 1), cost(0, len(order))  # lo: the longest example alone; hi: one group
-    for _ in range(60):
-        if len(greedy(lo)) <= parts:
-            break
-        mid = (lo + hi) / 2
-        if len(greedy(mid)) <= parts:
-            hi = mid
-        else:
-            lo = mid
-    groups = greedy(lo) if len(greedy(lo)) <= parts else greedy(hi)
+    groups = greedy(cost(0, 1))  # no group dearer than the longest example alone
+    if len(groups) > parts:  # bisect: lo too tight, hi (one group) always fits
+        lo, hi = cost(0, 1), cost(0, len(order))
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if len(greedy(mid)) <= parts else (mid, hi)
+        groups = greedy(hi)
     while len(groups) < parts:  # fewer groups than micro batches: halve the one with most rows
         k = max(range(len(groups)), key=lambda g: (groups[g][1] - groups[g][0], -g))
         a, b = groups[k]
