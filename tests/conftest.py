@@ -132,6 +132,20 @@ def finetune(
     return result
 
 
+def classification_args(model: str, assets) -> list[str]:
+    """A classification run on the shared topic data, with its own eval set."""
+    return [
+        "--model",
+        model,
+        "--task",
+        "classification",
+        "--dataset",
+        assets.classification,
+        "--eval_dataset",
+        assets.classification_eval,
+    ]
+
+
 def base_args(model: str, dataset: str, *more: str) -> list[str]:
     """Arguments every small run shares: tiny batches, fp32, log every step."""
     return [

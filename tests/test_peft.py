@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, base_args, crash_after, finetune, reevaluate
+from conftest import ROOT, base_args, classification_args, crash_after, finetune, reevaluate
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -94,14 +94,7 @@ def test_lora_classifier_saves_head_and_reloads(assets, tmp_path, launcher):
 
     res = finetune(
         tmp_path / launcher,
-        "--model",
-        assets.llama,
-        "--task",
-        "classification",
-        "--dataset",
-        assets.classification,
-        "--eval_dataset",
-        assets.classification_eval,
+        *classification_args(assets.llama, assets),
         "--max_steps",
         "4",
         "--per_device_train_batch_size",
@@ -225,14 +218,7 @@ def test_finetune_merge_command_on_a_classifier_adapter(assets, tmp_path):
 
     res = finetune(
         tmp_path / "cls",
-        "--model",
-        assets.llama,
-        "--task",
-        "classification",
-        "--dataset",
-        assets.classification,
-        "--eval_dataset",
-        assets.classification_eval,
+        *classification_args(assets.llama, assets),
         "--max_steps",
         "3",
         "--per_device_train_batch_size",

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import ROOT, base_args, crash_after, finetune, reevaluate
+from conftest import ROOT, base_args, classification_args, crash_after, finetune, reevaluate
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -202,14 +202,7 @@ def test_classification_reaches_high_accuracy(assets, tmp_path, arch):
     model = {"bert": assets.bert, "llama": assets.llama}[arch]
     res = finetune(
         tmp_path / arch,
-        "--model",
-        model,
-        "--task",
-        "classification",
-        "--dataset",
-        assets.classification,
-        "--eval_dataset",
-        assets.classification_eval,
+        *classification_args(model, assets),
         "--max_steps",
         "60",
         "--learning_rate",
