@@ -93,7 +93,7 @@ def build(work: Path) -> Path:
 
 
 def megatron_skip_reason(model: str) -> str | None:
-    from finetune import megatron
+    from finetune.parallel import megatron
 
     missing = megatron.megatron_lm_missing()
     if missing:

@@ -201,7 +201,7 @@ def merge(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    from finetune.checkpoint import merge_adapter
+    from finetune.export import merge_adapter
 
     out = merge_adapter(args.adapter, args.output or os.path.join(args.adapter, "merged"))
     print(f"merged model saved to {os.path.abspath(out)} (load it with from_pretrained)")

@@ -2,7 +2,7 @@
 
 A reader can follow a run from here to `optimizer.step()`: `train` walks epochs and optimizer
 steps; `train_step` runs the micro batches of one optimizer step; `evaluate` runs the eval set.
-Backend and layout differences live in parallel.py, never here.
+Backend and layout differences live in finetune/parallel/ (the `backend` object), never here.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -19,7 +18,7 @@ from tqdm.auto import tqdm
 
 from finetune.config import TrainArgs
 from finetune.metrics import MetricsLog, per_example_stats, summarize
-from finetune.parallel import Plan, data_parallel_rank, gather_for_metrics, global_batch_index, replicas
+from finetune.parallel import Plan, global_batch_index
 
 logger = logging.getLogger("finetune")
 
@@ -38,6 +37,7 @@ class Run:
     """The prepared objects and settings the loop needs, built by run.py."""
 
     accelerator: Any
+    backend: Any  # finetune.parallel: the named differences between backends
     model: Any
     optimizer: Any
     scheduler: Any
@@ -50,9 +50,9 @@ class Run:
     metrics: dict[str, Any]
     n_labels: int | None
     log: MetricsLog
-    save: Callable[[TrainState], None]
+    checkpointer: Any  # finetune.checkpoint.Checkpointer
     extra: dict[str, Any] = field(default_factory=dict)  # constant facts added to every log row
-    flops_per_token: float = 0.0  # model FLOPs per trained token (metrics.flops_per_token)
+    flops_per_token: float = 0.0  # model FLOPs per trained token (model.ModelFacts)
     peak_flops: float | None = None  # all devices together; None: MFU not reported
 
 
@@ -64,7 +64,7 @@ def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: i
     global count. accelerate divides by the accumulation steps and DDP averages over ranks, so we
     multiply those back in. Hence 2 ranks x GA 1 and 1 rank x GA 2 give the same update.
     """
-    acc, ga = run.accelerator, run.plan.gradient_accumulation_steps
+    acc, backend, ga = run.accelerator, run.backend, run.plan.gradient_accumulation_steps
     counts = [b.pop("num_supervised") for b in micro_batches]
     tokens = sum(b.pop("num_tokens") for b in micro_batches)
     positions = sum(b.pop("num_positions") for b in micro_batches)
@@ -75,14 +75,14 @@ def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: i
         # Dropout is seeded by the micro batch's place in the global data order, not by the rank
         # layout: any world size / accumulation split of the same global batch draws the same masks.
         torch.manual_seed(
-            hash((run.args.seed, epoch, global_batch_index(run.plan, step_in_epoch, i, data_parallel_rank(acc))))
+            hash((run.args.seed, epoch, global_batch_index(run.plan, step_in_epoch, i, backend.topology.dp_rank)))
             & (2**63 - 1)
         )
         with acc.accumulate(run.model):
-            loss = run.model(**batch).loss
+            loss = backend.forward_loss(run.model, batch)
             acc.backward(loss * (n * scale))
             if acc.sync_gradients:  # true on the last micro batch only
-                grad_norm = acc.clip_grad_norm_(run.model.parameters(), run.args.max_grad_norm or float("inf"))
+                grad_norm = backend.clip_grad_norm(run.model, run.args.max_grad_norm)
             run.optimizer.step()
             run.scheduler.step()
             run.optimizer.zero_grad(set_to_none=True)
@@ -93,14 +93,14 @@ def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: i
 @torch.no_grad()
 def evaluate(run: Run) -> dict[str, float]:
     """Eval loss (mean over supervised tokens or examples) and metrics, over the whole eval set."""
-    acc = run.accelerator
+    backend = run.backend
     run.model.eval()
     parts: dict[str, list[torch.Tensor]] = defaultdict(list)
     for batch in run.eval_loader:
         batch.pop("num_supervised"), batch.pop("num_tokens"), batch.pop("num_positions")
         labels = batch.pop("labels")
-        stats = per_example_stats(run.model(**batch).logits, labels, run.task)
-        for k, v in gather_for_metrics(acc, stats).items():  # drops the padding of an uneven last batch
+        stats = per_example_stats(backend.eval_logits(run.model, batch), labels, run.task)
+        for k, v in backend.gather_for_metrics(stats).items():  # drops the padding of an uneven last batch
             parts[k].append(v.cpu())
     run.model.train()
     return summarize({k: torch.cat(v) for k, v in parts.items()}, run.metrics, run.n_labels)
@@ -158,7 +158,7 @@ def train(run: Run, state: TrainState) -> dict[str, float]:
             if run.eval_loader is not None and (done or (args.eval_steps and state.step % args.eval_steps == 0)):
                 last_eval = _log_eval(run, state, bar)
             if not done and args.save_steps and state.step % args.save_steps == 0:
-                run.save(state)  # the last step's checkpoint is run.py's, after the loop
+                run.checkpointer.save(state_dict_of(state))  # the last step's checkpoint is run.py's
             if done:
                 break
     bar.close()
@@ -177,7 +177,7 @@ def _log_train(run: Run, state: TrainState, win: _Window, grad_norm, bar) -> Non
         ),
         reduction="sum",
     )
-    rep = replicas(acc)  # ranks holding the same batch (tensor parallel) each counted it
+    rep = run.backend.topology.replicas  # ranks holding the same batch (tensor parallel) each counted it
     nll, tokens = nll / rep, tokens / rep
     count = float(win.count) / rep  # already summed over ranks
     state.tokens_seen += int(tokens.item())

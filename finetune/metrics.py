@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import resource
@@ -94,6 +95,19 @@ def peak_memory(device: torch.device) -> dict[str, float]:
     return out
 
 
+def report_memory(accelerator, log, step: int, startup: dict, training: dict) -> None:
+    """Every rank's peak memory per phase (loading/preparing, training, save and export): logged and in metrics.jsonl."""
+    from accelerate.utils import gather_object
+
+    phases = {"startup": startup, "train": training, "save_export": peak_memory(accelerator.device)}
+    mine = {f"{phase}_{k}": v for phase, m in phases.items() for k, v in m.items()}
+    memories = gather_object([{"rank": accelerator.process_index, **mine}])
+    log.write({"step": step, "peak_memory": memories})
+    for m in memories:
+        text = ", ".join(f"{k.removesuffix('_gb')} {v:.2f}" for k, v in m.items() if k != "rank")
+        logging.getLogger("finetune").info("peak memory rank %d (GB): %s", m["rank"], text)
+
+
 class MetricsLog:
     """`<output_dir>/metrics.jsonl`, written by the main process only; one JSON object per row."""
 
@@ -126,10 +140,7 @@ def read_metrics(output_dir: str) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------- model FLOPs utilisation (MFU)
 #
-# MFU = model FLOPs per token x tokens/s / peak FLOP/s of the devices. Model FLOPs per token are
-# 6 x (non-embedding parameters) for the forward and backward matmuls plus 12 x layers x hidden x
-# sequence for attention scores (PaLM, appendix B); recomputation (gradient checkpointing) is not
-# counted, as usual. Peak FLOP/s: datasheet dense figures per GPU type (below); on CPU a 2048^3
+# MFU = model FLOPs per token (model.ModelFacts) x tokens/s / peak FLOP/s of the devices. Peak FLOP/s: datasheet dense figures per GPU type (below); on CPU a 2048^3
 # fp32 matmul measured at start on every rank at once (so ranks sharing cores share the peak).
 
 GPU_PEAK_TFLOPS = {  # dense; (bf16/fp16, tf32, fp32)
@@ -142,17 +153,6 @@ GPU_PEAK_TFLOPS = {  # dense; (bf16/fp16, tf32, fp32)
     "A6000": (155, 77, 38.7),
     "V100": (125, 15.7, 15.7),
 }
-
-
-def flops_per_token(model, seq_len: int) -> float:
-    """Training FLOPs per token of `model` (unwrapped) at sequence length seq_len."""
-    cfg = getattr(model, "config", None)
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    n_embed = getattr(embed, "ds_numel", embed.weight.numel()) if embed is not None else 0
-    n = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()) - n_embed
-    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 0) or 0
-    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0) or 0
-    return 6.0 * n + 12.0 * layers * hidden * seq_len
 
 
 def peak_flops(device: torch.device, mixed_precision: str) -> float | None:

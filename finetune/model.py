@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -183,9 +185,46 @@ def build_model(
     return apply_peft(model, pe, "classification" if label_names is not None else "causal_lm") if pe else model
 
 
-def count_parameters(model) -> tuple[int, int]:
-    """(trainable, total) parameter counts; the full sizes under ZeRO-3 (parameters partitioned at load)."""
-    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
-    total = sum(n for n, _ in sizes)
-    trainable = sum(n for n, grad in sizes if grad)
-    return trainable, total
+@dataclass(frozen=True)
+class ModelFacts:
+    """Sizes of the model, counted once before prepare, the same under every backend."""
+
+    total: int  # parameters (full sizes, however the backend holds them)
+    trainable: int
+    embedding: int  # input embedding parameters
+    layers: int
+    hidden: int
+    seq_len: int
+
+    @property
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6 x non-embedding parameters for the forward and backward matmuls, plus
+        12 x layers x hidden x sequence for attention scores (PaLM, appendix B); recomputation (gradient
+        checkpointing) is not counted, as usual."""
+        return 6.0 * (self.total - self.embedding) + 12.0 * self.layers * self.hidden * self.seq_len
+
+    @classmethod
+    def of(cls, net, numel: Callable[[torch.nn.Parameter], int], seq_len: int) -> ModelFacts:
+        """`numel` gives a parameter's full size (the backend's: ZeRO-3 partitions at load)."""
+        params = list(net.parameters())
+        embed = net.get_input_embeddings() if hasattr(net, "get_input_embeddings") else None
+        cfg = getattr(net, "config", None)
+        return cls(
+            total=sum(numel(p) for p in params),
+            trainable=sum(numel(p) for p in params if p.requires_grad),
+            embedding=sum(numel(p) for p in embed.parameters()) if embed is not None else 0,
+            layers=getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 0) or 0,
+            hidden=getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0) or 0,
+            seq_len=seq_len,
+        )
+
+
+def model_config(m: ModelArgs):
+    """The model's config.json through AutoConfig (no weights), or None when it cannot be read here
+    (model loading reports that later, with its own message)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(m.model, trust_remote_code=m.trust_remote_code)
+    except Exception:  # noqa: BLE001 -- any failure here is reported by the model builder
+        return None

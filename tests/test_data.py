@@ -24,7 +24,7 @@ from finetune.data import (
     supervised_count,
 )
 from finetune.demo import write_jsonl
-from finetune.parallel import global_batch_index, make_plan
+from finetune.parallel import Topology, global_batch_index, make_plan
 
 
 def build(dataset: str, tokenizer, task: str = "causal_lm", **kw):
@@ -331,31 +331,39 @@ def train_args(**kw) -> TrainArgs:
     return TrainArgs(**{"per_device_train_batch_size": 4, **kw})
 
 
+def ranks(n: int, tp: int = 1) -> Topology:
+    """n processes, data parallel unless tp > 1 (a TP group's ranks hold the same batch)."""
+    return Topology("ddp", "MULTI_CPU", num_processes=n, num_machines=1, process_index=0, dp=n // tp, tp=tp)
+
+
 @pytest.mark.parametrize("n_rows", [64, 67, 100, 9])
 def test_steps_per_epoch_depend_on_the_global_batch_only(n_rows):
-    one = make_plan(train_args(gradient_accumulation_steps=2), n_rows, world_size=1)
-    two = make_plan(train_args(gradient_accumulation_steps=1), n_rows, world_size=2)
+    one = make_plan(train_args(gradient_accumulation_steps=2), n_rows, ranks(1))
+    two = make_plan(train_args(gradient_accumulation_steps=1), n_rows, ranks(2))
     assert one.global_batch_size == two.global_batch_size == 8
     assert one.steps_per_epoch == two.steps_per_epoch == n_rows // 8
     assert one.total_steps == two.total_steps == n_rows // 8  # num_train_epochs 1
 
 
 def test_plan_totals_warmup_and_scheduler_steps():
-    assert make_plan(train_args(num_train_epochs=3.0), 100, 1).total_steps == 3 * 25
-    assert make_plan(train_args(num_train_epochs=1.4), 100, 2).total_steps == 17  # ceil(1.4 * 12)
-    plan = make_plan(train_args(max_steps=7, num_train_epochs=100.0, warmup_ratio=0.1), 100, 2)
+    assert make_plan(train_args(num_train_epochs=3.0), 100, ranks(1)).total_steps == 3 * 25
+    assert make_plan(train_args(num_train_epochs=1.4), 100, ranks(2)).total_steps == 17  # ceil(1.4 * 12)
+    plan = make_plan(train_args(max_steps=7, num_train_epochs=100.0, warmup_ratio=0.1), 100, ranks(2))
     assert (plan.steps_per_epoch, plan.total_steps, plan.warmup_steps) == (12, 7, 1)  # ceil(0.7)
     assert plan.scheduler_steps == (2, 14)
-    plan = make_plan(train_args(max_steps=10, warmup_ratio=0.25), 100, 4)
+    plan = make_plan(train_args(max_steps=10, warmup_ratio=0.25), 100, ranks(4))
     assert plan.warmup_steps == 3 and plan.scheduler_steps == (12, 40)
-    plan = make_plan(train_args(max_steps=10, warmup_ratio=0.25, warmup_steps=5), 100, 1)
+    plan = make_plan(train_args(max_steps=10, warmup_ratio=0.25, warmup_steps=5), 100, ranks(1))
     assert plan.warmup_steps == 5 and plan.scheduler_steps == (5, 10)
+    # TP 2 x DP 2 on 4 processes: 2 batches per micro step, the scheduler stepped by all 4 processes
+    plan = make_plan(train_args(max_steps=10, warmup_steps=2), 100, ranks(4, tp=2))
+    assert plan.global_batch_size == 8 and plan.steps_per_epoch == 12 and plan.scheduler_steps == (8, 40)
 
 
 def test_plan_refuses_data_smaller_than_one_global_batch():
-    assert make_plan(train_args(), 8, world_size=2).steps_per_epoch == 1
+    assert make_plan(train_args(), 8, ranks(2)).steps_per_epoch == 1
     with pytest.raises(ConfigError) as info:
-        make_plan(train_args(), 7, world_size=2)
+        make_plan(train_args(), 7, ranks(2))
     assert config_error_keys(info) == ["per_device_train_batch_size"]
     assert "needs 8 rows" in info.value.problems[0][1] and "has 7" in info.value.problems[0][1]
 
@@ -370,7 +378,7 @@ def test_global_batch_index_matches_accelerate_sharding(shuffled):
     batches = list(BatchSampler(order, batch_size=micro, drop_last=True))
     used: dict[tuple[int, int], list[set[int]]] = {}
     for world, ga in [(1, 2), (2, 1), (1, 4), (2, 2), (4, 1)]:
-        plan = make_plan(train_args(gradient_accumulation_steps=ga), n, world)
+        plan = make_plan(train_args(gradient_accumulation_steps=ga), n, ranks(world))
         shards = [
             list(BatchSamplerShard(BatchSampler(order, batch_size=micro, drop_last=True), world, rank))
             for rank in range(world)

@@ -71,7 +71,7 @@ def test_schedules_equal_transformers(kind, warmup, total):
     """finetune's schedules (no transformers.optimization import at start-up) are transformers' own."""
     from transformers import get_scheduler
 
-    from finetune.run import _scheduler
+    from finetune.optim import build_scheduler
 
     def lrs(make):
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
@@ -83,7 +83,7 @@ def test_schedules_equal_transformers(kind, warmup, total):
             sched.step()
         return out
 
-    ours = lrs(lambda opt: _scheduler(opt, kind, warmup, total))
+    ours = lrs(lambda opt: build_scheduler(opt, kind, warmup, total))
     theirs = lrs(lambda opt: get_scheduler(kind, opt, num_warmup_steps=warmup, num_training_steps=total))
     assert ours == pytest.approx(theirs, abs=1e-12)
 

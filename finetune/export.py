@@ -1,0 +1,72 @@
+"""final/: the trained model as a standard Hugging Face directory (or the adapter), and adapter merging.
+
+The weights come from the backend's full state dict (ZeRO-3 partitions, FSDP and TP shards gathered;
+an empty-shell checkpoint otherwise); PeftModel.save_pretrained keeps only the adapter (and
+modules_to_save) tensors of it. Written to a temporary directory and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import yaml
+
+from finetune.checkpoint import CONFIG_FILE, write_atomic
+
+LABELS_FILE = "labels.json"
+
+
+def export(accelerator, backend, model, tokenizer, run_config: dict[str, Any], output_dir: str) -> str:
+    """Write output_dir/final/: model (or adapter) + tokenizer + the effective run config. A collective."""
+    final = os.path.join(output_dir, "final")
+    tmp = os.path.join(output_dir, ".tmp_final")
+    weights = backend.full_state_dict(model)  # every rank takes part
+    if accelerator.is_main_process:
+        net = backend.hf_model(model)
+        shutil.rmtree(tmp, ignore_errors=True)
+        net.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        write_atomic(os.path.join(tmp, CONFIG_FILE), yaml.safe_dump(run_config, sort_keys=False))
+        id2label = getattr(net.config, "id2label", None)
+        if os.path.exists(os.path.join(tmp, "adapter_config.json")) and run_config.get("task") == "classification":
+            # the classes a classifier adapter was trained for: `finetune merge` rebuilds the head from them
+            write_atomic(os.path.join(tmp, LABELS_FILE), json.dumps([id2label[i] for i in sorted(id2label)]))
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def merge_adapter(adapter_dir: str, out_dir: str) -> str:
+    """Base model + adapter -> one plain model directory (loads with from_pretrained), atomically.
+
+    A classifier adapter's classes come from its labels.json (the base model is rebuilt with that head)."""
+    from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification
+    from transformers import AutoTokenizer
+
+    label_names = None
+    if os.path.exists(os.path.join(adapter_dir, LABELS_FILE)):
+        with open(os.path.join(adapter_dir, LABELS_FILE)) as f:
+            label_names = json.load(f)
+    if label_names:
+        merged = AutoPeftModelForSequenceClassification.from_pretrained(
+            adapter_dir,
+            num_labels=len(label_names),
+            id2label=dict(enumerate(label_names)),
+            label2id={n: i for i, n in enumerate(label_names)},
+        )
+    else:
+        merged = AutoPeftModelForCausalLM.from_pretrained(adapter_dir)
+    merged = merged.merge_and_unload()
+    tmp = out_dir.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    merged.save_pretrained(tmp, safe_serialization=True)
+    AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(tmp)
+    if os.path.exists(out_dir):
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return out_dir

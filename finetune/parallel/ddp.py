@@ -1,0 +1,181 @@
+"""One process, or DDP (accelerate's NO / MULTI_CPU / MULTI_GPU): the default backend.
+
+Every rank holds the whole model and the whole optimizer, so accelerate's own checkpoint
+(model.safetensors, optimizer.bin) is already in full tensors: it doubles as the portable format.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+
+import torch
+
+from finetune.config import RunConfig
+from finetune.parallel.topology import Topology
+
+logger = logging.getLogger("finetune")
+
+
+def has_accelerator_device() -> bool:
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+def environment(cfg: RunConfig) -> None:
+    """The same Accelerate config runs on a GPU node (nccl) and on a CPU-only machine (gloo). accelerate's
+    MULTI_CPU launcher needs MPI, so our configs use the torchrun launcher (`distributed_type: MULTI_GPU`);
+    on a machine without a GPU each rank is told here to come up on the CPU."""
+    if not has_accelerator_device():
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+
+
+def problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    return []
+
+
+def accelerator_kwargs(cfg: RunConfig) -> dict:
+    return {}
+
+
+UNUSED_PARAMETER_HINTS = ("find_unused_parameters", "Expected to have finished reduction in the prior iteration")
+
+
+def explain_error(err: BaseException) -> tuple[str, str] | None:
+    """(run-config key, fix) for a DDP error that a run-config option solves, or None."""
+    if any(h in str(err) for h in UNUSED_PARAMETER_HINTS):
+        return (
+            "ddp_find_unused_parameters",
+            "DDP found parameters that received no gradient in this step (a branch of the model that the data "
+            "did not use). Set `ddp_find_unused_parameters: true` in the run config (or pass "
+            "--ddp_find_unused_parameters true).",
+        )
+    return None
+
+
+class Backend:
+    """Single process and DDP. The methods every backend has (see finetune/parallel/__init__.py)."""
+
+    # accelerate's save_state writes whole tensors (model.safetensors; optimizer.bin indexed by parameter)
+    native_state_is_full = True
+
+    def __init__(self, accelerator, topology: Topology, cfg: RunConfig):
+        self.acc, self.topology, self.cfg = accelerator, topology, cfg
+
+    # -- building
+    def model_kwargs(self) -> dict:
+        return {}
+
+    def reentrant_checkpointing(self, peft_on: bool) -> bool:
+        return False
+
+    def numel(self, p: torch.nn.Parameter) -> int:
+        return p.numel()
+
+    def set_weights_by_name(self, named: dict[str, torch.nn.Parameter], weights: dict[str, torch.Tensor]) -> None:
+        """Copy full tensors into the (not yet prepared) model's parameters."""
+        copy_by_name(named, weights)
+
+    def prepare(self, model, optimizer, train_loader, scheduler, plan):
+        model = self._sync_batchnorm(model)
+        return self.acc.prepare(model, optimizer, train_loader, scheduler)
+
+    def _sync_batchnorm(self, model):
+        """DDP option: SyncBatchNorm. torch implements it for GPU/XPU only; on CPU we say so and go on."""
+        if not self.cfg.train.sync_batchnorm or self.topology.num_processes == 1:
+            return model
+        if not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+            logger.warning("sync_batchnorm: the model has no BatchNorm layer; nothing to convert")
+            return model
+        if self.acc.device.type == "cpu":
+            logger.warning("sync_batchnorm: torch supports SyncBatchNorm on GPU/XPU only; BatchNorm stays per-rank")
+            return model
+        return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+    def observed(self, model) -> dict:
+        """What the prepared model shows about how it is spread (logged, and in every metrics row)."""
+        return {"parameter_shard": local_fraction(self.acc.unwrap_model(model).parameters(), self.numel)}
+
+    # -- the step
+    def forward_loss(self, model, batch: dict) -> torch.Tensor:
+        return model(**batch).loss
+
+    def clip_grad_norm(self, model, max_norm: float | None):
+        return self.acc.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
+
+    def eval_logits(self, model, batch: dict) -> torch.Tensor:
+        return model(**batch).logits
+
+    def gather_for_metrics(self, stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Eval statistics of the whole eval set: accelerate's gather (which drops the duplicates of an uneven
+        last batch), unless every rank already holds every batch (TP with one data-parallel replica)."""
+        if self.topology.replicas == self.topology.num_processes > 1:
+            return stats
+        return self.acc.gather_for_metrics(stats)
+
+    # -- full state by parameter name (export, portable resume)
+    def hf_model(self, model):
+        """The transformers (or PEFT) model object whose save_pretrained writes final/."""
+        return self.acc.unwrap_model(model)
+
+    def full_state_dict(self, model) -> dict[str, torch.Tensor]:
+        """The whole model's weights (main process; a collective on every backend)."""
+        return self.acc.get_state_dict(model)
+
+    def full_optimizer_state(self, model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+        """{parameter name: {param (fp32 master), exp_avg, exp_avg_sq}} for trainable parameters (main process)."""
+        net = self.acc.unwrap_model(model)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        out = {}
+        for name, p in net.named_parameters():
+            if p.requires_grad and p in inner.state:
+                s = inner.state[p]
+                out[name] = {"param": p.detach(), "exp_avg": s["exp_avg"], "exp_avg_sq": s["exp_avg_sq"]}
+        return out
+
+    def set_full_optimizer_state(self, model, optimizer, state: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+        """Set AdamW's step, moments and the weights (fp32 masters) of every trainable parameter by name."""
+        named = trainable_parameters(self.acc.unwrap_model(model))
+        copy_by_name(named, {n: s["param"] for n, s in state.items()})
+        inner = getattr(optimizer, "optimizer", optimizer)
+        for n, s in state.items():
+            p = named[n]
+            inner.state[p] = {
+                "step": torch.tensor(float(step)),
+                "exp_avg": s["exp_avg"].to(p.device, p.dtype),
+                "exp_avg_sq": s["exp_avg_sq"].to(p.device, p.dtype),
+            }
+
+    def explain_error(self, err: BaseException) -> tuple[str, str] | None:
+        return explain_error(err)
+
+
+# ---------------------------------------------------------------- helpers every backend uses
+
+
+def trainable_parameters(net) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in net.named_parameters() if p.requires_grad}
+
+
+def copy_by_name(named: dict, weights: dict) -> None:
+    with torch.no_grad():
+        for n, w in weights.items():
+            named[n].copy_(w.to(named[n].dtype))
+
+
+def local_fraction(params: Iterable[torch.nn.Parameter], numel) -> float:
+    """Share of the model's parameters this rank holds in memory (1.0: a whole copy)."""
+    total = local = 0
+    for p in params:
+        total += numel(p)
+        local += local_numel(p)
+    return round(local / max(total, 1), 4)
+
+
+def local_numel(p: torch.Tensor) -> int:
+    """Elements this rank really stores: a DTensor's local shard, a ZeRO-3 partition, or the tensor."""
+    if hasattr(p, "to_local"):
+        return p.to_local().numel()
+    if hasattr(p, "ds_tensor"):
+        return p.ds_tensor.numel()
+    return p.numel()

@@ -1,0 +1,255 @@
+"""DeepSpeed ZeRO-1/2/3, with or without CPU offload (accelerate's DEEPSPEED).
+
+What differs from DDP, and why:
+- The DeepSpeed JSON (ds_configs/) leaves every value the run config owns to "auto"; a JSON that
+  contradicts the run config, or brings its own optimizer or scheduler, is refused before anything starts.
+- DeepSpeed compiles C++ ops on first use (a minute each): said once, cached in the project's .cache/.
+- accelerate fills the "auto" micro batch from the loader's batch_size; length-aware batching has none.
+- ZeRO-3 partitions parameters at load (zero.Init): sizes come from `ds_numel`; PEFT with gradient
+  checkpointing needs reentrant checkpointing; adapter weights are set inside GatheredParameters.
+- Full weights and Adam state by name go through DeepSpeed's safe_get_full_* / safe_set_full_* API,
+  with two named workarounds of DeepSpeed 0.19.8 below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from finetune.config import RunConfig, TrainArgs
+from finetune.parallel import ddp
+
+
+def project_cache() -> Path:
+    """`.cache/` of the source checkout finetune runs from, else ~/.cache/finetune."""
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "pyproject.toml").exists() and os.access(checkout, os.W_OK):
+        return checkout / ".cache"
+    return Path.home() / ".cache" / "finetune"
+
+
+def environment(cfg: RunConfig) -> None:
+    # accelerate fills the JSON's "gradient_clipping": "auto" from this (else it would use 1.0).
+    os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(cfg.train.max_grad_norm)
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(project_cache() / "torch_extensions"))
+    announce_op_builds()
+    # DeepSpeed runs on the CPU through its own init path (gloo, see environment.make_accelerator); forcing
+    # accelerate's CPU mode (ACCELERATE_USE_CPU) would silently turn a DeepSpeed config into plain MULTI_CPU.
+
+
+def problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    """A DeepSpeed JSON whose batch/accumulation/clipping contradict the run config, or that defines its own
+    optimizer or scheduler (the run config's AdamW and schedule are used on every backend)."""
+    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if not path:
+        return []
+    try:
+        with open(path) as f:
+            ds = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        return [
+            (
+                "deepspeed_config_file",
+                f"cannot read {path}: {e}; fix the JSON, or point the Accelerate config's deepspeed_config_file "
+                "at a valid file",
+            )
+        ]
+    out = []
+    for key, (field, ours) in _owned_by_run_config(cfg.train).items():
+        value = ds.get(key, "auto")
+        if value != "auto" and float(value) != float(ours):
+            out.append(
+                (
+                    field,
+                    f"the DeepSpeed config {path} sets {key}={value} but the run config has {field}={ours}; "
+                    'set it to "auto" in the JSON (finetune fills it)',
+                )
+            )
+    for key in ("optimizer", "scheduler"):
+        if key in ds:
+            out.append(
+                (
+                    key,
+                    f"the DeepSpeed config {path} defines its own {key}; remove it: the run config's AdamW and "
+                    "lr_scheduler_type are used on every backend",
+                )
+            )
+    return out
+
+
+def _owned_by_run_config(train: TrainArgs) -> dict[str, tuple[str, float]]:
+    """DeepSpeed JSON key -> (run-config field, value) for the keys accelerate fills when "auto"."""
+    return {
+        "train_micro_batch_size_per_gpu": ("per_device_train_batch_size", train.per_device_train_batch_size),
+        "gradient_accumulation_steps": ("gradient_accumulation_steps", train.gradient_accumulation_steps),
+        "gradient_clipping": ("max_grad_norm", train.max_grad_norm),
+    }
+
+
+def accelerator_kwargs(cfg: RunConfig) -> dict:
+    return {}
+
+
+def announce_op_builds() -> None:
+    """DeepSpeed compiles C++ ops on first use (a minute or so, silently). Say so, once, on rank 0."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    cache = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    needed = [] if ddp.has_accelerator_device() else ["deepspeed_shm_comm"]
+    try:
+        with open(os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "")) as f:
+            if "offload_optimizer" in json.dumps(json.load(f).get("zero_optimization", {})):
+                needed.append("cpu_adam")
+    except (OSError, json.JSONDecodeError):
+        pass
+    missing = [op for op in needed if not any(cache.glob(f"**/{op}*.so"))]
+    if missing:
+        print(
+            f"[finetune] DeepSpeed compiles {', '.join(missing)} on first use (about a minute each); "
+            f"cached in {cache} for later runs",
+            flush=True,
+        )
+
+
+class Backend(ddp.Backend):
+    """DeepSpeed ZeRO: only what differs from the DDP backend."""
+
+    native_state_is_full = False  # DeepSpeed's checkpoint holds partitions: portable/ holds full tensors
+
+    def reentrant_checkpointing(self, peft_on: bool) -> bool:
+        # PEFT under ZeRO-3: the non-reentrant recompute meets parameters ZeRO-3 has already released.
+        return peft_on and self.topology.zero_stage == 3
+
+    def numel(self, p: torch.nn.Parameter) -> int:
+        return getattr(p, "ds_numel", None) or p.numel()
+
+    def set_weights_by_name(self, named, weights) -> None:
+        params = [named[n] for n in weights]
+        gathered = contextlib.nullcontext()
+        if any(hasattr(p, "ds_id") for p in params):  # ZeRO-3: PEFT's copies of partitioned modules are partitioned
+            import deepspeed
+
+            gathered = deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+        with gathered:
+            ddp.copy_by_name(named, weights)
+
+    def prepare(self, model, optimizer, train_loader, scheduler, plan):
+        # accelerate fills DeepSpeed's "auto" train_micro_batch_size_per_gpu from the loaders' batch_size and
+        # refuses a loader without one (length_aware_batching's micro batches vary in rows): fill it.
+        plugin = self.acc.state.deepspeed_plugin
+        if plugin.is_auto("train_micro_batch_size_per_gpu"):
+            plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = plan.micro_batch_size
+        return self.acc.prepare(model, optimizer, train_loader, scheduler)
+
+    def observed(self, model) -> dict:
+        """From the engine itself, not from the config files: the stage and offload DeepSpeed really runs."""
+        engine = model
+        return {
+            "zero_stage": int(engine.zero_optimization_stage()),
+            "offload_optimizer": bool(engine.zero_cpu_offload()),
+            "offload_params": bool(engine.zero_offload_param()),
+            "parameter_shard": ddp.local_fraction(engine.module.parameters(), self.numel),
+        }
+
+    def full_optimizer_state(self, model, optimizer):
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        relink_optimizer_states(optimizer)
+        out = {}
+        main = self.acc.is_main_process
+        for name, p in self.acc.unwrap_model(model).named_parameters():  # same order on every rank: collectives
+            if not p.requires_grad:
+                continue
+            values = {
+                "param": safe_get_full_fp32_param(p),
+                "exp_avg": safe_get_full_optimizer_state(p, "exp_avg"),
+                "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq"),
+            }
+            if main:
+                out[name] = {k: v.detach().float().cpu().contiguous() for k, v in values.items()}
+        return out
+
+    def set_full_optimizer_state(self, model, optimizer, state, step: int) -> None:
+        """DeepSpeed creates Adam's state lazily, at the first step, and safe_set_full_optimizer_state can only
+        write into state that exists. So: one step of the inner optimizer (torch AdamW or DeepSpeedCPUAdam over
+        the flat fp32 partitions) with zero gradients and lr 0, which creates the state and changes no weight;
+        then the step count, and every parameter's moments and master weights by name. Every rank holds the
+        full tensors and keeps its own partition of them."""
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        named = ddp.trainable_parameters(self.acc.unwrap_model(model))
+        zero = optimizer.optimizer  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer
+        _create_adam_state(zero, step)
+        relink_optimizer_states(optimizer)  # ZeRO-1/2: link the new state to each parameter's fragment
+        for n, p in named.items():  # the same order on every rank
+            for key in ("param", "exp_avg", "exp_avg_sq"):
+                value = state[n][key].float()
+                if hasattr(p, "ds_id") and p.ds_numel % zero.partition_count:
+                    _set_uneven_zero3_partition(p, value, None if key == "param" else key)
+                elif key == "param":
+                    safe_set_full_fp32_param(p, value)
+                else:
+                    safe_set_full_optimizer_state(p, value, key)
+
+
+def _create_adam_state(zero, step: int) -> None:
+    """One lr-0 step with zero gradients over this rank's flat fp32 partitions, then set the step count."""
+    inner = zero.optimizer  # the torch-style optimizer over this rank's flat fp32 partitions
+    zero3 = hasattr(zero, "fp32_partitioned_groups_flat")
+    # ZeRO-3 hands the optimizer one sub-group at a time (its param groups are empty in between)
+    flats = zero.fp32_partitioned_groups_flat if zero3 else [p for g in inner.param_groups for p in g["params"]]
+    lrs = [group["lr"] for group in inner.param_groups]
+    grads = [p.grad for p in flats]  # ZeRO-3 with offload keeps a gradient buffer attached
+    for group in inner.param_groups:
+        group["lr"] = 0.0
+    for p in flats:
+        p.grad = torch.zeros_like(p)
+    if zero3:
+        for i in range(len(flats)):
+            zero._optimizer_step(i)
+    else:
+        inner.step()
+    for group, lr in zip(inner.param_groups, lrs):
+        group["lr"] = lr
+    for p, g in zip(flats, grads):
+        p.grad = g
+        state = inner.state[p]
+        if torch.is_tensor(state["step"]):
+            state["step"].fill_(step)
+        else:  # DeepSpeedCPUAdam counts in a Python int
+            state["step"] = step
+
+
+def relink_optimizer_states(optimizer) -> bool:
+    """Workaround (DeepSpeed 0.19.8, ZeRO-1/2): after the first step of the *first* parameter group,
+    `_lazy_init_hp_params_optimizer_state` links every group's per-parameter views of the Adam state,
+    while later groups' states are still empty; their views stay empty for good and
+    `safe_get_full_optimizer_state` raises "exp_avg not found". Linking again once every group has
+    stepped fixes the views. tests/test_deepspeed.py::test_deepspeed_still_needs_the_relink shows it.
+    Returns True when it relinked."""
+    zero = getattr(optimizer, "optimizer", None)  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer
+    if os.environ.get("FINETUNE_NO_DS_RELINK") or not hasattr(zero, "_hp_optimizer_states_linked"):
+        return False
+    zero._hp_optimizer_states_linked = False
+    zero._lazy_init_hp_params_optimizer_state()
+    return True
+
+
+def _set_uneven_zero3_partition(param, value, key: str | None) -> None:
+    """Workaround (DeepSpeed 0.19.8): ZeRO-3's set_full_hp_param cuts this rank's slice out of the full
+    value at rank x partition size, for a whole partition; when the parameter's size is not a multiple
+    of the world size, the last rank's slice runs past the end ("start (2) + length (2) exceeds
+    dimension size (3)"). The same write, with the slice's missing tail left as DeepSpeed's zero
+    padding. tests/test_resume_layouts.py::test_into_offloaded_zero_with_uneven_partitions needs it."""
+    opt = param._z3_optimizer
+    part, group = opt._get_fp32_opt_state_partition(param, release_swap_buffers=False, optim_state_key=key)
+    start = part.numel() * opt._get_param_partition_rank(param)
+    piece = value.flatten()[start : start + part.numel()]
+    part.data.zero_()
+    part.data[: piece.numel()].copy_(piece)
+    if opt._swappable_optimizer_subgroup(group):
+        opt._optimizer_states_and_gradient_swap_out(group)

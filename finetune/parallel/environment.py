@@ -1,0 +1,100 @@
+"""Before and at Accelerator(): the environment a rank needs, refusals, and the Accelerator itself.
+
+The launcher (`accelerate launch --config_file X`) has already put the Accelerate config in the
+environment; `requested_family` reads which backend family that is, and its module says what the
+rank needs before accelerate reads the environment (`environment`), what cannot run (`problems`,
+all reported at once before any model loads) and what Accelerator() needs (`accelerator_kwargs`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+
+from finetune.config import ConfigError, RunConfig
+from finetune.parallel.topology import is_distributed_launch, requested_family
+
+
+def family_module(family: str | None = None):
+    """finetune.parallel.<family>: ddp, deepspeed, fsdp, tensor or megatron."""
+    return importlib.import_module(f"finetune.parallel.{family or requested_family()}")
+
+
+def make_accelerator(cfg: RunConfig):
+    """Prepare the environment, refuse what cannot run here, and start the Accelerator.
+
+    Gradient accumulation is owned by accelerate with an exact boundary every
+    `gradient_accumulation_steps` micro batches (never "whenever the data loader ends"); gloo when
+    there is no GPU (DeepSpeed otherwise picks nccl and every rank believes it is alone).
+    """
+    import os
+
+    from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs
+    from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs
+
+    from finetune.parallel.ddp import has_accelerator_device
+
+    family = family_module()
+    family.environment(cfg)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    problems = family.problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+    t = cfg.train
+    # Gradients as views of DDP's communication buckets: one copy of the gradients instead of two.
+    handlers = [
+        DistributedDataParallelKwargs(find_unused_parameters=t.ddp_find_unused_parameters, gradient_as_bucket_view=True)
+    ]
+    if is_distributed_launch():
+        gpu = has_accelerator_device()
+        timeout = datetime.timedelta(seconds=t.ddp_timeout or (1800 if gpu else 600))
+        handlers.append(InitProcessGroupKwargs(timeout=timeout, **({} if gpu else {"backend": "gloo"})))
+    try:
+        return Accelerator(
+            gradient_accumulation_plugin=GradientAccumulationPlugin(
+                num_steps=t.gradient_accumulation_steps, sync_with_dataloader=False
+            ),
+            # Our sampler is already identical on every rank; accelerate only shards its batches.
+            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=False, even_batches=True),
+            kwargs_handlers=handlers,
+            log_with=t.report_to or None,
+            project_dir=t.output_dir,
+            **family.accelerator_kwargs(cfg),
+        )
+    except ValueError as e:
+        if "logging capability" in str(e) or "report_to" in str(e):  # an unknown tracker name
+            first = str(e).splitlines()[0]
+            fix = "set report_to to some of those names, or [] for metrics.jsonl only"
+            raise ConfigError([("report_to", f"{first}; {fix}")]) from None
+        raise
+
+
+def describe(accelerator) -> dict:
+    """Facts every run logs at start (and tests assert): no silent fallback to one process."""
+    from accelerate.utils import gather_object
+
+    state = accelerator.state
+    return {
+        "distributed_type": str(state.distributed_type).split(".")[-1],
+        "world_size": accelerator.num_processes,
+        "backend": state.backend or "none",
+        "mixed_precision": accelerator.mixed_precision,
+        "devices": gather_object([f"rank{accelerator.process_index}:{accelerator.device}"]),
+    }
+
+
+def is_peer_failure(err: BaseException) -> bool:
+    """True for the errors a collective raises when another rank died or stopped answering."""
+    import torch.distributed as dist
+
+    kinds = tuple(k for k in (getattr(dist, "DistBackendError", None), getattr(dist, "DistNetworkError", None)) if k)
+    signs = (
+        "Connection closed by peer",
+        "Connection reset by peer",
+        "Broken pipe",
+        "timed out",
+        "Timed out",
+        "NCCL communicator was aborted",
+        "ProcessGroupGloo",
+    )
+    return isinstance(err, kinds) or (isinstance(err, RuntimeError) and any(s in str(err) for s in signs))

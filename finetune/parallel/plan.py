@@ -1,0 +1,79 @@
+"""Step arithmetic: every count of steps, micro batches and processes, in one place.
+
+`step` always means an optimizer step; `micro` one micro batch. Nothing outside this module multiplies
+by the number of processes or the data-parallel size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from finetune.config import ConfigError, TrainArgs
+from finetune.parallel.topology import Topology
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a run's optimizer steps are made of micro batches, and how many there are."""
+
+    micro_batch_size: int  # rows one rank holds in one micro batch (its loader's batch)
+    gradient_accumulation_steps: int  # micro batches per optimizer step on each rank
+    data_parallel_size: int  # ranks that hold different batches
+    steps_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+    scheduler_steps_per_step: int  # accelerate steps a prepared scheduler once per process per optimizer step
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.gradient_accumulation_steps * self.data_parallel_size
+
+    @property
+    def scheduler_steps(self) -> tuple[int, int]:
+        """(warmup, total) to build the LR scheduler with (AcceleratedScheduler, split_batches=False)."""
+        return self.warmup_steps * self.scheduler_steps_per_step, self.total_steps * self.scheduler_steps_per_step
+
+    def scheduler_position(self, step: int) -> int:
+        """How many times the prepared scheduler has been stepped after `step` optimizer steps."""
+        return step * self.scheduler_steps_per_step
+
+
+def make_plan(train: TrainArgs, n_train_rows: int, topology: Topology) -> Plan:
+    """How many optimizer steps, from the data size, the batch layout and max_steps/epochs.
+
+    An epoch is the largest whole number of global batches in the data; the rest of an epoch's
+    shuffle is not used, so every layout of the same global batch sees the same examples.
+    Under Megatron-LM a rank's "micro batch" (what its loader yields per optimizer step) is the
+    pipeline's micro batch x num_micro_batches (Topology.rows_per_micro_batch).
+    """
+    micro = topology.rows_per_micro_batch(train.per_device_train_batch_size)
+    ga, dp = train.gradient_accumulation_steps, topology.dp
+    steps_per_epoch = (n_train_rows // micro) // (dp * ga)
+    if steps_per_epoch == 0:
+        raise ConfigError(
+            [
+                (
+                    "per_device_train_batch_size",
+                    f"one global batch needs {micro * ga * dp} rows (micro {micro} x accumulation {ga} x "
+                    f"{dp} data-parallel ranks) but the training data has {n_train_rows}; use smaller batches "
+                    "or more data",
+                )
+            ]
+        )
+    if train.max_steps > 0:
+        total = train.max_steps
+    else:
+        total = max(1, math.ceil(train.num_train_epochs * steps_per_epoch))
+    warmup = train.warmup_steps if train.warmup_steps > 0 else math.ceil(train.warmup_ratio * total)
+    return Plan(micro, ga, dp, steps_per_epoch, total, warmup, topology.num_processes)
+
+
+def global_batch_index(plan: Plan, step_in_epoch: int, micro: int, dp_rank: int) -> int:
+    """Position, in the epoch's batch order, of the micro batch a data-parallel rank is holding.
+
+    accelerate's BatchSamplerShard deals batches round-robin: rank r's j-th batch is batch
+    j * data_parallel_size + r. So 2 ranks x GA 1 and 1 rank x GA 2 hold the same batches at the same step.
+    """
+    j = step_in_epoch * plan.gradient_accumulation_steps + micro
+    return j * plan.data_parallel_size + dp_rank

@@ -1,0 +1,216 @@
+"""torch-native tensor parallelism (DTensor, the model's tp_plan) through accelerate's ParallelismConfig.
+
+accelerate_configs/tp2.yaml: TP 2 on 2 processes (GPU, or CPU on gloo). TP with data parallelism goes
+through FSDP2 (accelerate_configs/tp2_fsdp2.yaml, finetune/parallel/fsdp.py).
+
+What differs from DDP, and why:
+- accelerate 1.15's ParallelismConfig refuses MULTI_CPU, although the sharded model trains on gloo with
+  the losses of one process: `CpuTensorParallelConfig` is the one workaround
+  (tests/test_parallel.py::test_accelerate_still_refuses_tp_on_cpu fails once accelerate accepts it).
+- The model is sharded at load by transformers (`tp_plan="auto"` over accelerate's "tp" mesh).
+- The ranks of one TP group hold the same batch (Topology.dp, Topology.replicas).
+- `save_state` cannot write DTensors (safetensors reads each tensor's storage pointer), and a pickled
+  DTensor optimizer state would hold rank 0's shards only: checkpoints hold full tensors through
+  torch.distributed.checkpoint's full state dicts instead (also what export and portable resume use).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+
+from finetune.config import RunConfig
+from finetune.parallel import ddp
+from finetune.parallel.topology import env_tp_size, env_world_size
+
+KEY = "accelerate config"  # the problem is in the Accelerate config, not in the run config
+
+
+def environment(cfg: RunConfig) -> None:
+    ddp.environment(cfg)  # CPU ranks on a machine without a GPU
+
+
+def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> list[tuple[str, str]]:
+    """Everything that keeps this run from starting under torch-native TP without data parallelism."""
+    p: list[tuple[str, str]] = []
+    tp, n = env_tp_size(env), env_world_size(env)
+    sizes = {k: int(env.get(f"PARALLELISM_CONFIG_{k.upper()}_SIZE", "1")) for k in ("dp_replicate", "dp_shard", "cp")}
+    if any(v > 1 for v in sizes.values()) or tp != n:
+        p.append(
+            (
+                KEY,
+                f"tensor parallelism without FSDP needs tp_size equal to the number of processes (tp_size {tp}, "
+                f"{n} processes, {sizes}); set num_processes: {tp}, or use accelerate_configs/tp2_fsdp2.yaml "
+                "for tensor x data parallelism",
+            )
+        )
+    return p + model_problems(cfg, tp)
+
+
+def model_problems(cfg: RunConfig, tp: int) -> list[tuple[str, str]]:
+    """What a model and run config need for tensor parallelism of degree tp (also under FSDP2)."""
+    from finetune.model import model_config
+
+    p: list[tuple[str, str]] = []
+    if cfg.peft.method != "none":
+        p.append(("peft.method", "adapters are not supported with tensor parallelism; set peft.method: none"))
+    if cfg.model.task != "causal_lm":
+        p.append(
+            (
+                "task",
+                f"{cfg.model.task} is not supported with tensor parallelism (a classifier head has no tensor-parallel "
+                "plan); use task: causal_lm, or a DDP/DeepSpeed/FSDP2 config",
+            )
+        )
+    config = model_config(cfg.model)
+    if config is None:
+        return p
+    if not getattr(config, "base_model_tp_plan", None):
+        p.append(
+            (
+                "model",
+                f"model type {config.model_type!r} has no tensor-parallel plan in transformers (base_model_tp_plan); "
+                "use a model that has one (e.g. llama, mistral, qwen2), or a DDP/DeepSpeed/FSDP2 config",
+            )
+        )
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None)
+    for name, count in (("attention heads", heads), ("key/value heads", kv)):
+        if count and count % tp:
+            p.append((KEY, f"tp_size {tp} must divide the model's {count} {name}"))
+    return p
+
+
+def _cpu_tp_config_class():
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DistributedType
+
+    class CpuTensorParallelConfig(ParallelismConfig):
+        """accelerate's ParallelismConfig, accepted on MULTI_CPU (gloo) too.
+
+        accelerate 1.15 `ParallelismConfig._validate_accelerator` accepts only FSDP2, MULTI_<device> and
+        DeepSpeed, and MULTI_CPU is not a MULTI_<device> (Accelerator.multi_device). Everything TP needs works
+        on CPU: the device mesh (init_device_mesh("cpu")), transformers' tp_plan, the prepared loaders (one
+        batch per TP group), and the model is not wrapped in DDP. Only the size check is kept.
+        """
+
+        def _validate_accelerator(self, accelerator):
+            if accelerator.distributed_type != DistributedType.MULTI_CPU:
+                return super()._validate_accelerator(accelerator)
+            if self.total_size != accelerator.num_processes:
+                raise ValueError(
+                    f"ParallelismConfig total_size ({self.total_size}) does not match num_processes "
+                    f"({accelerator.num_processes})"
+                )
+
+    return CpuTensorParallelConfig
+
+
+def accelerator_kwargs(cfg: RunConfig) -> dict:
+    """The CPU-accepting parallelism config on a machine without CUDA; else accelerate builds its own."""
+    if torch.cuda.is_available():
+        return {}
+    return {"parallelism_config": _cpu_tp_config_class()()}  # sizes from PARALLELISM_CONFIG_*, as accelerate's
+
+
+class Backend(ddp.Backend):
+    """torch-native TP: only what differs from the DDP backend."""
+
+    native_state_is_full = True  # save_state goes through full state dicts (enable_full_checkpoints)
+
+    def model_kwargs(self) -> dict:
+        """Shard the model by its tp_plan over accelerate's "tp" mesh as it loads."""
+        return {"tp_plan": "auto", "device_mesh": self.acc.torch_device_mesh["tp"]}
+
+    def prepare(self, model, optimizer, train_loader, scheduler, plan):
+        prepared = self.acc.prepare(model, optimizer, train_loader, scheduler)
+        enable_full_checkpoints(self.acc, prepared[0], prepared[1])
+        return prepared
+
+    def full_state_dict(self, model):
+        return full_state_dict(self.acc.unwrap_model(model))
+
+    def full_optimizer_state(self, model, optimizer):
+        return full_optimizer_state(self.acc.unwrap_model(model), optimizer)
+
+    def set_full_optimizer_state(self, model, optimizer, state, step: int) -> None:
+        set_full_optimizer_state(self.acc.unwrap_model(model), optimizer, state, step)
+
+
+# ---------------------------------------------------------------- full state dicts of DTensor models (TP, FSDP2)
+
+
+def _options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def full_state_dict(net) -> dict[str, torch.Tensor]:
+    """The whole model's state dict as plain CPU tensors on rank 0 (empty on the other ranks). A collective."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(net, options=_options(cpu_offload=True))
+
+
+def full_optimizer_state(net, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """{name: {param, exp_avg, exp_avg_sq}} of the trainable parameters, full tensors on rank 0. A collective."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper -> the torch optimizer
+    weights = full_state_dict(net)
+    state = get_optimizer_state_dict(net, inner, options=_options(cpu_offload=True))["state"]
+    return {n: {"param": weights[n], "exp_avg": s["exp_avg"], "exp_avg_sq": s["exp_avg_sq"]} for n, s in state.items()}
+
+
+def set_full_optimizer_state(net, optimizer, state: dict[str, dict[str, torch.Tensor]], step: int) -> None:
+    """Scatter full weights and AdamW state (every rank holds the full tensors) to each rank's shards."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    inner = getattr(optimizer, "optimizer", optimizer)
+    set_model_state_dict(net, {n: s["param"] for n, s in state.items()}, options=_options(strict=False))
+    groups = get_optimizer_state_dict(net, inner, options=_options())["param_groups"]  # names, lr, betas...
+    full = {
+        "state": {
+            n: {"step": torch.tensor(float(step)), "exp_avg": s["exp_avg"], "exp_avg_sq": s["exp_avg_sq"]}
+            for n, s in state.items()
+        },
+        "param_groups": groups,
+    }
+    set_optimizer_state_dict(net, inner, full, options=_options())
+
+
+def enable_full_checkpoints(accelerator, model, optimizer) -> None:
+    """Make save_state/load_state write and read full tensors for a DTensor model (call once, after prepare):
+    model.safetensors is the whole model (HF names), optimizer.bin the whole AdamW state keyed by parameter
+    name; loading scatters them back to each rank's shards. Scheduler, RNG and sampler states are accelerate's."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    net = accelerator.unwrap_model(model)
+    inner = optimizer.optimizer  # the torch optimizer inside accelerate's AcceleratedOptimizer
+
+    def save_model(models, weights, output_dir):
+        for i, m in enumerate(models):
+            if m is model:
+                weights[i] = full_state_dict(net)  # every rank takes part; accelerate writes rank 0's
+
+    def load_model(models, input_dir):
+        if model in models:
+            set_model_state_dict(net, load_file(os.path.join(input_dir, "model.safetensors")), options=_options())
+            models.remove(model)  # loaded: accelerate must not load it again
+
+    accelerator.register_save_state_pre_hook(save_model)
+    accelerator.register_load_state_pre_hook(load_model)
+    optimizer.state_dict = lambda: get_optimizer_state_dict(net, inner, options=_options(cpu_offload=True))
+    optimizer.load_state_dict = lambda state: set_optimizer_state_dict(net, inner, state, options=_options())

@@ -1,0 +1,150 @@
+"""Topology: how a run is spread over processes and machines, read once.
+
+Before the Accelerator exists, `requested_family` reads what `accelerate launch` put in the environment
+(the Accelerate config file becomes ACCELERATE_USE_* / PARALLELISM_CONFIG_* / MEGATRON_LM_* variables);
+after, `Topology.read` records the sizes the run really has. Every other module asks the Topology
+(`dp`, `tp`, `replicas`, `zero_stage`, ...) instead of accelerate's `distributed_type`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+# The backend families, one module each under finetune/parallel/.
+FAMILIES = ("ddp", "deepspeed", "fsdp", "tensor", "megatron")
+
+
+def _true(value: str | None) -> bool:
+    return str(value).lower() in ("1", "true", "yes")
+
+
+def env_world_size(env: Mapping[str, str] = os.environ) -> int:
+    """Processes in the job, as the launcher says (torchrun, deepspeed, MPI); 1 without a launcher."""
+    for key in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if key in env:
+            return int(env[key])
+    return 1
+
+
+def is_distributed_launch(env: Mapping[str, str] = os.environ) -> bool:
+    """Started by a launcher that runs several processes (or sets a local rank)."""
+    return env_world_size(env) > 1 or int(env.get("LOCAL_RANK", -1)) != -1
+
+
+def env_tp_size(env: Mapping[str, str] = os.environ) -> int:
+    """torch-native tensor-parallel degree from the Accelerate config's parallelism_config."""
+    if not _true(env.get("ACCELERATE_USE_PARALLELISM_CONFIG")):
+        return 1
+    return int(env.get("PARALLELISM_CONFIG_TP_SIZE", "1"))
+
+
+def requested_family(env: Mapping[str, str] = os.environ) -> str:
+    """Which backend family the launcher asked for (before the Accelerator exists)."""
+    if _true(env.get("ACCELERATE_USE_MEGATRON_LM")):
+        return "megatron"
+    if _true(env.get("ACCELERATE_USE_DEEPSPEED")):
+        return "deepspeed"
+    if _true(env.get("ACCELERATE_USE_FSDP")):
+        return "fsdp"
+    if env_tp_size(env) > 1:
+        return "tensor"
+    return "ddp"  # one process or DDP: accelerate's NO / MULTI_CPU / MULTI_GPU
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The sizes and sharding of a run. `dp` x `tp` x `pp` = `num_processes`."""
+
+    family: str  # one of FAMILIES
+    distributed_type: str  # accelerate's name for it (NO, MULTI_CPU, MULTI_GPU, DEEPSPEED, FSDP, MEGATRON_LM)
+    num_processes: int
+    num_machines: int
+    process_index: int
+    dp: int = 1  # data-parallel size: ranks that hold different batches
+    dp_rank: int = 0
+    tp: int = 1  # tensor-parallel size
+    pp: int = 1  # pipeline-parallel size
+    num_micro_batches: int = 1  # Megatron-LM: pipeline micro batches per optimizer step
+    zero_stage: int = 0  # DeepSpeed ZeRO stage (0: not DeepSpeed)
+    fsdp_version: int = 0  # 0: not FSDP
+    offload_optimizer: bool = False  # optimizer states (and step) on the CPU
+    offload_params: bool = False  # parameters on the CPU between uses
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that hold each batch (a TP x PP group): a sum over all ranks counts every batch this often."""
+        return self.num_processes // self.dp
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Parameters are split over ranks (ZeRO-3, FSDP, TP, Megatron)."""
+        return self.zero_stage == 3 or self.fsdp_version > 0 or self.tp > 1 or self.pp > 1
+
+    def rows_per_micro_batch(self, per_device_train_batch_size: int) -> int:
+        """Rows a data-parallel rank's loader yields per micro batch (Megatron: x num_micro_batches)."""
+        return per_device_train_batch_size * self.num_micro_batches
+
+    def layout(self) -> dict:
+        """What a checkpoint records about the run that wrote it (a resume under another layout converts)."""
+        out = asdict(self)
+        out.pop("process_index"), out.pop("dp_rank")
+        out["world_size"] = out.pop("num_processes")
+        return out
+
+    def summary(self) -> str:
+        """One line for the start log."""
+        parts = [f"{self.family}"]
+        if self.zero_stage:
+            parts.append(f"ZeRO-{self.zero_stage}")
+        if self.fsdp_version:
+            parts.append(f"FSDP{self.fsdp_version}")
+        if self.offload_optimizer or self.offload_params:
+            what = [n for n, on in (("optimizer", self.offload_optimizer), ("parameters", self.offload_params)) if on]
+            parts.append(f"offload {'+'.join(what)} to CPU")
+        sizes = f"data parallel {self.dp} x tensor {self.tp} x pipeline {self.pp}"
+        return f"{', '.join(parts)}; {sizes} on {self.num_machines} machine(s)"
+
+    @classmethod
+    def read(cls, accelerator, env: Mapping[str, str] = os.environ) -> Topology:
+        """The topology of a started Accelerator (reads accelerate's state and plugins, not config files)."""
+        state = accelerator.state
+        family = requested_family(env)
+        n, rank = accelerator.num_processes, accelerator.process_index
+        kw: dict = {}
+        if family == "deepspeed":
+            plugin = state.deepspeed_plugin
+            zero = plugin.deepspeed_config.get("zero_optimization", {})
+            kw.update(
+                zero_stage=int(plugin.zero_stage),
+                offload_optimizer=zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None),
+                offload_params=zero.get("offload_param", {}).get("device", "none") not in ("none", None),
+            )
+        elif family == "fsdp":
+            plugin = state.fsdp_plugin
+            kw.update(fsdp_version=int(plugin.fsdp_version), offload_params=bool(plugin.cpu_offload))
+            kw["offload_optimizer"] = kw["offload_params"]  # FSDP's CPU offload moves both
+        if family == "megatron":
+            tp = int(env.get("MEGATRON_LM_TP_DEGREE", 1))
+            pp = int(env.get("MEGATRON_LM_PP_DEGREE", 1))
+            micro = int(env.get("MEGATRON_LM_NUM_MICRO_BATCHES", 1))
+            # Megatron's rank order tp-cp-ep-dp-pp: rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+            kw.update(tp=tp, pp=pp, num_micro_batches=micro, dp=n // (tp * pp), dp_rank=(rank // tp) % (n // (tp * pp)))
+        else:
+            pc = getattr(accelerator, "parallelism_config", None)
+            tp = pc.tp_size if pc is not None and pc.tp_enabled else 1
+            kw.update(tp=tp, dp=n // tp, dp_rank=rank // tp)  # accelerate's mesh: tp innermost
+        return cls(
+            family=family,
+            distributed_type=str(state.distributed_type).split(".")[-1],
+            num_processes=n,
+            num_machines=int(env.get("ACCELERATE_NUM_MACHINES", 0)) or _machines(env, n),
+            process_index=rank,
+            **kw,
+        )
+
+
+def _machines(env: Mapping[str, str], num_processes: int) -> int:
+    local = int(env.get("LOCAL_WORLD_SIZE", num_processes) or num_processes)
+    return max(1, num_processes // max(1, local))
