@@ -117,7 +117,9 @@ class Checkpointer:
     def _write_full_tensors(self, tmp: str) -> None:
         """What another layout needs to resume (see the module docstring)."""
         net = self.acc.unwrap_model(self.model)
-        if self.backend.native_state_is_full:
+        if self.backend.checkpoint_format == "native":
+            return
+        if self.backend.checkpoint_format == "full":
             if self.acc.is_main_process:
                 net.config.save_pretrained(tmp)  # model.safetensors + config.json: a from_pretrained directory
                 name_of = {id(p): n for n, p in net.named_parameters()}
@@ -217,12 +219,9 @@ class Resume:
     def describe(self) -> str:
         if not self.portable:
             return self.path
-        was = self.saved["layout"]
-        detail = [f"ZeRO-{was['zero_stage']}" if was.get("zero_stage") else ""]
-        detail += [f"FSDP{was['fsdp_version']}" if was.get("fsdp_version") else ""]
-        detail += [f"TP {was['tp']}" if was.get("tp", 1) > 1 else ""]
-        what = " ".join([was["distributed_type"], *[d for d in detail if d]])
-        return f"{self.path} (written by {what} on {was['world_size']} process(es), converted)"
+        from finetune.parallel.topology import describe_layout
+
+        return f"{self.path} (written by {describe_layout(self.saved['layout'])}, converted)"
 
     def model_dir(self) -> str:
         """The from_pretrained directory holding the checkpoint's full weights."""
@@ -273,14 +272,14 @@ def find_resume(output_dir: str, spec: str | None, layout: dict[str, Any]) -> Re
                 )
             ]
         )
-    if resume.portable and "megatron" in (was.get("family"), here.get("family")):
+    if resume.portable and "native" in (was.get("checkpoint_format"), here.get("checkpoint_format")):
         raise ConfigError(
             [
                 (
                     "resume_from_checkpoint",
-                    f"{path} was written by {resume.describe()}; Megatron-LM checkpoints (Megatron's own format) "
-                    "resume only under the layout they were saved with, and other layouts do not resume into "
-                    "Megatron-LM: use the same Accelerate config, or start from the exported final/ model",
+                    f"{resume.describe()} cannot be resumed here: a checkpoint in a backend's own format only "
+                    "(Megatron-LM) resumes under the layout that wrote it, and other layouts do not resume into "
+                    "that backend; use the same Accelerate config, or start from the exported final/ model",
                 )
             ]
         )
@@ -307,7 +306,7 @@ def _check_same_parameters(path: str, named: dict, state: dict) -> None:
 def restore(accelerator, backend, model, optimizer, scheduler, plan, resume: Resume) -> dict[str, Any]:
     """Restore model, optimizer, scheduler (and, same layout, RNG) on every rank; return the trainer state."""
     if not resume.portable:
-        accelerator.load_state(resume.path)
+        backend.load_state(resume.path)
         return resume.saved
     from finetune.optim import set_scheduler_position
     from finetune.parallel.ddp import trainable_parameters

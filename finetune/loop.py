@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from finetune.config import TrainArgs
-from finetune.metrics import MetricsLog, per_example_stats, summarize
+from finetune.metrics import MetricsLog, summarize
 from finetune.parallel import Plan, global_batch_index
 
 logger = logging.getLogger("finetune")
@@ -99,7 +99,7 @@ def evaluate(run: Run) -> dict[str, float]:
     for batch in run.eval_loader:
         batch.pop("num_supervised"), batch.pop("num_tokens"), batch.pop("num_positions")
         labels = batch.pop("labels")
-        stats = per_example_stats(backend.eval_logits(run.model, batch), labels, run.task)
+        stats = backend.eval_stats(run.model, batch, labels, run.task)
         for k, v in backend.gather_for_metrics(stats).items():  # drops the padding of an uneven last batch
             parts[k].append(v.cpu())
     run.model.train()
@@ -186,7 +186,7 @@ def _log_train(run: Run, state: TrainState, win: _Window, grad_norm, bar) -> Non
     row = {
         "step": state.step,
         "loss": nll.item() / count,
-        "learning_rate": run.scheduler.get_last_lr()[0],
+        "learning_rate": run.backend.learning_rate(run.optimizer, run.scheduler),
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
         "tokens_seen": state.tokens_seen,
         "tokens_per_s": tokens.item() / seconds,

@@ -127,8 +127,10 @@ def build_model(
     pe: PeftArgs | None = None,
     reentrant_checkpointing: bool = False,
     extra_kwargs: dict | None = None,
+    load_weights: bool = True,
 ):
-    """Load the model for the task; a classifier gets a head sized to the labels in the data; adapters on top."""
+    """Load the model for the task; a classifier gets a head sized to the labels in the data; adapters on top.
+    load_weights False: the architecture only, on the meta device (the backend brings its own weights)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     try:
@@ -166,7 +168,12 @@ def build_model(
     else:
         cls = AutoModelForCausalLM
     try:
-        model = cls.from_pretrained(m.model, **kwargs, **(extra_kwargs or {}))
+        if load_weights:
+            model = cls.from_pretrained(m.model, **kwargs, **(extra_kwargs or {}))
+        else:
+            config = AutoConfig.from_pretrained(m.model, trust_remote_code=m.trust_remote_code)
+            with torch.device("meta"):
+                model = cls.from_config(config, trust_remote_code=m.trust_remote_code)
     except (OSError, ValueError, KeyError) as e:
         if m.attn_implementation and "attn_implementation" in str(e):
             first = (str(e).strip().splitlines() or [""])[0]

@@ -22,6 +22,7 @@ def build_optimizer(net: torch.nn.Module, t: TrainArgs) -> torch.optim.Optimizer
         lr=t.learning_rate,
         betas=(t.adam_beta1, t.adam_beta2),
         eps=t.adam_epsilon,
+        weight_decay=t.weight_decay,  # also the default Megatron-LM's optimizer takes (its groups are its own)
         fused=True,
     )
 

@@ -24,7 +24,7 @@ import yaml
 from finetune.config import ConfigError, build_config, load_yaml, parse_cli_value
 
 ROOT = Path(__file__).resolve().parents[1]
-SINGLE_NODE = ["single", "ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
+SINGLE_NODE = ["single", "ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "fsdp2", "fsdp2_offload"]
 
 
 @dataclass
@@ -33,6 +33,7 @@ class Outcome:
     ok: bool
     world_size: int = 0
     distributed_type: str = "?"
+    sharding: str = ""  # how the run really spread the model (from its metrics rows)
     gradient_accumulation_steps: int = 0
     losses: list[float] = field(default_factory=list)
     weights: dict | None = None
@@ -53,8 +54,11 @@ def accelerate_config_path(name: str) -> Path:
     return shipped
 
 
-def num_processes(path: Path) -> int:
-    return int((yaml.safe_load(path.read_text()) or {}).get("num_processes", 1))
+def data_parallel_size(path: Path) -> int:
+    """Ranks of an Accelerate config that hold different batches (a tensor-parallel group holds the same)."""
+    raw = yaml.safe_load(path.read_text()) or {}
+    tp = int((raw.get("parallelism_config") or {}).get("parallelism_config_tp_size", 1))
+    return int(raw.get("num_processes", 1)) // tp
 
 
 def run_one(name: str, path: Path, ga: int, args: argparse.Namespace, overrides: list[str], out: Path) -> Outcome:
@@ -113,12 +117,22 @@ def run_one(name: str, path: Path, ga: int, args: argparse.Namespace, overrides:
         True,
         world_size=train[0]["world_size"],
         distributed_type=train[0]["distributed_type"],
+        sharding=sharding(train[-1]),
         gradient_accumulation_steps=ga,
         losses=[r["loss"] for r in train],
         weights=load_file(str(exported_weights(out / name / "final"))),
         step_time_s=statistics.median(times),
         peak_rss_gb=[m["train_peak_rss_gb"] for m in memory],
     )
+
+
+def sharding(row: dict) -> str:
+    """What a metrics row says the backend really did: "ZeRO-3 offload 0.50" (the share of the model a rank holds)."""
+    parts = [f"ZeRO-{row['zero_stage']}" if row.get("zero_stage") else ""]
+    parts += [f"FSDP{row['fsdp_version']}" if row.get("fsdp_version") else ""]
+    parts += ["offload" if row.get("offload_optimizer") or row.get("offload_params") else ""]
+    parts += [f"{row['parameter_shard']:.2f}" if "parameter_shard" in row else ""]
+    return " ".join(p for p in parts if p)
 
 
 def exported_weights(final: Path) -> Path:
@@ -174,7 +188,7 @@ def main(argv: list[str]) -> int:
         print(e.render(), file=sys.stderr)
         return 2
     # Same global batch everywhere: fewer processes, more accumulation.
-    worlds = {name: num_processes(p) for name, p in paths.items()}
+    worlds = {name: data_parallel_size(p) for name, p in paths.items()}
     target = cfg.train.gradient_accumulation_steps * max(worlds.values())
     bad = [n for n, w in worlds.items() if target % w]
     if bad:
@@ -185,7 +199,7 @@ def main(argv: list[str]) -> int:
     outcomes = []
     for name, path in paths.items():
         print(
-            f"[parity] {name}: {worlds[name]} process(es) x GA {target // worlds[name]}, {args.steps} steps ...",
+            f"[parity] {name}: {worlds[name]} data-parallel rank(s) x GA {target // worlds[name]}, {args.steps} steps ...",
             flush=True,
         )
         outcomes.append(run_one(name, path, target // worlds[name], args, overrides, out))
@@ -198,7 +212,7 @@ def report(outcomes: list[Outcome], args: argparse.Namespace) -> int:
     ok_runs = [o for o in outcomes if o.ok]
     ref = ok_runs[0] if ok_runs else None
     head = (
-        f"{'config':<15} {'distributed':<11} {'world':>5} {'GA':>3} {'max rel loss diff':>17} "
+        f"{'config':<15} {'distributed':<11} {'world':>5} {'GA':>3} {'sharding':<20} {'max rel loss diff':>17} "
         f"{'max abs weight diff':>19} {'step s':>7}  train peak RSS GB/rank"
     )
     print("\n" + head + "\n" + "-" * len(head))
@@ -213,7 +227,7 @@ def report(outcomes: list[Outcome], args: argparse.Namespace) -> int:
         failed |= bool(flag)
         print(
             f"{o.name:<15} {o.distributed_type:<11} {o.world_size:>5} {o.gradient_accumulation_steps:>3} "
-            f"{loss:>17.2e} {weight:>19.2e} {o.step_time_s:>7.3f}  "
+            f"{o.sharding:<20} {loss:>17.2e} {weight:>19.2e} {o.step_time_s:>7.3f}  "
             f"{', '.join(f'{m:.2f}' for m in o.peak_rss_gb)}{flag}"
         )
     print(

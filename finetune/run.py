@@ -35,7 +35,7 @@ def run(cfg: RunConfig) -> dict:
     acc, backend = start(cfg)
     tokenizer = model.load_tokenizer(cfg.model)
     ds, plan, eval_metrics = build_data(cfg, acc, backend.topology, tokenizer)
-    layout = {**backend.topology.layout(), "global_batch_size": plan.global_batch_size}
+    layout = backend.layout(plan)
     resume = checkpoint.find_resume(cfg.train.output_dir, cfg.train.resume_from_checkpoint, layout)
     net, facts = build_model(cfg, backend, tokenizer, ds, resume)
     parts = build_optimization(cfg, acc, backend, net, ds, plan, tokenizer)
@@ -110,9 +110,11 @@ def build_model(cfg: RunConfig, backend, tokenizer, ds: data.Datasets, resume: c
         cfg.peft,
         reentrant_checkpointing=backend.reentrant_checkpointing(peft_on),
         extra_kwargs=backend.model_kwargs(),
+        load_weights=backend.needs_hf_weights,
     )
     if resume and resume.portable and peft_on:  # the run's own base model; the adapter's weights by name
         checkpoint.restore_adapter(backend, net, resume)
+    net = backend.place_model(net)
     facts = model.ModelFacts.of(net, backend.numel, cfg.data.max_seq_length)
     logger.info(
         "model: %s (%s), %s parameters, %s trainable (%.2f%%), %.3g FLOPs per token",
@@ -149,7 +151,7 @@ def build_optimization(cfg: RunConfig, acc, backend, net, ds: data.Datasets, pla
     if cfg.data.length_aware_batching:
         batches = {"batch_sampler": _length_aware_batches(ds.train, sampler, plan, net)}
     else:
-        batches = {"batch_size": plan.micro_batch_size, "sampler": sampler, "drop_last": True}
+        batches = {"batch_size": plan.loader_batch_size, "sampler": sampler, "drop_last": True}
     workers = t.dataloader_num_workers
     generator = torch.Generator().manual_seed(t.seed)
     train_loader = torch.utils.data.DataLoader(
@@ -160,9 +162,9 @@ def build_optimization(cfg: RunConfig, acc, backend, net, ds: data.Datasets, pla
         eval_loader = torch.utils.data.DataLoader(
             ds.eval, batch_size=t.per_device_eval_batch_size, shuffle=False, collate_fn=collate, num_workers=workers
         )
-    net, optimizer, train_loader, scheduler = backend.prepare(net, optimizer, train_loader, scheduler, plan)
-    if eval_loader is not None:
-        eval_loader = acc.prepare(eval_loader)
+    net, optimizer, train_loader, eval_loader, scheduler = backend.prepare(
+        net, optimizer, train_loader, eval_loader, scheduler, plan
+    )
     return Prepared(net, optimizer, train_loader, scheduler, eval_loader, sampler)
 
 

@@ -27,6 +27,9 @@ EXPECTED = {
     "single": ("NO", 1),
     "ddp": ("MULTI_CPU", 2),
     **{z: ("DEEPSPEED", 2) for z in ("zero1", "zero2", "zero2_offload", "zero3", "zero3_offload")},
+    "fsdp2": ("FSDP", 2),
+    "fsdp2_offload": ("FSDP", 2),
+    "tp2_fsdp2": ("FSDP", 4),
 }
 
 
@@ -201,6 +204,20 @@ def reevaluate(
             for k, v in per_example_stats(model(**batch).logits, labels, task).items():
                 stats.setdefault(k, []).append(v)
     return summarize({k: torch.cat(v) for k, v in stats.items()}, {}, None)
+
+
+def max_rel_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) and a, (a, b)
+    return max(abs(x - y) / abs(x) for x, y in zip(a, b))
+
+
+def max_weight_diff(dir_a, dir_b, name: str = "model.safetensors") -> float:
+    """Largest absolute difference between two exported weight files (same tensor names required)."""
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(str(Path(dir_a) / name)), load_file(str(Path(dir_b) / name))
+    assert set(wa) == set(wb), set(wa) ^ set(wb)
+    return max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa)
 
 
 def crash_after(output_dir, step: int) -> None:

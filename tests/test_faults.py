@@ -27,7 +27,7 @@ def test_killed_rank_stops_everyone_and_resume_finishes_the_run(assets, tmp_path
         assets.llama,
         assets.instruction,
         "--max_steps",
-        "40",
+        "20",
         "--save_steps",
         "5",
         "--eval_fraction",
@@ -38,7 +38,10 @@ def test_killed_rank_stops_everyone_and_resume_finishes_the_run(assets, tmp_path
     straight = finetune(tmp_path / "straight", *args, launcher=launcher)
 
     out = tmp_path / "crashed"
-    kill_at = random.Random().randint(6, 20)
+    # The kill step is random but seeded; pytest shows this line when the test fails (FINETUNE_TEST_SEED replays it).
+    seed = int(os.environ.get("FINETUNE_TEST_SEED", random.randrange(2**31)))
+    kill_at = random.Random(seed).randint(6, 14)
+    print(f"FINETUNE_TEST_SEED={seed}: rank 1 killed after step {kill_at}")
     cmd = [
         sys.executable,
         "-m",
@@ -84,7 +87,7 @@ def test_killed_rank_stops_everyone_and_resume_finishes_the_run(assets, tmp_path
     assert "rank      : 1" in output  # the launcher names the rank that died
 
     resumed = finetune(out, *args, "--resume_from_checkpoint", "latest", launcher=launcher)
-    assert resumed.train_rows[-1]["step"] == 40
+    assert [r["step"] for r in resumed.train_rows] == list(range(1, 21))
     a, b = final_weights(straight.output_dir), final_weights(out)
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst == 0.0 if launcher == "ddp" else worst <= 1e-6, worst

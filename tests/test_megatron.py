@@ -17,8 +17,9 @@ import torch
 import yaml
 from conftest import ROOT, base_args, crash_after, finetune
 
-from finetune import megatron
 from finetune.config import ConfigError, build_config
+from finetune.parallel import megatron, tensor
+from finetune.parallel.topology import Topology, env_tp_size, requested_family
 
 MEGATRON = ["megatron_tp2", "megatron_tp2_pp2", "megatron_tp2_pp2_multinode"]
 
@@ -80,9 +81,9 @@ def test_megatron_and_tp_configs_say_what_their_names_say():
         env = launch_env(name)
         layout = megatron.MegatronLayout.from_env(env)
         assert (layout.tp, layout.pp, layout.num_micro_batches) == (tp, pp, micro), name
-        assert megatron.megatron_requested(env) and megatron.tensor_parallel_size(env) == 1
+        assert requested_family(env) == "megatron" and env_tp_size(env) == 1
     env = launch_env("tp2")
-    assert megatron.tensor_parallel_size(env) == 2 and not megatron.megatron_requested(env)
+    assert env_tp_size(env) == 2 and requested_family(env) == "tensor"
     assert env["WORLD_SIZE"] == "2"
 
 
@@ -99,6 +100,7 @@ def test_plugin_matches_what_accelerate_expects(assets, run_values, monkeypatch,
 
     from finetune.data import Collator
     from finetune.parallel import make_plan
+    from finetune.parallel.plan import Plan
 
     env = launch_env(name)
     for k, v in env.items():
@@ -123,11 +125,20 @@ def test_plugin_matches_what_accelerate_expects(assets, run_values, monkeypatch,
     dp = world // (plugin.tp_degree * plugin.pp_degree)
     plugin.set_training_args(micro, dp)
     plugin.set_network_size_args(model, batch)
-    rows, data_parallel = megatron.batch_layout(micro, world)
-    plan = make_plan(cfg.train, 10_000, data_parallel)
-    scheduler = megatron.make_scheduler(
-        torch.optim.AdamW(model.parameters()), plan.total_steps, plan.warmup_steps, world
+    topo = Topology(
+        "megatron",
+        "MEGATRON_LM",
+        world,
+        1,
+        0,
+        dp=dp,
+        tp=layout.tp,
+        pp=layout.pp,
+        num_micro_batches=layout.num_micro_batches,
     )
+    plan: Plan = make_plan(cfg.train, 10_000, topo)
+    rows, data_parallel = plan.micro_batch_size, plan.data_parallel_size
+    scheduler = megatron.make_scheduler(torch.optim.AdamW(model.parameters()), plan, plan.warmup_steps)
     plugin.set_scheduler_args(scheduler)
     args = plugin.megatron_lm_default_args
     assert args["tensor_model_parallel_size"] == 2
@@ -141,6 +152,14 @@ def test_plugin_matches_what_accelerate_expects(assets, run_values, monkeypatch,
     assert args["lr_decay_style"] == "linear" and args["seed"] == cfg.train.seed
     assert args["pretrained_checkpoint"] == os.path.join(getattr(assets, arch), "megatron")
     assert args["eos_token_id"] == model.config.eos_token_id
+    assert args["context_parallel_size"] == 1 and args["recompute_granularity"] is None
+    if arch == "llama":  # what accelerate's parser leaves out of a Llama's architecture
+        c = model.config
+        assert args["swiglu"] and args["normalization"] == "RMSNorm" and not args["add_bias_linear"]
+        assert (args["num_query_groups"], args["ffn_hidden_size"]) == (c.num_key_value_heads, c.intermediate_size)
+    else:
+        assert args["position_embedding_type"] != "rope" if "position_embedding_type" in args else True
+        assert plugin.megatron_lm_default_args.get("use_rotary_position_embeddings") is not True
 
 
 def test_gpt_inputs_supervise_what_the_other_backends_supervise(assets):
@@ -176,16 +195,25 @@ def on_a_gpu_machine_with_megatron(monkeypatch):
         monkeypatch.setenv(k, v)
 
 
+def check(cfg) -> None:
+    """What make_accelerator does before Accelerator(): the launched family's refusals, all at once."""
+    from finetune.parallel.environment import family_module
+
+    found = family_module().problems(cfg)
+    if found:
+        raise ConfigError(found)
+
+
 def problems(cfg) -> dict[str, str]:
     with pytest.raises(ConfigError) as info:
-        megatron.check_before_start(cfg)
+        check(cfg)
     assert "Traceback" not in info.value.render()
     return {k: m for k, m in info.value.problems}
 
 
 def test_a_supported_megatron_run_passes_the_checks(on_a_gpu_machine_with_megatron, run_values, assets, tmp_path):
     model = with_converted_checkpoint(assets.llama, tmp_path)
-    megatron.check_before_start(build_config({**run_values, "model": model}))
+    check(build_config({**run_values, "model": model}))
 
 
 @pytest.mark.parametrize(
@@ -244,7 +272,7 @@ def test_megatron_lm_missing_names_what_accelerate_imports(monkeypatch, tmp_path
     finally:  # find_spec imported the fake package: forget it
         for name in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]:
             del sys.modules[name]
-    assert "megatron.training and megatron.legacy are not" in why and "source tree" in why
+    assert "megatron.training, megatron.legacy, megatron.training.gpt_builders are not" in why and "source tree" in why
 
 
 def run_refused(tmp_path, env_of: str, *args: str):
@@ -314,7 +342,7 @@ def test_accelerate_still_refuses_tp_on_cpu():
     )
     with pytest.raises(ValueError, match="only compatible .* but got DistributedType.MULTI_CPU"):
         ParallelismConfig(tp_size=2)._validate_accelerator(cpu_ranks)
-    cpu_config = megatron._cpu_tp_config_class()(tp_size=2)
+    cpu_config = tensor._cpu_tp_config_class()(tp_size=2)
     cpu_config._validate_accelerator(cpu_ranks)  # the workaround accepts it
     with pytest.raises(ValueError, match="does not match num_processes"):
         cpu_config._validate_accelerator(types.SimpleNamespace(**{**vars(cpu_ranks), "num_processes": 4}))
@@ -323,7 +351,7 @@ def test_accelerate_still_refuses_tp_on_cpu():
 def test_tp_refusals(monkeypatch, run_values, assets):
     for k, v in launch_env("tp2").items():
         monkeypatch.setenv(k, v)
-    megatron.check_before_start(build_config(run_values))  # llama, causal LM: fine
+    check(build_config(run_values))  # llama, causal LM: fine
     found = problems(build_config({**run_values, "model": assets.gpt2}))
     assert "no tensor-parallel plan" in found["model"]
     found = problems(
@@ -334,7 +362,7 @@ def test_tp_refusals(monkeypatch, run_values, assets):
     assert set(found) == {"task", "peft.method"}
     monkeypatch.setenv("WORLD_SIZE", "4")
     found = problems(build_config(run_values))
-    assert "tp_size 2, 4 processes" in found["accelerate config"]
+    assert "tp_size 2, 4 processes" in found["accelerate config"] and "tp2_fsdp2.yaml" in found["accelerate config"]
 
 
 @pytest.mark.slow

@@ -146,5 +146,6 @@ def test_resume_with_another_global_batch_is_refused(assets, tmp_path):
         "fsdp_version": 0,
         "offload_optimizer": False,
         "offload_params": False,
+        "checkpoint_format": "full",
         "global_batch_size": 8,
     }

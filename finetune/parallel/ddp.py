@@ -56,8 +56,12 @@ def explain_error(err: BaseException) -> tuple[str, str] | None:
 class Backend:
     """Single process and DDP. The methods every backend has (see finetune/parallel/__init__.py)."""
 
-    # accelerate's save_state writes whole tensors (model.safetensors; optimizer.bin indexed by parameter)
-    native_state_is_full = True
+    # What a checkpoint holds for a resume under another layout (finetune/checkpoint.py):
+    # "full": accelerate's save_state already writes whole tensors (model.safetensors, optimizer.bin);
+    # "portable": the backend's own files hold shards, so portable/ adds the full tensors;
+    # "native": only the backend's own format (no resume under another layout).
+    checkpoint_format = "full"
+    needs_hf_weights = True  # False: the backend loads its own weights (the HF model is built empty)
 
     def __init__(self, accelerator, topology: Topology, cfg: RunConfig):
         self.acc, self.topology, self.cfg = accelerator, topology, cfg
@@ -76,12 +80,9 @@ class Backend:
         """Copy full tensors into the (not yet prepared) model's parameters."""
         copy_by_name(named, weights)
 
-    def prepare(self, model, optimizer, train_loader, scheduler, plan):
-        model = self._sync_batchnorm(model)
-        return self.acc.prepare(model, optimizer, train_loader, scheduler)
-
-    def _sync_batchnorm(self, model):
-        """DDP option: SyncBatchNorm. torch implements it for GPU/XPU only; on CPU we say so and go on."""
+    def place_model(self, model):
+        """What the backend does to the loaded model before the optimizer is built over its parameters.
+        DDP: the sync_batchnorm option (torch implements SyncBatchNorm for GPU/XPU only; on CPU: said)."""
         if not self.cfg.train.sync_batchnorm or self.topology.num_processes == 1:
             return model
         if not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
@@ -91,6 +92,18 @@ class Backend:
             logger.warning("sync_batchnorm: torch supports SyncBatchNorm on GPU/XPU only; BatchNorm stays per-rank")
             return model
         return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+    def prepare(self, model, optimizer, train_loader, eval_loader, scheduler, plan):
+        """accelerate.prepare of everything at once; returns (model, optimizer, train, eval, scheduler)."""
+        return prepare_all(self.acc, model, optimizer, train_loader, eval_loader, scheduler)
+
+    def layout(self, plan) -> dict:
+        """What a checkpoint records about the run that writes it (a resume under another layout converts)."""
+        return {
+            **self.topology.layout(),
+            "checkpoint_format": self.checkpoint_format,
+            "global_batch_size": plan.global_batch_size,
+        }
 
     def observed(self, model) -> dict:
         """What the prepared model shows about how it is spread (logged, and in every metrics row)."""
@@ -103,8 +116,14 @@ class Backend:
     def clip_grad_norm(self, model, max_norm: float | None):
         return self.acc.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
 
-    def eval_logits(self, model, batch: dict) -> torch.Tensor:
-        return model(**batch).logits
+    def learning_rate(self, optimizer, scheduler) -> float:
+        return scheduler.get_last_lr()[0]
+
+    def eval_stats(self, model, batch: dict, labels: torch.Tensor, task: str) -> dict[str, torch.Tensor]:
+        """Per-example eval statistics of one batch (metrics.per_example_stats)."""
+        from finetune.metrics import per_example_stats
+
+        return per_example_stats(model(**batch).logits, labels, task)
 
     def gather_for_metrics(self, stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Eval statistics of the whole eval set: accelerate's gather (which drops the duplicates of an uneven
@@ -146,11 +165,23 @@ class Backend:
                 "exp_avg_sq": s["exp_avg_sq"].to(p.device, p.dtype),
             }
 
+    def load_state(self, path: str) -> None:
+        """Resume under the same layout: accelerate's load_state (model, optimizer, scheduler, RNG)."""
+        self.acc.load_state(path)
+
     def explain_error(self, err: BaseException) -> tuple[str, str] | None:
         return explain_error(err)
 
 
 # ---------------------------------------------------------------- helpers every backend uses
+
+
+def prepare_all(accelerator, model, optimizer, train_loader, eval_loader, scheduler) -> tuple:
+    """One accelerate.prepare call for everything (Megatron-LM needs that); eval_loader may be None."""
+    objects = [model, optimizer, train_loader, scheduler] + ([eval_loader] if eval_loader is not None else [])
+    prepared = accelerator.prepare(*objects)
+    model, optimizer, train_loader, scheduler = prepared[:4]
+    return model, optimizer, train_loader, prepared[4] if eval_loader is not None else None, scheduler
 
 
 def trainable_parameters(net) -> dict[str, torch.nn.Parameter]:

@@ -118,7 +118,7 @@ def announce_op_builds() -> None:
 class Backend(ddp.Backend):
     """DeepSpeed ZeRO: only what differs from the DDP backend."""
 
-    native_state_is_full = False  # DeepSpeed's checkpoint holds partitions: portable/ holds full tensors
+    checkpoint_format = "portable"  # DeepSpeed's checkpoint holds partitions: portable/ adds full tensors
 
     def reentrant_checkpointing(self, peft_on: bool) -> bool:
         # PEFT under ZeRO-3: the non-reentrant recompute meets parameters ZeRO-3 has already released.
@@ -137,13 +137,13 @@ class Backend(ddp.Backend):
         with gathered:
             ddp.copy_by_name(named, weights)
 
-    def prepare(self, model, optimizer, train_loader, scheduler, plan):
+    def prepare(self, model, optimizer, train_loader, eval_loader, scheduler, plan):
         # accelerate fills DeepSpeed's "auto" train_micro_batch_size_per_gpu from the loaders' batch_size and
         # refuses a loader without one (length_aware_batching's micro batches vary in rows): fill it.
         plugin = self.acc.state.deepspeed_plugin
         if plugin.is_auto("train_micro_batch_size_per_gpu"):
             plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = plan.micro_batch_size
-        return self.acc.prepare(model, optimizer, train_loader, scheduler)
+        return ddp.prepare_all(self.acc, model, optimizer, train_loader, eval_loader, scheduler)
 
     def observed(self, model) -> dict:
         """From the engine itself, not from the config files: the stage and offload DeepSpeed really runs."""

@@ -1,31 +1,27 @@
-"""Tensor and pipeline parallelism: Megatron-LM through accelerate, and torch-native tensor parallelism.
+"""Megatron-LM tensor/pipeline parallelism through accelerate (GPU only; docs/megatron.md).
 
-Both are chosen by the Accelerate config, like every other backend:
+  accelerate_configs/megatron_tp2.yaml       TP 2
+  accelerate_configs/megatron_tp2_pp2.yaml   TP 2 x PP 2 (4 micro batches per step)
 
-  accelerate_configs/megatron_tp2.yaml       Megatron-LM, TP 2            (GPU only)
-  accelerate_configs/megatron_tp2_pp2.yaml   Megatron-LM, TP 2 x PP 2     (GPU only)
-  accelerate_configs/tp2.yaml                torch TP (DTensor, the model's tp_plan), TP 2 (GPU, or CPU on gloo)
+Megatron-LM semantics, and where finetune meets them (accelerate.utils.megatron_lm, accelerate's
+examples/by_feature/megatron_lm_gpt_pretraining.py):
+- accelerate builds Megatron's own model from the HF model's config; the weights come from the HF model
+  converted to Megatron's layout (`pretrained_checkpoint`, checked before start), so the HF model is built
+  on the meta device (Backend.needs_hf_weights).
+- `model(**batch)` in train mode is the whole step over `num_micro_batches` micro batches: forward, backward,
+  clipping, optimizer and scheduler step; `accelerator.backward`, `optimizer.step`, `scheduler.step` are no-ops.
+- The scheduler is Megatron's (the dummy scheduler's lengths, the plugin's lr_decay_style); the optimizer we
+  pass only lends its class and hyperparameters. One prepare call (a second initialises Megatron again).
+- gradient_accumulation_steps must be 1: micro batches belong to the pipeline. The global batch is the
+  plugin's: data parallel size x micro batch x num_micro_batches (Topology.rows_per_micro_batch).
+- The loss is the mean over the global batch's supervised tokens (gpt_loss), on the last pipeline stage only;
+  the main process is the last rank (accelerate's PartialState). Eval statistics come from the same loss
+  function's [sum, count] report, never from logits (only the last stage has any).
+- Checkpoints go through save_state/load_state (Megatron's own format); export joins the TP/PP shards under
+  HF names (`megatron_to_hf`).
 
-Megatron-LM semantics, and where finetune meets them (accelerate.utils.megatron_lm):
-- The forward runs the whole step: `model(**batch)` is forward, backward, optimizer and scheduler step over
-  `num_micro_batches` micro batches. `accelerator.backward`, `optimizer.step` and `scheduler.step` are no-ops.
-- The scheduler is Megatron's: accelerate refuses any other; `make_scheduler` builds its placeholder.
-- gradient_accumulation_steps must be 1: micro batches belong to the pipeline (megatron_lm_num_micro_batches).
-- The global batch comes from the plugin: data parallel size x micro batch x num_micro_batches (`batch_layout`).
-- The loss a forward returns is already averaged (over micro batches and data-parallel ranks), also in eval;
-  only the last pipeline stage has it, so the main process is the last rank (accelerate's PartialState).
-- Checkpoints go through `save_state`/`load_state` (Megatron's own format inside).
-- Megatron builds its own model, initialised at random: the HF weights must be converted to Megatron's layout
-  before training (docs/megatron.md); `check_before_start` refuses to start without the converted checkpoint.
-
-`check_before_start` runs before Accelerator() and before any model loads; it refuses what cannot work here
-(no CUDA, no Megatron-LM, a model type accelerate cannot map, ...) with one ConfigError naming each fix.
-
-Torch-native TP: accelerate 1.15's ParallelismConfig refuses MULTI_CPU, although the sharded model trains on
-gloo with the losses of one process. `CpuTensorParallelConfig` is the one workaround of accelerate internals
-(test: tests/test_megatron.py::test_accelerate_still_refuses_tp_on_cpu fails once accelerate no longer needs it).
-`save_state` cannot write DTensors (safetensors reads their storage pointer); `enable_tp_checkpointing` makes
-model and optimizer state go through torch.distributed.checkpoint's full state dicts instead.
+`problems` runs before Accelerator() and before any model loads; it refuses what cannot work here (no CUDA,
+no Megatron-LM, a model type accelerate cannot map, ...) with one ConfigError naming each fix.
 """
 
 from __future__ import annotations
@@ -39,13 +35,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from finetune.config import RunConfig
+from finetune.model import model_config
+from finetune.parallel import ddp
+from finetune.parallel.topology import env_world_size
 
 # Where a Megatron-LM checkpoint converted from the HF model is expected (docs/megatron.md shows how to make it).
 CONVERTED_DIR = "megatron"
-# Which of accelerate's Megatron model families can train which finetune task (accelerate picks the train step
-# from the family: gpt -> GPTTrainStep, a causal LM; megatron-bert -> BertTrainStep, a classifier when not
-# pretraining; t5 -> T5TrainStep, seq2seq, which finetune does not train).
-TASK_FAMILIES = {"causal_lm": ("gpt2", "llama", "glm4_moe"), "classification": ("megatron-bert",)}
+# accelerate's Megatron model families finetune trains (as causal LMs, through GPTTrainStep with gpt_batch and
+# gpt_loss; megatron-bert's BertTrainStep and t5's T5TrainStep have no finetune loss/eval wiring) and exports.
+CAUSAL_LM_FAMILIES = ("gpt2", "llama")
 MEGATRON_LR_STYLES = {
     "linear": "linear",
     "cosine": "cosine",
@@ -61,22 +59,6 @@ KEY = "accelerate config"  # the problem is in the Accelerate config (or this ma
 
 def _true(value: str | None) -> bool:
     return str(value).lower() in ("1", "true", "yes")
-
-
-def megatron_requested(env: Mapping[str, str] = os.environ) -> bool:
-    """`accelerate launch` with `distributed_type: MEGATRON_LM` sets ACCELERATE_USE_MEGATRON_LM=true."""
-    return _true(env.get("ACCELERATE_USE_MEGATRON_LM"))
-
-
-def tensor_parallel_size(env: Mapping[str, str] = os.environ) -> int:
-    """torch-native TP degree: a `parallelism_config` in the Accelerate config sets these for every rank."""
-    if not _true(env.get("ACCELERATE_USE_PARALLELISM_CONFIG")):
-        return 1
-    return int(env.get("PARALLELISM_CONFIG_TP_SIZE", "1"))
-
-
-def world_size(env: Mapping[str, str] = os.environ) -> int:
-    return int(env.get("WORLD_SIZE", "1"))
 
 
 @dataclass(frozen=True)
@@ -145,7 +127,7 @@ def megatron_lm_missing() -> str | None:
     if Version(version) < Version("0.8.0"):
         return f"megatron-core {version} is older than 0.8.0, the oldest accelerate supports"
     missing = []
-    for module in ("megatron.training", "megatron.legacy"):
+    for module in ("megatron.training", "megatron.legacy", "megatron.training.gpt_builders"):
         try:
             found = importlib.util.find_spec(module) is not None
         except (ImportError, ValueError):
@@ -154,7 +136,7 @@ def megatron_lm_missing() -> str | None:
             missing.append(module)
     if missing:
         return (
-            f"megatron-core {version} is installed but {' and '.join(missing)} "
+            f"megatron-core {version} is installed but {', '.join(missing)} "
             f"{'is' if len(missing) == 1 else 'are'} not (they come from the Megatron-LM source tree, "
             "not from the megatron-core wheel)"
         )
@@ -184,17 +166,6 @@ def checkpoint_layout(path: str) -> tuple[int, int] | None:
     tp = 1 + max(int(m.group(1)) for m in ranks)
     pp = 1 + max(int(m.group(2) or 0) for m in ranks)
     return tp, pp
-
-
-def _model_config(cfg: RunConfig):
-    """The model's config.json through AutoConfig (no weights), or None when it cannot be read here
-    (model loading reports that later, with its own message)."""
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(cfg.model.model, trust_remote_code=cfg.model.trust_remote_code)
-    except Exception:  # noqa: BLE001 -- any failure here is reported by the model builder
-        return None
 
 
 def _heads_layers(config) -> tuple[int | None, int | None, int | None]:
@@ -272,7 +243,7 @@ def megatron_problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> li
                 "size); set length_aware_batching: false",
             )
         )
-    n = world_size(env)
+    n = env_world_size(env)
     if n % (layout.tp * layout.pp):
         p.append(
             (
@@ -289,7 +260,7 @@ def megatron_problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> li
                 f"{cfg.data.max_seq_length}",
             )
         )
-    config = _model_config(cfg)
+    config = model_config(cfg.model)
     if config is None:
         return p
     model_type = getattr(config, "model_type", "") or ""
@@ -304,14 +275,13 @@ def megatron_problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> li
             )
         )
         return p
-    if family not in TASK_FAMILIES[cfg.model.task]:
-        fits = [task for task, families in TASK_FAMILIES.items() if family in families]
+    if cfg.model.task != "causal_lm" or family not in CAUSAL_LM_FAMILIES:
         p.append(
             (
                 "task",
-                f"accelerate trains {model_type!r} under Megatron-LM as "
-                f"{fits[0] if fits else 'a seq2seq model, which finetune does not train'}, not {cfg.model.task}; "
-                f"use a {'/'.join(TASK_FAMILIES[cfg.model.task])} model, or another Accelerate config",
+                f"finetune trains causal LMs ({', '.join(CAUSAL_LM_FAMILIES)}) under Megatron-LM, not "
+                f"{cfg.model.task} with a {model_type!r} model; use task: causal_lm with one of those, or a "
+                "DDP/DeepSpeed/FSDP2 config",
             )
         )
     heads, _, layers = _heads_layers(config)
@@ -352,22 +322,31 @@ def megatron_problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> li
 # ---------------------------------------------------------------- the MegatronLMPlugin finetune builds
 
 
-def plugin_kwargs(cfg: RunConfig, env: Mapping[str, str] = os.environ, model_config=None) -> dict[str, Any]:
+def plugin_kwargs(cfg: RunConfig, env: Mapping[str, str] = os.environ, config=None) -> dict[str, Any]:
     """MegatronLMPlugin keyword arguments: the layout from the Accelerate config (the environment the launcher
     set) and everything the run config owns (clipping, sequence length, schedule shape, seed, checkpoint).
 
     The sequence length is fixed to max_seq_length (pipeline stages exchange tensors of one shape); which
     plugin field carries it depends on the model family, because accelerate's parsers read different ones
-    (the gpt2 parser replaces `seq_length` by `decoder_seq_length`).
+    (the gpt2 parser replaces `seq_length` by `decoder_seq_length`). accelerate's parsers set only the sizes
+    (layers, hidden, heads, vocabulary, positions): the rest of a Llama's architecture goes in other_megatron_args
+    (`architecture_args`), and the plugin's defaults that would change the run are overridden: context
+    parallel 2, full recomputation, rotary positions for gpt2.
     """
     layout = MegatronLayout.from_env(env)
-    config = model_config if model_config is not None else _model_config(cfg)
+    config = config if config is not None else model_config(cfg.model)
     family = megatron_family(getattr(config, "model_type", "") or "") if config is not None else None
     seq = cfg.data.max_seq_length
     lengths = {"gpt2": {"decoder_seq_length": seq}, "megatron-bert": {"encoder_seq_length": seq}}.get(
         family, {"seq_length": seq}
     )
-    other: dict[str, Any] = {"seed": cfg.train.seed, "pretrained_checkpoint": converted_checkpoint(cfg.model.model)}
+    other: dict[str, Any] = {
+        "seed": cfg.train.seed,
+        "pretrained_checkpoint": converted_checkpoint(cfg.model.model),
+        # other_megatron_args is applied last: no activation recomputation unless gradient_checkpointing
+        "recompute_granularity": "full" if cfg.model.gradient_checkpointing else None,
+        **architecture_args(config, family),
+    }
     eos = getattr(config, "eos_token_id", None)
     if isinstance(eos, int):
         other["eos_token_id"] = eos  # accelerate's GPTTrainStep reads args.eos_token_id
@@ -376,46 +355,195 @@ def plugin_kwargs(cfg: RunConfig, env: Mapping[str, str] = os.environ, model_con
         "pp_degree": layout.pp,
         "num_micro_batches": layout.num_micro_batches,
         "sequence_parallelism": layout.sequence_parallel,
-        "gradient_clipping": cfg.train.max_grad_norm,
+        "context_parallel_size": 1,  # accelerate's default is 2 (no finetune config asks for context parallelism)
+        "gradient_clipping": cfg.train.max_grad_norm or 0.0,  # None would mean 1.0 to accelerate
+        "use_rotary_position_embeddings": family != "gpt2",
         "lr_decay_style": MEGATRON_LR_STYLES[cfg.train.lr_scheduler_type],
         "min_lr": 0.0,
         "other_megatron_args": other,
         **lengths,
     }
-    if family in TASK_FAMILIES["causal_lm"]:
+    if family in CAUSAL_LM_FAMILIES:
         kwargs["custom_get_batch_function"] = gpt_batch
         kwargs["custom_loss_function"] = gpt_loss
     return kwargs
 
 
-def make_plugin(cfg: RunConfig):
-    """The MegatronLMPlugin to give Accelerator(megatron_lm_plugin=...), or None when not under Megatron-LM."""
-    if not megatron_requested():
-        return None
+def architecture_args(config, family: str | None) -> dict[str, Any]:
+    """Megatron arguments for the parts of a Llama-family architecture accelerate's parser leaves out (GQA,
+    SwiGLU, RMSNorm, no biases, untied output, RoPE base, head size); Megatron's defaults fit GPT-2."""
+    if family != "llama" or config is None:
+        return {}
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    return {
+        "group_query_attention": kv != heads,
+        "num_query_groups": kv,
+        "ffn_hidden_size": config.intermediate_size,
+        "swiglu": True,
+        "normalization": "RMSNorm",
+        "norm_epsilon": config.rms_norm_eps,
+        "add_bias_linear": False,
+        "untie_embeddings_and_output_weights": not getattr(config, "tie_word_embeddings", False),
+        "rotary_base": int(
+            getattr(config, "rope_theta", None)
+            or (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 1e4)
+        ),
+        "kv_channels": getattr(config, "head_dim", None) or config.hidden_size // heads,
+    }
+
+
+def environment(cfg: RunConfig) -> None:
+    ddp.environment(cfg)
+
+
+def problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    return megatron_problems(cfg)
+
+
+def accelerator_kwargs(cfg: RunConfig) -> dict:
+    """The MegatronLMPlugin: the layout from the Accelerate config plus what the run config owns."""
     from accelerate.utils import MegatronLMPlugin
 
-    return MegatronLMPlugin(**plugin_kwargs(cfg))
+    return {"megatron_lm_plugin": MegatronLMPlugin(**plugin_kwargs(cfg))}
 
 
-def make_scheduler(optimizer, total_steps: int, warmup_steps: int, num_processes: int):
+def make_scheduler(optimizer, plan, warmup: int):
     """Megatron's scheduler placeholder (accelerate refuses any other under Megatron-LM).
 
     accelerate divides both lengths by the data-parallel size (MegatronLMPlugin.set_scheduler_args), as it
     expects the lengths a per-process stepped scheduler would have; the shape comes from the plugin's
-    lr_decay_style (`plugin_kwargs`)."""
+    lr_decay_style (`plugin_kwargs`). Megatron's "constant" still warms up: HF's constant has no warmup."""
     from accelerate.utils import MegatronLMDummyScheduler
 
-    dp = MegatronLayout.from_env().data_parallel_size(num_processes)
-    return MegatronLMDummyScheduler(optimizer, total_num_steps=total_steps * dp, warmup_num_steps=warmup_steps * dp)
+    dp = plan.data_parallel_size
+    return MegatronLMDummyScheduler(optimizer, total_num_steps=plan.total_steps * dp, warmup_num_steps=warmup * dp)
 
 
-def is_megatron(accelerator) -> bool:
-    return str(accelerator.distributed_type).endswith("MEGATRON_LM")
+class Backend(ddp.Backend):
+    """Megatron-LM through accelerate (its own model, optimizer and schedule; GPU only).
+
+    accelerate builds Megatron's model from the HF model's config alone (weights from the converted checkpoint),
+    and `model(**batch)` in train mode is the whole optimizer step over the pipeline's micro batches: forward,
+    backward, clipping (the plugin's gradient_clipping), optimizer and scheduler step. `accelerator.backward`,
+    `optimizer.step`, `scheduler.step` and `zero_grad` are no-ops, so the loop's calls are harmless; what the
+    loop reads back (loss, gradient norm, learning rate, eval statistics) comes through the methods below.
+    """
+
+    checkpoint_format = "native"  # Megatron's own checkpoint; no conversion to or from other layouts
+    needs_hf_weights = False  # Megatron loads the converted checkpoint (pretrained_checkpoint)
+
+    def __init__(self, accelerator, topology, cfg):
+        super().__init__(accelerator, topology, cfg)
+        self.hf = None  # the HF model given to prepare: its config, and save_pretrained for export
+        self.grad_norm = None
+        self.eval_dict: dict = {}
+
+    def prepare(self, model, optimizer, train_loader, eval_loader, scheduler, plan):
+        """One accelerate.prepare call (each call initialises Megatron again, and a second one fails), with the
+        dummy scheduler; then keep what Megatron's train/eval steps return that the forward drops."""
+        self.hf = model
+        warmup = 0 if self.cfg.train.lr_scheduler_type == "constant" else plan.warmup_steps
+        scheduler = make_scheduler(optimizer, plan, warmup)
+        prepared = ddp.prepare_all(self.acc, model, optimizer, train_loader, eval_loader, scheduler)
+        engine = prepared[0]
+        train_step, eval_step = engine.train_step, engine.eval_step
+
+        def keep_grad_norm(**batch):
+            loss, skipped, grad_norm, zeros = train_step(**batch)
+            self.grad_norm = grad_norm
+            return loss, skipped, grad_norm, zeros
+
+        def keep_eval_dict(**batch):
+            self.eval_dict = eval_step(**batch)
+            return self.eval_dict
+
+        engine.train_step, engine.eval_step = keep_grad_norm, keep_eval_dict
+        return prepared
+
+    def observed(self, model) -> dict:
+        from megatron.core import mpu
+
+        return {
+            "tp": mpu.get_tensor_model_parallel_world_size(),
+            "pp": mpu.get_pipeline_model_parallel_world_size(),
+            "dp": mpu.get_data_parallel_world_size(),
+        }
+
+    def forward_loss(self, model, batch):
+        """The step's loss (already the mean over the global batch's supervised tokens, on the last pipeline
+        stage only), broadcast from the last rank so that every rank logs the same value."""
+        loss = model(**batch)
+        return last_stage_loss(self.acc, loss.loss if hasattr(loss, "loss") else loss)
+
+    def clip_grad_norm(self, model, max_norm):
+        return self.grad_norm  # Megatron clipped inside the step (plugin gradient_clipping)
+
+    def learning_rate(self, optimizer, scheduler) -> float:
+        return optimizer.param_groups[0]["lr"]  # Megatron's scheduler has no get_last_lr
+
+    def eval_stats(self, model, batch, labels, task):
+        """Summed NLL and supervised-token count of the batch, from the loss function's report (gpt_loss), over
+        the data-parallel replicas: the same token-weighted eval loss as every other backend."""
+        import torch
+
+        model(**batch)  # eval mode: forward only over the micro batches
+        sums = torch.zeros(2, device=self.acc.device)
+        from megatron.core import mpu
+
+        if mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0:
+            sums += self.eval_dict["lm loss"].view(-1, 2).sum(0).float()
+        torch.distributed.all_reduce(sums)  # every replica's last stage contributes once
+        return {"nll": sums[:1], "count": sums[1:]}
+
+    def gather_for_metrics(self, stats):
+        return stats  # already summed over the data-parallel replicas
+
+    def load_state(self, path: str) -> None:
+        """Megatron's initial load of pretrained_checkpoint leaves args.finetune on, which makes every later
+        load skip the optimizer, scheduler, RNG and iteration: resume must turn it off first."""
+        from megatron.training import get_args
+
+        get_args().finetune = False
+        self.acc.load_state(path)
+
+    def hf_model(self, model):
+        return self.hf
+
+    def full_state_dict(self, model):
+        """The trained weights under HF names (main process): every rank of data-parallel replica 0 sends its
+        TP x PP shard, the main process joins them (`megatron_to_hf`). A collective."""
+        import torch
+        from accelerate.utils import gather_object
+        from megatron.core import mpu
+        from megatron.core.utils import unwrap_model
+
+        mine = {}
+        if mpu.get_data_parallel_rank() == 0:
+            for chunk in unwrap_model(model.module):
+                for name, p in chunk.named_parameters():
+                    mine[_global_layer_name(chunk, name)] = p.detach().float().cpu()
+        shards = gather_object([(mpu.get_tensor_model_parallel_rank(), mine)])
+        if not self.acc.is_main_process:
+            return {}
+        by_tp: dict[int, dict[str, torch.Tensor]] = {}
+        for tp_rank, part in shards:
+            by_tp.setdefault(tp_rank, {}).update(part)
+        return megatron_to_hf([by_tp[r] for r in sorted(by_tp)], self.hf.config)
+
+
+def _global_layer_name(chunk, name: str) -> str:
+    """decoder.layers.<local>.x -> decoder.layers.<global>.x (pipeline stages number their layers from 0)."""
+    m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+    if not m:
+        return name
+    layer = chunk.decoder.layers[int(m.group(1))]
+    return f"decoder.layers.{layer.layer_number - 1}.{m.group(2)}"
 
 
 def last_stage_loss(accelerator, loss):
-    """The step's loss on every rank. Under Megatron-LM the forward returns it already averaged over micro
-    batches and data-parallel ranks, on the last pipeline stage only (others return 0): take the last rank's."""
+    """The step's loss on every rank. Under Megatron-LM the forward returns it already averaged over the
+    global batch, on the last pipeline stage only (others return 0); the last rank is on the last stage."""
     import torch
 
     value = loss.detach().float().reshape(1).to(accelerator.device)
@@ -469,14 +597,86 @@ def gpt_loss(loss_mask, output_tensor):
     """custom_loss_function: (sum of supervised token losses, their count, report). Megatron divides by the
     count over all micro batches and data-parallel ranks (calculate_per_token_loss, on in accelerate's
     plugin), so the update is the mean over the supervised tokens of the global batch, as on every backend.
-    The report is the data-parallel mean of the micro batch's mean (the form accelerate's eval averages)."""
+    The report is [sum, count]: Megatron's train step sums it over micro batches and data-parallel ranks and
+    returns sum / count, the exact token mean; in eval the pairs are concatenated (Backend.eval_stats)."""
     import torch
-    from megatron.core import mpu
 
     losses = (output_tensor[0] if isinstance(output_tensor, tuple) else output_tensor).float().view(-1)
     mask = loss_mask.view(-1).float()
     total, count = (losses * mask).sum(), mask.sum()
-    report = (total / count.clamp(min=1)).detach().clone()
-    torch.distributed.all_reduce(report, group=mpu.get_data_parallel_group())
-    report /= mpu.get_data_parallel_world_size()
-    return total, count.int(), {"lm loss": report}
+    return total, count.int(), {"lm loss": torch.stack([total.detach(), count.detach()])}
+
+
+# ---------------------------------------------------------------- Megatron-Core weights -> HF names
+#
+# Megatron-Core's GPTModel (transformer_engine layer spec, accelerate's default) per tensor-parallel rank:
+#   embedding.word_embeddings.weight [Vpad/tp, h] (dim 0)      output_layer.weight [Vpad/tp, h] (dim 0)
+#   decoder.layers.L.self_attention.linear_qkv.weight (dim 0; per query group: its q heads, k, v)
+#   decoder.layers.L.self_attention.linear_proj.weight (dim 1)  decoder.layers.L.mlp.linear_fc1.weight (dim 0;
+#   each rank [gate_r; up_r] for SwiGLU)  decoder.layers.L.mlp.linear_fc2.weight (dim 1); norms replicated.
+# (Megatron-LM tools/checkpoint/schema_core.py, megatron/core/transformer/attention.py, mlp.py.)
+
+
+def megatron_to_hf(shards: list[dict], config) -> dict:
+    """Join the TP shards (index = TP rank; each holds every pipeline stage's layers, global numbering) of a
+    Megatron-Core GPT model and name them as the HF model of `config` (llama family or gpt2)."""
+    import torch
+
+    def cat(name: str, dim: int):
+        return torch.cat([s[name] for s in shards], dim=dim)
+
+    def one(name: str):
+        return shards[0][name]
+
+    h = config.hidden_size if hasattr(config, "hidden_size") else config.n_embd
+    vocab = config.vocab_size
+    layers = config.num_hidden_layers if hasattr(config, "num_hidden_layers") else config.n_layer
+    out: dict[str, torch.Tensor] = {}
+    embed = cat("embedding.word_embeddings.weight", 0)[:vocab]
+    gpt2 = config.model_type == "gpt2"
+    for i in range(layers):
+        pre = f"decoder.layers.{i}."
+        qkv = cat(pre + "self_attention.linear_qkv.weight", 0)
+        fc1 = [s[pre + "mlp.linear_fc1.weight"] for s in shards]
+        if gpt2:
+            d = h // config.n_head
+            to = f"transformer.h.{i}."
+            out[to + "ln_1.weight"] = one(pre + "self_attention.linear_qkv.layer_norm_weight")
+            out[to + "ln_1.bias"] = one(pre + "self_attention.linear_qkv.layer_norm_bias")
+            out[to + "attn.c_attn.weight"] = qkv.view(config.n_head, 3, d, h).transpose(0, 1).reshape(3 * h, h).T
+            bias = cat(pre + "self_attention.linear_qkv.bias", 0)
+            out[to + "attn.c_attn.bias"] = bias.view(config.n_head, 3, d).transpose(0, 1).reshape(3 * h)
+            out[to + "attn.c_proj.weight"] = cat(pre + "self_attention.linear_proj.weight", 1).T
+            out[to + "attn.c_proj.bias"] = one(pre + "self_attention.linear_proj.bias")
+            out[to + "ln_2.weight"] = one(pre + "mlp.linear_fc1.layer_norm_weight")
+            out[to + "ln_2.bias"] = one(pre + "mlp.linear_fc1.layer_norm_bias")
+            out[to + "mlp.c_fc.weight"] = torch.cat(fc1, 0).T
+            out[to + "mlp.c_fc.bias"] = cat(pre + "mlp.linear_fc1.bias", 0)
+            out[to + "mlp.c_proj.weight"] = cat(pre + "mlp.linear_fc2.weight", 1).T
+            out[to + "mlp.c_proj.bias"] = one(pre + "mlp.linear_fc2.bias")
+            continue
+        nq, ng = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        d = getattr(config, "head_dim", None) or h // nq
+        w = qkv.view(ng, nq // ng + 2, d, h)
+        to = f"model.layers.{i}."
+        out[to + "self_attn.q_proj.weight"] = w[:, : nq // ng].reshape(nq * d, h)
+        out[to + "self_attn.k_proj.weight"] = w[:, nq // ng].reshape(ng * d, h)
+        out[to + "self_attn.v_proj.weight"] = w[:, nq // ng + 1].reshape(ng * d, h)
+        out[to + "self_attn.o_proj.weight"] = cat(pre + "self_attention.linear_proj.weight", 1)
+        out[to + "input_layernorm.weight"] = one(pre + "self_attention.linear_qkv.layer_norm_weight")
+        out[to + "post_attention_layernorm.weight"] = one(pre + "mlp.linear_fc1.layer_norm_weight")
+        out[to + "mlp.gate_proj.weight"] = torch.cat([f.chunk(2, 0)[0] for f in fc1], 0)
+        out[to + "mlp.up_proj.weight"] = torch.cat([f.chunk(2, 0)[1] for f in fc1], 0)
+        out[to + "mlp.down_proj.weight"] = cat(pre + "mlp.linear_fc2.weight", 1)
+    if gpt2:
+        out["transformer.wte.weight"] = embed
+        out["transformer.wpe.weight"] = one("embedding.position_embeddings.weight")
+        out["transformer.ln_f.weight"] = one("decoder.final_layernorm.weight")
+        out["transformer.ln_f.bias"] = one("decoder.final_layernorm.bias")
+        out["lm_head.weight"] = embed
+        return out
+    out["model.embed_tokens.weight"] = embed
+    out["model.norm.weight"] = one("decoder.final_layernorm.weight")
+    untied = not getattr(config, "tie_word_embeddings", False) and "output_layer.weight" in shards[0]
+    out["lm_head.weight"] = cat("output_layer.weight", 0)[:vocab] if untied else embed
+    return out

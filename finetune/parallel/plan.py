@@ -17,7 +17,8 @@ from finetune.parallel.topology import Topology
 class Plan:
     """How a run's optimizer steps are made of micro batches, and how many there are."""
 
-    micro_batch_size: int  # rows one rank holds in one micro batch (its loader's batch)
+    micro_batch_size: int  # rows one rank holds in one micro batch (what its prepared loader yields)
+    loader_batch_size: int  # the batch size of the loader built before prepare (per_device_train_batch_size)
     gradient_accumulation_steps: int  # micro batches per optimizer step on each rank
     data_parallel_size: int  # ranks that hold different batches
     steps_per_epoch: int
@@ -66,7 +67,9 @@ def make_plan(train: TrainArgs, n_train_rows: int, topology: Topology) -> Plan:
     else:
         total = max(1, math.ceil(train.num_train_epochs * steps_per_epoch))
     warmup = train.warmup_steps if train.warmup_steps > 0 else math.ceil(train.warmup_ratio * total)
-    return Plan(micro, ga, dp, steps_per_epoch, total, warmup, topology.num_processes)
+    return Plan(
+        micro, train.per_device_train_batch_size, ga, dp, steps_per_epoch, total, warmup, topology.num_processes
+    )
 
 
 def global_batch_index(plan: Plan, step_in_epoch: int, micro: int, dp_rank: int) -> int:

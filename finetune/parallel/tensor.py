@@ -6,7 +6,7 @@ through FSDP2 (accelerate_configs/tp2_fsdp2.yaml, finetune/parallel/fsdp.py).
 What differs from DDP, and why:
 - accelerate 1.15's ParallelismConfig refuses MULTI_CPU, although the sharded model trains on gloo with
   the losses of one process: `CpuTensorParallelConfig` is the one workaround
-  (tests/test_parallel.py::test_accelerate_still_refuses_tp_on_cpu fails once accelerate accepts it).
+  (tests/test_megatron.py::test_accelerate_still_refuses_tp_on_cpu fails once accelerate accepts it).
 - The model is sharded at load by transformers (`tp_plan="auto"` over accelerate's "tp" mesh).
 - The ranks of one TP group hold the same batch (Topology.dp, Topology.replicas).
 - `save_state` cannot write DTensors (safetensors reads each tensor's storage pointer), and a pickled
@@ -118,14 +118,14 @@ def accelerator_kwargs(cfg: RunConfig) -> dict:
 class Backend(ddp.Backend):
     """torch-native TP: only what differs from the DDP backend."""
 
-    native_state_is_full = True  # save_state goes through full state dicts (enable_full_checkpoints)
+    checkpoint_format = "full"  # save_state goes through full state dicts (enable_full_checkpoints)
 
     def model_kwargs(self) -> dict:
         """Shard the model by its tp_plan over accelerate's "tp" mesh as it loads."""
         return {"tp_plan": "auto", "device_mesh": self.acc.torch_device_mesh["tp"]}
 
-    def prepare(self, model, optimizer, train_loader, scheduler, plan):
-        prepared = self.acc.prepare(model, optimizer, train_loader, scheduler)
+    def prepare(self, model, optimizer, train_loader, eval_loader, scheduler, plan):
+        prepared = ddp.prepare_all(self.acc, model, optimizer, train_loader, eval_loader, scheduler)
         enable_full_checkpoints(self.acc, prepared[0], prepared[1])
         return prepared
 
@@ -161,7 +161,7 @@ def full_optimizer_state(net, optimizer) -> dict[str, dict[str, torch.Tensor]]:
 
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper -> the torch optimizer
     weights = full_state_dict(net)
-    state = get_optimizer_state_dict(net, inner, options=_options(cpu_offload=True))["state"]
+    state = get_optimizer_state_dict(net, inner, options=_options(cpu_offload=True)).get("state", {})  # rank 0 only
     return {n: {"param": weights[n], "exp_avg": s["exp_avg"], "exp_avg_sq": s["exp_avg_sq"]} for n, s in state.items()}
 
 

@@ -122,9 +122,11 @@ class Topology:
                 offload_params=zero.get("offload_param", {}).get("device", "none") not in ("none", None),
             )
         elif family == "fsdp":
+            from finetune.parallel.fsdp import offloads
+
             plugin = state.fsdp_plugin
-            kw.update(fsdp_version=int(plugin.fsdp_version), offload_params=bool(plugin.cpu_offload))
-            kw["offload_optimizer"] = kw["offload_params"]  # FSDP's CPU offload moves both
+            offload = offloads(plugin)  # FSDP's CPU offload moves parameters, gradients and optimizer states
+            kw.update(fsdp_version=int(plugin.fsdp_version), offload_params=offload, offload_optimizer=offload)
         if family == "megatron":
             tp = int(env.get("MEGATRON_LM_TP_DEGREE", 1))
             pp = int(env.get("MEGATRON_LM_PP_DEGREE", 1))
@@ -143,6 +145,15 @@ class Topology:
             process_index=rank,
             **kw,
         )
+
+
+def describe_layout(layout: dict) -> str:
+    """A checkpoint's recorded layout in words: "DEEPSPEED ZeRO-3 on 2 process(es)"."""
+    detail = [f"ZeRO-{layout['zero_stage']}" if layout.get("zero_stage") else ""]
+    detail += [f"FSDP{layout['fsdp_version']}" if layout.get("fsdp_version") else ""]
+    detail += [f"TP {layout['tp']}" if layout.get("tp", 1) > 1 else ""]
+    what = " ".join([layout["distributed_type"], *[d for d in detail if d]])
+    return f"{what} on {layout['world_size']} process(es)"
 
 
 def _machines(env: Mapping[str, str], num_processes: int) -> int:

@@ -1,0 +1,145 @@
+"""FSDP2 (torch's fully_shard) through accelerate: full shard, CPU offload, and TP x FSDP2.
+
+  accelerate_configs/fsdp2.yaml          parameters, gradients and optimizer states sharded over every rank
+  accelerate_configs/fsdp2_offload.yaml  the same, kept on the CPU between uses (CPUOffloadPolicy)
+  accelerate_configs/tp2_fsdp2.yaml      tensor parallel 2 x FSDP 2 on 4 processes (accelerate's ParallelismConfig)
+
+What differs from DDP, and why:
+- accelerate 1.15 turns ACCELERATE_USE_FSDP into DistributedType.FSDP only for ranks that came up on an
+  accelerator (AcceleratorState.__init__: MULTI_GPU/NPU/...); a CPU rank stays MULTI_CPU, or NO, and the run
+  would silently be DDP or one process. `come_up_on_cpu` is the one workaround (tests/test_fsdp.py::
+  test_accelerate_still_refuses_fsdp_on_cpu fails once accelerate accepts FSDP on CPU).
+- Parameters are DTensors: full weights and AdamW state by name go through torch.distributed.checkpoint's
+  full state dicts (finetune/parallel/tensor.py); accelerate's own checkpoint holds shards, so portable/ adds
+  the full tensors for a resume under another layout.
+- TP x FSDP2: the model is split by its tp_plan on accelerate's "tp" mesh (`tensor_parallel_on`, a workaround of
+  transformers building its own mesh); accelerate shards every parameter outside the model's tp_plan (the norms) as a Replicate DTensor
+  through transformers' ReplicateParallel, which transformers 5 no longer has: `replicate_parallel_shim`
+  (tests/test_fsdp.py::test_transformers_still_lacks_replicate_parallel fails once it is back).
+"""
+
+from __future__ import annotations
+
+import datetime
+
+from finetune.config import RunConfig
+from finetune.parallel import ddp, tensor
+from finetune.parallel.topology import env_tp_size, env_world_size
+
+
+def environment(cfg: RunConfig) -> None:
+    if not ddp.has_accelerator_device() and env_world_size() > 1:
+        come_up_on_cpu(datetime.timedelta(seconds=cfg.train.ddp_timeout or 600))
+
+
+def come_up_on_cpu(timeout: datetime.timedelta) -> None:
+    """Workaround (accelerate 1.15): start this rank's PartialState on the CPU (gloo, torchrun's world size),
+    then label it MULTI_GPU, the only thing AcceleratorState's FSDP branch reads; Accelerator() then comes up
+    as DistributedType.FSDP with gloo and the CPU device. Must run before Accelerator()."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    state = PartialState(cpu=True, timeout=timeout)
+    if state.distributed_type == DistributedType.MULTI_CPU:
+        state.distributed_type = DistributedType.MULTI_GPU
+
+
+def problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    tp = env_tp_size()
+    return tensor.model_problems(cfg, tp) if tp > 1 else []
+
+
+def accelerator_kwargs(cfg: RunConfig) -> dict:
+    if env_tp_size() > 1:
+        replicate_parallel_shim()
+    return {}
+
+
+def replicate_parallel_shim() -> bool:
+    """accelerate 1.15's Accelerator._prepare_tp (FSDP2 branch) imports transformers' ReplicateParallel and
+    calls ReplicateParallel().prepare_module_tp(module, tp_mesh) for every parameter outside the tp_plan, after
+    making it a Replicate DTensor on the TP mesh; transformers 5 removed the class. This one makes the owning
+    module run its forward on the local view of its (replicated) parameters. Returns True when it was needed."""
+    import transformers.integrations.tensor_parallel as compat
+
+    if getattr(compat, "ReplicateParallel", None) is not None:
+        return False
+    from transformers.distributed.tensor_parallel import TensorParallelLayer
+
+    class ReplicateParallel(TensorParallelLayer):
+        def should_use_local_tensors(self, module):
+            return True
+
+        def prepare_module_tp(self, module, device_mesh):
+            if "forward" in vars(module):  # already wrapped (a tp_plan style, or a second parameter)
+                return module
+            return self.install_forward(module, device_mesh)
+
+    compat.ReplicateParallel = ReplicateParallel
+    return True
+
+
+def offloads(plugin) -> bool:
+    """Whether accelerate's FSDP plugin keeps parameters on the CPU (FSDP2: a CPUOffloadPolicy; FSDP1:
+    CPUOffload(offload_params=True)); its default is an OffloadPolicy that offloads nothing."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    policy = plugin.cpu_offload
+    return isinstance(policy, CPUOffloadPolicy) or bool(getattr(policy, "offload_params", False))
+
+
+def tensor_parallel_on(model, tp_mesh) -> None:
+    """Workaround (transformers 5.23): from_pretrained(tp_plan=..., device_mesh=...) ignores device_mesh and
+    builds its own mesh over every rank (modeling_utils: `device_mesh = mesh_manager.get_mesh(...)`), so
+    its DTensors cannot be combined with accelerate's dp_shard mesh ("Cannot concatenate overlapping
+    meshes"). Apply transformers' own TP plan to the loaded model on accelerate's "tp" mesh instead
+    (tests/test_fsdp.py::test_transformers_still_replaces_the_device_mesh fails once it is honoured)."""
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    apply_tensor_parallelism(model, tp_mesh, model._expand_parallel_plan(dict(model.tp_plan)))
+    model._tp_size = tp_mesh.size()
+
+
+class Backend(ddp.Backend):
+    """FSDP2: only what differs from the DDP backend."""
+
+    checkpoint_format = "portable"  # accelerate's FSDP checkpoint holds shards: portable/ adds full tensors
+
+    def place_model(self, model):
+        """TP x FSDP2: split the loaded model by its tp_plan over accelerate's own "tp" mesh, before the optimizer
+        is built (FSDP2 then shards it over "dp_shard" of the same mesh)."""
+        if self.topology.tp > 1:
+            tensor_parallel_on(model, self.acc.torch_device_mesh["tp"])
+        return model
+
+    def prepare(self, model, optimizer, train_loader, eval_loader, scheduler, plan):
+        plugin = self.acc.state.fsdp_plugin
+        if offloads(plugin) and not ddp.has_accelerator_device():
+            # CPUOffloadPolicy pins host memory by default, which needs an accelerator (part of come_up_on_cpu's
+            # workaround: there is no device to offload from on a CPU-only machine, so nothing is lost)
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
+        return ddp.prepare_all(self.acc, model, optimizer, train_loader, eval_loader, scheduler)
+
+    def observed(self, model) -> dict:
+        """From the prepared model itself: FSDP2 really applied (DTensor parameters), and how much of the model
+        this rank holds."""
+        from torch.distributed.tensor import DTensor
+
+        net = self.acc.unwrap_model(model)
+        params = list(net.parameters())
+        return {
+            "fsdp_version": 2 if all(isinstance(p, DTensor) for p in params) and self.acc.is_fsdp2 else 0,
+            "offload_params": offloads(self.acc.state.fsdp_plugin),
+            "parameter_shard": ddp.local_fraction(params, self.numel),
+        }
+
+    def full_state_dict(self, model):
+        return tensor.full_state_dict(self.acc.unwrap_model(model))
+
+    def full_optimizer_state(self, model, optimizer):
+        return tensor.full_optimizer_state(self.acc.unwrap_model(model), optimizer)
+
+    def set_full_optimizer_state(self, model, optimizer, state, step: int) -> None:
+        tensor.set_full_optimizer_state(self.acc.unwrap_model(model), optimizer, state, step)

@@ -1,0 +1,203 @@
+"""The parallel/ package: the one home of backend differences, and its pure parts (no processes)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+# Words that name a backend, a distributed type or a sharding scheme.
+BACKEND_WORDS = (
+    "distributed_type",
+    "distributedtype",
+    "deepspeed",
+    "zero_stage",
+    "ds_numel",
+    "ds_id",
+    "fsdp",
+    "megatron",
+    "tp_size",
+    "tp_enabled",
+    "parallelism_config",
+    "multi_cpu",
+    "multi_gpu",
+    "family",
+)
+
+
+def branch_conditions(tree: ast.AST):
+    """Every expression a branch depends on: if/elif/while tests, conditional expressions, match subjects."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.If, ast.While, ast.IfExp)):
+            yield node.test
+        elif isinstance(node, ast.Match):
+            yield node.subject
+        elif isinstance(node, ast.comprehension):
+            yield from node.ifs
+
+
+def words_in(expr: ast.AST) -> set[str]:
+    found = set()
+    for node in ast.walk(expr):
+        if isinstance(node, ast.Name):
+            found.add(node.id.lower())
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr.lower())
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found.add(node.value.lower())
+    return found
+
+
+def backend_branches(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    out = []
+    for cond in branch_conditions(tree):
+        hits = {w for w in words_in(cond) for b in BACKEND_WORDS if b in w}
+        if hits:
+            out.append(f"{path.relative_to(ROOT)}:{cond.lineno}: {ast.unparse(cond)}")
+    return out
+
+
+def test_no_backend_branches_outside_parallel():
+    """Outside finetune/parallel/, nothing branches on the distributed type, ZeRO, FSDP, TP or Megatron-LM."""
+    outside = [p for p in (ROOT / "finetune").rglob("*.py") if "parallel" not in p.relative_to(ROOT).parts]
+    assert len(outside) >= 10
+    found = [hit for p in outside for hit in backend_branches(p)]
+    assert found == [], "\n".join(found)
+
+
+def test_the_invariant_check_sees_a_branch(tmp_path):
+    """The check above can fail: a planted branch on the distributed type is found."""
+    planted = ROOT / "finetune" / "_planted_for_test.py"
+    planted.write_text(
+        "def f(acc, plugin):\n"
+        "    if str(acc.distributed_type) == 'DEEPSPEED':\n        return 1\n"
+        "    return 2 if plugin.zero_stage == 3 else 0\n"
+    )
+    try:
+        hits = backend_branches(planted)
+    finally:
+        planted.unlink()
+    assert len(hits) == 2, hits
+
+
+def test_every_family_has_the_same_surface():
+    """Each backend family module has the three functions used before the Accelerator and a Backend with
+    every method of the default (DDP) backend."""
+    from finetune.parallel import ddp
+    from finetune.parallel.environment import family_module
+    from finetune.parallel.topology import FAMILIES
+
+    surface = {n for n in vars(ddp.Backend) if not n.startswith("_")}
+    assert {"prepare", "full_state_dict", "full_optimizer_state", "set_full_optimizer_state", "numel"} <= surface
+    for family in FAMILIES:
+        module = family_module(family)
+        for fn in ("environment", "problems", "accelerator_kwargs"):
+            assert callable(getattr(module, fn)), (family, fn)
+        backend = module.Backend
+        assert all(hasattr(backend, n) for n in surface), family
+        assert backend.checkpoint_format in ("full", "portable", "native")
+
+
+# ---------------------------------------------------------------- Megatron-Core shards -> HF (export)
+
+
+def split_llama(sd: dict, config, tp: int) -> list[dict]:
+    """A HF Llama state dict as Megatron-Core's TP shards (Megatron-LM's own layout rules, written here
+    independently of finetune: per query group [q heads, k, v]; fc1 = [gate_r; up_r]; row/column splits)."""
+    h, nq = config.hidden_size, config.num_attention_heads
+    ng, d = config.num_key_value_heads, h // nq
+    shards = [{} for _ in range(tp)]
+
+    def put(name, tensor, dim=None):
+        parts = tensor.chunk(tp, dim) if dim is not None else [tensor] * tp
+        for s, p in zip(shards, parts):
+            s[name] = p.clone()
+
+    pad = 128 * tp - config.vocab_size % (128 * tp)  # Megatron pads the vocabulary
+    put("embedding.word_embeddings.weight", torch.cat([sd["model.embed_tokens.weight"], torch.zeros(pad, h)]), 0)
+    put("output_layer.weight", torch.cat([sd["lm_head.weight"], torch.zeros(pad, h)]), 0)
+    put("decoder.final_layernorm.weight", sd["model.norm.weight"])
+    for i in range(config.num_hidden_layers):
+        hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
+        q = sd[hf + "self_attn.q_proj.weight"].view(ng, nq // ng * d, h)
+        k = sd[hf + "self_attn.k_proj.weight"].view(ng, d, h)
+        v = sd[hf + "self_attn.v_proj.weight"].view(ng, d, h)
+        put(mc + "self_attention.linear_qkv.weight", torch.cat([q, k, v], 1).reshape(-1, h), 0)
+        put(mc + "self_attention.linear_qkv.layer_norm_weight", sd[hf + "input_layernorm.weight"])
+        put(mc + "self_attention.linear_proj.weight", sd[hf + "self_attn.o_proj.weight"], 1)
+        put(mc + "mlp.linear_fc1.layer_norm_weight", sd[hf + "post_attention_layernorm.weight"])
+        gate, up = sd[hf + "mlp.gate_proj.weight"].chunk(tp, 0), sd[hf + "mlp.up_proj.weight"].chunk(tp, 0)
+        for s, g, u in zip(shards, gate, up):
+            s[mc + "mlp.linear_fc1.weight"] = torch.cat([g, u], 0)
+        put(mc + "mlp.linear_fc2.weight", sd[hf + "mlp.down_proj.weight"], 1)
+    return shards
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_llama_shards_become_the_hf_model(tp):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune.parallel.megatron import megatron_to_hf
+
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    sd = LlamaForCausalLM(config).state_dict()
+    out = megatron_to_hf(split_llama(sd, config, tp), config)
+    assert set(out) == set(sd)
+    for name, value in sd.items():
+        assert torch.equal(out[name], value), name
+
+
+def test_megatron_gpt2_shards_become_the_hf_model():
+    """GPT-2 (one query head per group, Conv1D [in, out] weights, biases, tied embeddings), TP 2."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from finetune.parallel.megatron import megatron_to_hf
+
+    config = GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=32)
+    torch.manual_seed(0)
+    sd = GPT2LMHeadModel(config).state_dict()
+    h, nh, tp = 64, 4, 2
+    d = h // nh
+    shards = [{} for _ in range(tp)]
+
+    def put(name, tensor, dim=None):
+        for s, p in zip(shards, tensor.chunk(tp, dim) if dim is not None else [tensor] * tp):
+            s[name] = p.clone()
+
+    put("embedding.word_embeddings.weight", torch.cat([sd["transformer.wte.weight"], torch.zeros(212, h)]), 0)
+    put("embedding.position_embeddings.weight", sd["transformer.wpe.weight"])
+    put("decoder.final_layernorm.weight", sd["transformer.ln_f.weight"])
+    put("decoder.final_layernorm.bias", sd["transformer.ln_f.bias"])
+    for i in range(2):
+        hf, mc = f"transformer.h.{i}.", f"decoder.layers.{i}."
+        w = sd[hf + "attn.c_attn.weight"].T.reshape(3, nh, d, h).transpose(0, 1).reshape(3 * h, h)
+        b = sd[hf + "attn.c_attn.bias"].reshape(3, nh, d).transpose(0, 1).reshape(3 * h)
+        put(mc + "self_attention.linear_qkv.weight", w, 0)
+        put(mc + "self_attention.linear_qkv.bias", b, 0)
+        put(mc + "self_attention.linear_qkv.layer_norm_weight", sd[hf + "ln_1.weight"])
+        put(mc + "self_attention.linear_qkv.layer_norm_bias", sd[hf + "ln_1.bias"])
+        put(mc + "self_attention.linear_proj.weight", sd[hf + "attn.c_proj.weight"].T, 1)
+        put(mc + "self_attention.linear_proj.bias", sd[hf + "attn.c_proj.bias"])
+        put(mc + "mlp.linear_fc1.layer_norm_weight", sd[hf + "ln_2.weight"])
+        put(mc + "mlp.linear_fc1.layer_norm_bias", sd[hf + "ln_2.bias"])
+        put(mc + "mlp.linear_fc1.weight", sd[hf + "mlp.c_fc.weight"].T, 0)
+        put(mc + "mlp.linear_fc1.bias", sd[hf + "mlp.c_fc.bias"], 0)
+        put(mc + "mlp.linear_fc2.weight", sd[hf + "mlp.c_proj.weight"].T, 1)
+        put(mc + "mlp.linear_fc2.bias", sd[hf + "mlp.c_proj.bias"])
+    out = megatron_to_hf(shards, config)
+    want = {k: v for k, v in sd.items() if not k.endswith(".attn.bias") and not k.endswith("masked_bias")}
+    assert set(out) == set(want), set(out) ^ set(want)
+    for name, value in want.items():
+        assert torch.equal(out[name], value), name
