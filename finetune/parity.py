@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from finetune.config import ConfigError, build_config, load_yaml, parse_cli_value
+from finetune.parallel.topology import describe_observed
 
 ROOT = Path(__file__).resolve().parents[1]
 SINGLE_NODE = ["single", "ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "fsdp2", "fsdp2_offload"]
@@ -117,22 +118,13 @@ def run_one(name: str, path: Path, ga: int, args: argparse.Namespace, overrides:
         True,
         world_size=train[0]["world_size"],
         distributed_type=train[0]["distributed_type"],
-        sharding=sharding(train[-1]),
+        sharding=describe_observed(train[-1]),
         gradient_accumulation_steps=ga,
         losses=[r["loss"] for r in train],
         weights=load_file(str(exported_weights(out / name / "final"))),
         step_time_s=statistics.median(times),
         peak_rss_gb=[m["train_peak_rss_gb"] for m in memory],
     )
-
-
-def sharding(row: dict) -> str:
-    """What a metrics row says the backend really did: "ZeRO-3 offload 0.50" (the share of the model a rank holds)."""
-    parts = [f"ZeRO-{row['zero_stage']}" if row.get("zero_stage") else ""]
-    parts += [f"FSDP{row['fsdp_version']}" if row.get("fsdp_version") else ""]
-    parts += ["offload" if row.get("offload_optimizer") or row.get("offload_params") else ""]
-    parts += [f"{row['parameter_shard']:.2f}" if "parameter_shard" in row else ""]
-    return " ".join(p for p in parts if p)
 
 
 def exported_weights(final: Path) -> Path:

@@ -268,7 +268,8 @@ def train_and_export(cfg: RunConfig, r: loop.Run, state: loop.TrainState, tokeni
     final = export.export(acc, backend, r.model, tokenizer, run_config, cfg.train.output_dir)
     if cfg.peft.merge:
         if acc.is_main_process:
-            merged = export.merge_adapter(final, os.path.join(final, "merged"))
+            with backend.one_process_loading():
+                merged = export.merge_adapter(final, os.path.join(final, "merged"))
             logger.info("merged model saved to %s", os.path.abspath(merged))
         acc.wait_for_everyone()
     metrics.report_memory(acc, r.log, state.step, startup, training)

@@ -33,7 +33,7 @@ def check_adapter(final, r: int, hidden: int = 64) -> dict[str, torch.Tensor]:
 
 
 def test_lora_causal_lm_same_under_every_backend(assets, tmp_path):
-    """single, DDP, ZeRO-2, ZeRO-3 (gradient checkpointing on): same losses, non-empty adapters."""
+    """single, DDP, ZeRO-2, ZeRO-3, FSDP2 (gradient checkpointing on): same losses, non-empty adapters."""
     run = tmp_path / "lora.yaml"
     run.write_text(
         json.dumps(
@@ -62,7 +62,7 @@ def test_lora_causal_lm_same_under_every_backend(assets, tmp_path):
             "--steps",
             "5",
             "--configs",
-            "single,ddp,zero2,zero3",
+            "single,ddp,zero2,zero3,fsdp2",
             "--output_dir",
             str(out),
         ],
@@ -73,9 +73,18 @@ def test_lora_causal_lm_same_under_every_backend(assets, tmp_path):
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    for name in ("single", "ddp", "zero2", "zero3"):
+    expected = {"single": ("NO", 1), "ddp": ("MULTI_CPU", 2), "zero2": ("DEEPSPEED", 2), "zero3": ("DEEPSPEED", 2)}
+    expected["fsdp2"] = ("FSDP", 2)
+    losses = {}
+    for name, (dist_type, world) in expected.items():
         check_adapter(out / name / "final", r=4)
         assert "trainable (" in (out / f"{name}.log").read_text()
+        rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+        train = [r for r in rows if "loss" in r]
+        assert {(r["distributed_type"], r["world_size"]) for r in train} == {(dist_type, world)}, name
+        losses[name] = [r["loss"] for r in train]
+    for name, values in losses.items():  # computed here, not taken from parity's verdict
+        assert max(abs(x - y) / abs(x) for x, y in zip(losses["single"], values)) <= 1e-5, (name, losses)
     # The ZeRO-3 adapter reloads on the base model and gives its final eval loss again.
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -125,32 +134,32 @@ def test_lora_classifier_saves_head_and_reloads(assets, tmp_path, launcher):
     assert again["eval_loss"] == pytest.approx(res.eval_rows[-1]["eval_loss"], rel=1e-5)
 
 
-def test_merged_model_equals_adapter_model(assets, tmp_path):
+def test_dora_and_merge_under_zero3_and_fsdp2(assets, tmp_path):
+    """DoRA under ZeRO-3 and FSDP2 (parameters sharded both ways): the same losses, non-empty adapters, and
+    each merged model computes what base + adapter computes."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    res = finetune(
-        tmp_path / "run",
-        *base_args(
-            assets.llama, assets.instruction, "--max_steps", "4", "--learning_rate", "1e-2", "--eval_fraction", "0.1"
-        ),
-        "--peft.method",
-        "dora",
-        "--peft.r",
-        "4",
-        "--peft.merge",
-        "true",
+    args = base_args(
+        assets.llama, assets.instruction, "--max_steps", "4", "--learning_rate", "1e-2", "--eval_fraction", "0.1"
     )
-    final = res.output_dir / "final"
-    merged = AutoModelForCausalLM.from_pretrained(final / "merged")
-    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(assets.llama), final)
-    ids = torch.randint(0, 500, (2, 24))
-    with torch.no_grad():
-        a, b = adapter(input_ids=ids).logits, merged(input_ids=ids).logits
-    assert (a - b).abs().max().item() <= 1e-5
+    dora = ["--peft.method", "dora", "--peft.r", "4", "--peft.merge", "true"]
+    runs = {launcher: finetune(tmp_path / launcher, *args, *dora, launcher=launcher) for launcher in ("zero3", "fsdp2")}
+    assert runs["zero3"].train_rows[-1]["zero_stage"] == 3 and runs["fsdp2"].train_rows[-1]["fsdp_version"] == 2
+    a, b = runs["zero3"].losses(), runs["fsdp2"].losses()
+    assert max(abs(x - y) / abs(x) for x, y in zip(a, b)) <= 1e-5, (a, b)
+    ids = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(0))
     base = AutoModelForCausalLM.from_pretrained(assets.llama)
-    with torch.no_grad():
-        assert (base(input_ids=ids).logits - b).abs().max().item() > 1e-4  # the adapter did something
+    for launcher, res in runs.items():
+        final = res.output_dir / "final"
+        tensors = check_adapter(final, r=4)
+        assert any("lora_magnitude_vector" in k for k in tensors), launcher  # DoRA's magnitudes were saved
+        merged = AutoModelForCausalLM.from_pretrained(final / "merged")
+        adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(assets.llama), final)
+        with torch.no_grad():
+            x, y = adapter(input_ids=ids).logits, merged(input_ids=ids).logits
+            assert (x - y).abs().max().item() <= 1e-5, launcher
+            assert (base(input_ids=ids).logits - y).abs().max().item() > 1e-4  # the adapter did something
 
 
 def test_adapter_resume_equals_uninterrupted(assets, tmp_path):
@@ -174,6 +183,7 @@ def test_adapter_resume_equals_uninterrupted(assets, tmp_path):
     shutil.copytree(straight.output_dir, part)
     crash_after(part, 2)
     resumed = finetune(part, *args, "--resume_from_checkpoint", "latest", launcher="ddp")
+    assert [r["step"] for r in resumed.train_rows] == [1, 2, 3, 4]
     assert max(abs(x - y) / abs(x) for x, y in zip(straight.losses(), resumed.losses())) <= 1e-6
     a = load_file(str(straight.output_dir / "final" / "adapter_model.safetensors"))
     b = load_file(str(part / "final" / "adapter_model.safetensors"))

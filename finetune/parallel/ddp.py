@@ -165,6 +165,12 @@ class Backend:
                 "exp_avg_sq": s["exp_avg_sq"].to(p.device, p.dtype),
             }
 
+    def one_process_loading(self):
+        """A context in which one process alone may build or load a model (e.g. merging the adapter)."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
     def load_state(self, path: str) -> None:
         """Resume under the same layout: accelerate's load_state (model, optimizer, scheduler, RNG)."""
         self.acc.load_state(path)

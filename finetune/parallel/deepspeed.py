@@ -124,6 +124,20 @@ class Backend(ddp.Backend):
         # PEFT under ZeRO-3: the non-reentrant recompute meets parameters ZeRO-3 has already released.
         return peft_on and self.topology.zero_stage == 3
 
+    @contextlib.contextmanager
+    def one_process_loading(self):
+        """accelerate registers its DeepSpeed config with transformers, so under ZeRO-3 every model built after
+        Accelerator() is built inside zero.Init, whose broadcasts deadlock when one process builds alone. Outside
+        it for the duration (transformers.integrations.deepspeed's registration, restored after)."""
+        from transformers.integrations import deepspeed as hf_deepspeed
+
+        registered = hf_deepspeed._hf_deepspeed_config_weak_ref
+        hf_deepspeed.unset_hf_deepspeed_config()
+        try:
+            yield
+        finally:
+            hf_deepspeed._hf_deepspeed_config_weak_ref = registered
+
     def numel(self, p: torch.nn.Parameter) -> int:
         return getattr(p, "ds_numel", None) or p.numel()
 

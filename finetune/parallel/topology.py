@@ -156,6 +156,16 @@ def describe_layout(layout: dict) -> str:
     return f"{what} on {layout['world_size']} process(es)"
 
 
+def describe_observed(row: dict) -> str:
+    """What a metrics row says the backend really did, e.g. "ZeRO-3 offload 0.50" (0.50: the share of the
+    model's parameters a rank holds)."""
+    parts = [f"ZeRO-{row['zero_stage']}" if row.get("zero_stage") else ""]
+    parts += [f"FSDP{row['fsdp_version']}" if row.get("fsdp_version") else ""]
+    parts += ["offload" if row.get("offload_optimizer") or row.get("offload_params") else ""]
+    parts += [f"{row['parameter_shard']:.2f}" if "parameter_shard" in row else ""]
+    return " ".join(p for p in parts if p)
+
+
 def _machines(env: Mapping[str, str], num_processes: int) -> int:
     local = int(env.get("LOCAL_WORLD_SIZE", num_processes) or num_processes)
     return max(1, num_processes // max(1, local))
