@@ -1,8 +1,8 @@
 """final/: the trained model as a standard Hugging Face directory (or the adapter), and adapter merging.
 
-The weights come from the backend's full state dict (ZeRO-3 partitions, FSDP and TP shards gathered;
-an empty-shell checkpoint otherwise); PeftModel.save_pretrained keeps only the adapter (and
-modules_to_save) tensors of it. Written to a temporary directory and renamed into place.
+The weights come through the backend (ZeRO-3 partitions, FSDP and TP shards, Megatron's TP x PP shards
+gathered; an empty-shell checkpoint otherwise); PeftModel.save_pretrained keeps only the adapter (and
+modules_to_save) tensors of them. Written to a temporary directory and renamed into place.
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ def export(accelerator, backend, model, tokenizer, run_config: dict[str, Any], o
     """Write output_dir/final/: model (or adapter) + tokenizer + the effective run config. A collective."""
     final = os.path.join(output_dir, "final")
     tmp = os.path.join(output_dir, ".tmp_final")
-    weights = backend.full_state_dict(model)  # every rank takes part
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    backend.save_pretrained(model, tmp)  # every rank takes part
     if accelerator.is_main_process:
         net = backend.hf_model(model)
-        shutil.rmtree(tmp, ignore_errors=True)
-        net.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         write_atomic(os.path.join(tmp, CONFIG_FILE), yaml.safe_dump(run_config, sort_keys=False))
         id2label = getattr(net.config, "id2label", None)

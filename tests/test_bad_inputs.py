@@ -1,4 +1,5 @@
-"""Bad input: a corpus of broken inputs, each run the way a user runs finetune (`python -m finetune`).
+"""Bad input: a corpus of broken inputs, each run the way a user runs finetune (`python -m finetune`; the
+cases refused while parsing and validating call the same entry point, cli.run_cli, in this process).
 
 Every case must end with exit code 2 and one clear message: the key (or file) that is wrong, what is
 wrong and the fix; no traceback; in under 10 s (wall time; CPU time when others overload the
@@ -498,8 +499,22 @@ def problem_lines(output: str, key: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith(f"  - {key}: ")]
 
 
+def run_in_process(args: list[str], env: dict, monkeypatch, capsys) -> tuple[int, str, str]:
+    """A config-stage case: the same entry point as `python -m finetune` (cli.run_cli), in this process;
+    the refusal comes before any Accelerator, tokenizer or model exists (asserted below)."""
+    from finetune.cli import run_cli
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.chdir(ROOT)
+    capsys.readouterr()
+    code = run_cli(args)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
 @pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.marks) for c in CASES])
-def test_bad_input_exits_2_with_one_clear_message(case: Case, assets, no_chat_model, tmp_path):
+def test_bad_input_exits_2_with_one_clear_message(case: Case, assets, no_chat_model, tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     make_previous_run(out)
     ctx = Ctx(assets=assets, no_chat_model=no_chat_model, tmp=tmp_path, out=out, output_dir=out)
@@ -510,18 +525,25 @@ def test_bad_input_exits_2_with_one_clear_message(case: Case, assets, no_chat_mo
     before = snapshot(tmp_path)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1", **ctx.env}
     cpu_before, start = _children_cpu_s(), time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "finetune", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
-    )
-    elapsed, cpu = time.perf_counter() - start, _children_cpu_s() - cpu_before
-    output = proc.stdout + proc.stderr
+    if case.stage == CONFIG:
+        own_cpu = time.process_time()
+        returncode, stdout, stderr = run_in_process(args, ctx.env, monkeypatch, capsys)
+        cpu = time.process_time() - own_cpu
+    else:
+        proc = subprocess.run(
+            [sys.executable, "-m", "finetune", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+        )
+        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+        cpu = _children_cpu_s() - cpu_before
+    elapsed = time.perf_counter() - start
+    output = stdout + stderr
     shown = f"argv: {args}\n--- output:\n{output[-4000:]}"
 
-    assert proc.returncode == 2, shown
+    assert returncode == 2, shown
     assert "Traceback" not in output, shown
     n = case.problems
-    assert f"finetune: {n} problem{'s' if n > 1 else ''} in the run config:" in proc.stderr, shown
-    lines = problem_lines(proc.stderr, case.key)
+    assert f"finetune: {n} problem{'s' if n > 1 else ''} in the run config:" in stderr, shown
+    lines = problem_lines(stderr, case.key)
     assert len(lines) == 1, f"expected one problem for {case.key!r}\n{shown}"
     assert case.text in lines[0], shown
     assert any(word in lines[0].lower() for word in FIX_WORDS), f"the message names no fix\n{shown}"

@@ -184,8 +184,14 @@ def test_shipped_accelerate_configs_load_with_accelerate():
     assert ACCELERATE_CONFIGS, "no accelerate_configs/*.yaml found"
     for path in ACCELERATE_CONFIGS:
         cfg = load_config_from_file(str(path))
-        assert cfg.distributed_type.value in {"NO", "MULTI_GPU", "DEEPSPEED", "MEGATRON_LM"}, path.name
+        # never MULTI_CPU: accelerate's CPU launcher needs MPI (finetune runs the GPU configs on CPU instead)
+        assert cfg.distributed_type.value in {"NO", "MULTI_GPU", "DEEPSPEED", "FSDP", "MEGATRON_LM"}, path.name
         assert cfg.num_processes >= 1
+        if cfg.distributed_type.value == "FSDP":  # FSDP2, wrapping any model by its _no_split_modules
+            assert cfg.fsdp_config["fsdp_version"] == 2, path.name
+            assert "fsdp_transformer_layer_cls_to_wrap" not in cfg.fsdp_config, path.name
+    names = {p.stem for p in ACCELERATE_CONFIGS}
+    assert {"fsdp2", "fsdp2_offload", "tp2_fsdp2"} <= names
 
 
 def test_help_lists_every_field_with_its_default():

@@ -378,7 +378,7 @@ def test_tp2_on_cpu_equals_one_process_and_resumes_exactly(assets, tmp_path):
     single = finetune(tmp_path / "single", *args)
     tp = finetune(tmp_path / "tp", *args, launcher="tp2")
     assert "distributed: MULTI_CPU, world size 2," in tp.output, tp.output[-3000:]
-    assert "x world size 1 = global batch 4" in tp.output  # both ranks hold the same batch
+    assert "x data parallel 1 = global batch 4" in tp.output  # both ranks hold the same batch
     a, b = single.losses(), tp.losses()
     assert len(a) == len(b) == 4
     assert max(abs(x - y) / abs(x) for x, y in zip(a, b)) <= 1e-4, (a, b)
@@ -403,4 +403,11 @@ def test_tp2_on_cpu_equals_one_process_and_resumes_exactly(assets, tmp_path):
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
     model = AutoModelForCausalLM.from_pretrained(tp.output_dir / "final")
     assert sum(p.numel() for p in model.parameters()) == sum(v.numel() for v in base.values())
+    assert all(0.4 <= r["parameter_shard"] <= 0.6 for r in tp.train_rows)  # each rank holds about half
+
+    # The TP checkpoint resumed in one process (converted by parameter name): the run goes on as under TP.
+    crash_after(part, 2)
+    single_resumed = finetune(part, *args, "--resume_from_checkpoint", "latest")
+    assert "written by MULTI_CPU TP 2 on 2 process(es), converted" in single_resumed.output
+    assert max(abs(x - y) / abs(x) for x, y in zip(b, single_resumed.losses())) <= 1e-5
     print(json.dumps({"single": a, "tp2": b}))

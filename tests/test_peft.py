@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -83,6 +84,12 @@ def test_lora_causal_lm_same_under_every_backend(assets, tmp_path):
         train = [r for r in rows if "loss" in r]
         assert {(r["distributed_type"], r["world_size"]) for r in train} == {(dist_type, world)}, name
         losses[name] = [r["loss"] for r in train]
+    # Facts about the model are counted once, before prepare, the same under every backend (MFU's reference)
+    flops = {
+        name: re.search(r"trainable \([\d.]+%\), (\S+) FLOPs per token", (out / f"{name}.log").read_text())[1]
+        for name in expected
+    }
+    assert len(set(flops.values())) == 1, flops
     for name, values in losses.items():  # computed here, not taken from parity's verdict
         assert max(abs(x - y) / abs(x) for x, y in zip(losses["single"], values)) <= 1e-5, (name, losses)
     # The ZeRO-3 adapter reloads on the base model and gives its final eval loss again.

@@ -134,8 +134,15 @@ class Backend:
 
     # -- full state by parameter name (export, portable resume)
     def hf_model(self, model):
-        """The transformers (or PEFT) model object whose save_pretrained writes final/."""
+        """The transformers (or PEFT) model object whose config and save_pretrained describe the model."""
         return self.acc.unwrap_model(model)
+
+    def save_pretrained(self, model, directory: str) -> None:
+        """The whole trained model (or adapter) as a from_pretrained directory, written by the main process.
+        A collective: every rank calls it (the weights are gathered from every rank)."""
+        weights = self.full_state_dict(model)
+        if self.acc.is_main_process:
+            self.hf_model(model).save_pretrained(directory, state_dict=weights, safe_serialization=True)
 
     def full_state_dict(self, model) -> dict[str, torch.Tensor]:
         """The whole model's weights (main process; a collective on every backend)."""

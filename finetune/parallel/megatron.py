@@ -80,20 +80,6 @@ class MegatronLayout:
             sequence_parallel=_true(env.get("MEGATRON_LM_SEQUENCE_PARALLELISM", "False")),
         )
 
-    def data_parallel_size(self, num_processes: int) -> int:
-        return num_processes // (self.tp * self.pp)
-
-
-def batch_layout(micro_batch_size: int, num_processes: int, env: Mapping[str, str] = os.environ) -> tuple[int, int]:
-    """(rows one data-parallel rank consumes per optimizer step, data-parallel size) under Megatron-LM.
-
-    accelerate rebuilds the train loader with batch size micro x num_micro_batches and shards it over the
-    data-parallel ranks only (TP and PP ranks of one replica read the same rows), so the global batch is
-    data_parallel_size x micro_batch_size x num_micro_batches: the plugin's `global_batch_size`.
-    """
-    layout = MegatronLayout.from_env(env)
-    return micro_batch_size * layout.num_micro_batches, layout.data_parallel_size(num_processes)
-
 
 # ---------------------------------------------------------------- checks before anything starts
 

@@ -132,6 +132,13 @@ class Backend(ddp.Backend):
     def full_state_dict(self, model):
         return full_state_dict(self.acc.unwrap_model(model))
 
+    def save_pretrained(self, model, directory: str) -> None:
+        """transformers saves a model loaded with a tp_plan itself: every rank takes part in gathering its
+        DTensors (save_pretrained on the main process alone would wait for the others forever)."""
+        self.acc.unwrap_model(model).save_pretrained(
+            directory, is_main_process=self.acc.is_main_process, safe_serialization=True
+        )
+
     def full_optimizer_state(self, model, optimizer):
         return full_optimizer_state(self.acc.unwrap_model(model), optimizer)
 
