@@ -32,6 +32,7 @@ from typing import Any
 
 import yaml
 
+from finetune.cluster import fault_point
 from finetune.config import ConfigError
 
 LATEST = "latest"
@@ -80,10 +81,12 @@ class Checkpointer:
         run_config: dict,
         layout: dict,
         save_total_limit: int | None,
+        writes: bool,
     ):
         self.acc, self.backend, self.model, self.optimizer = accelerator, backend, model, optimizer
         self.output_dir, self.run_config, self.layout = output_dir, run_config, layout
         self.save_total_limit = save_total_limit
+        self.writes = writes  # this process makes and names the directories (cluster.Storage.writes)
 
     def save(self, trainer_state: dict[str, Any]) -> str:
         """Save a resumable checkpoint on every rank, atomically; update `latest`; prune old ones."""
@@ -91,15 +94,15 @@ class Checkpointer:
         root = checkpoints_dir(self.output_dir)
         final = os.path.join(root, f"step_{step}")
         tmp = os.path.join(root, f".tmp_step_{step}")
-        if acc.is_main_process:
+        if self.writes:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         acc.wait_for_everyone()
         acc.save_state(tmp, safe_serialization=True)
         self._write_full_tensors(tmp)
-        _fault_point("in-checkpoint", step)
+        fault_point("in-checkpoint", step)
         acc.wait_for_everyone()
-        if acc.is_main_process:
+        if self.writes:
             write_atomic(os.path.join(tmp, CONFIG_FILE), yaml.safe_dump(self.run_config, sort_keys=False))
             state = {**trainer_state, "layout": self.layout}
             write_atomic(os.path.join(tmp, STATE_FILE), json.dumps(state, indent=2))
@@ -120,7 +123,7 @@ class Checkpointer:
         if self.backend.checkpoint_format == "native":
             return
         if self.backend.checkpoint_format == "full":
-            if self.acc.is_main_process:
+            if self.writes:
                 net.config.save_pretrained(tmp)  # model.safetensors + config.json: a from_pretrained directory
                 name_of = {id(p): n for n, p in net.named_parameters()}
                 inner = getattr(self.optimizer, "optimizer", self.optimizer)  # optimizer.bin's order
@@ -131,7 +134,7 @@ class Checkpointer:
 
         weights = self.backend.full_state_dict(self.model)  # collectives: every rank takes part
         optim = self.backend.full_optimizer_state(self.model, self.optimizer)
-        if self.acc.is_main_process:
+        if self.acc.is_main_process:  # (without a shared output_dir: machine 0's copy only)
             out = os.path.join(tmp, PORTABLE)
             net.save_pretrained(out, state_dict=weights, safe_serialization=True)
             tensors = {
@@ -189,18 +192,6 @@ def read_trainer_state(path: str) -> dict[str, Any]:
     return state
 
 
-def _fault_point(name: str, step: int) -> None:
-    """Fault injection for the crash tests: FINETUNE_FAULT=<name>:<step>[:<rank>] kills this process there."""
-    spec = os.environ.get("FINETUNE_FAULT", "").split(":")
-    if (
-        len(spec) >= 2
-        and spec[0] == name
-        and int(spec[1]) == step
-        and (len(spec) < 3 or spec[2] == os.environ.get("RANK", "0"))
-    ):
-        os.kill(os.getpid(), 9)
-
-
 # ---------------------------------------------------------------- resume
 
 
@@ -225,8 +216,9 @@ class Resume:
 
     def model_dir(self) -> str:
         """The from_pretrained directory holding the checkpoint's full weights."""
-        portable = os.path.join(self.path, PORTABLE)
-        return portable if os.path.isdir(portable) else self.path
+        if self.saved["layout"].get("checkpoint_format") == "portable":
+            return os.path.join(self.path, PORTABLE)
+        return self.path
 
     def full_state(self) -> dict[str, dict[str, Any]]:
         """{name: {param (fp32 master), exp_avg, exp_avg_sq}} of the trainable parameters."""
@@ -269,6 +261,18 @@ def find_resume(output_dir: str, spec: str | None, layout: dict[str, Any]) -> Re
                     f"{path} was trained with a global batch of {batch_was} and this run has {batch_here}; choose "
                     f"micro batch x gradient_accumulation_steps x data-parallel processes = {batch_was} so the data "
                     "position and schedule carry over",
+                )
+            ]
+        )
+    if resume.portable and was.get("checkpoint_format") == "portable" and not os.path.isdir(resume.model_dir()):
+        raise ConfigError(
+            [
+                (
+                    "resume_from_checkpoint",
+                    f"{resume.describe()} cannot be converted on this machine: it is this machine's own copy of a "
+                    f"checkpoint written without a shared output_dir, and its full tensors ({PORTABLE}/) are on "
+                    "machine 0 only; resume under the layout that wrote it, or copy "
+                    f"{os.path.join(path, PORTABLE)} from machine 0",
                 )
             ]
         )

@@ -31,6 +31,7 @@ can be overridden on the command line. The parallelism is chosen by the Accelera
   finetune --config examples/sft.yaml                                      # one process
   finetune parity --config examples/sft.yaml --steps 10                    # same losses under every backend?
   finetune merge outputs/sft/final                                         # adapter + base -> one model
+  finetune check --config examples/sft.yaml                                # preflight: launch it like the run
   accelerate launch --config_file accelerate_configs/ddp.yaml finetune --config examples/sft.yaml --max_steps 50
 """
 
@@ -121,6 +122,10 @@ def run_cli(argv: list[str] | None = None) -> int:
         return parity(argv[1:])
     if argv[:1] == ["merge"]:
         return merge(argv[1:])
+    if argv[:1] == ["check"]:
+        from finetune.check import main as check
+
+        return check(argv[1:])
     cfg = None
     rank = os.environ.get("RANK", "0")
     signal.signal(signal.SIGTERM, _raise_stopped)
@@ -149,10 +154,12 @@ def run_cli(argv: list[str] | None = None) -> int:
 
         if not is_peer_failure(e):
             raise
+        from finetune.cluster import explain_hang
+
         first = (str(e).strip().splitlines() or [""])[0][:300]
         print(
             f"finetune rank {rank}: a collective failed because another rank died or did not answer within "
-            f"ddp_timeout ({type(e).__name__}: {first}). {_hint(cfg)}",
+            f"ddp_timeout ({type(e).__name__}: {first}). {explain_hang()} {_hint(cfg)}",
             file=sys.stderr,
             flush=True,
         )

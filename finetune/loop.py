@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from finetune.cluster import fault_point
 from finetune.config import TrainArgs
 from finetune.metrics import MetricsLog, summarize
 from finetune.parallel import Plan, global_batch_index
@@ -51,6 +52,7 @@ class Run:
     n_labels: int | None
     log: MetricsLog
     checkpointer: Any  # finetune.checkpoint.Checkpointer
+    watchdog: Any  # finetune.cluster.Watchdog: hang forensics
     extra: dict[str, Any] = field(default_factory=dict)  # constant facts added to every log row
     flops_per_token: float = 0.0  # model FLOPs per trained token (model.ModelFacts)
     peak_flops: float | None = None  # all devices together; None: MFU not reported
@@ -61,15 +63,14 @@ def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: i
 
     The loss is the mean over the supervised tokens of the whole global batch (every micro batch
     on every rank): each micro batch's mean loss is turned back into a sum and divided by the
-    global count. accelerate divides by the accumulation steps and DDP averages over ranks, so we
-    multiply those back in. Hence 2 ranks x GA 1 and 1 rank x GA 2 give the same update.
+    global count (Plan.loss_weight). Hence 2 ranks x GA 1 and 1 rank x GA 2 give the same update.
     """
-    acc, backend, ga = run.accelerator, run.backend, run.plan.gradient_accumulation_steps
+    acc, backend = run.accelerator, run.backend
     counts = [b.pop("num_supervised") for b in micro_batches]
     tokens = sum(b.pop("num_tokens") for b in micro_batches)
     positions = sum(b.pop("num_positions") for b in micro_batches)
     global_count = acc.reduce(torch.stack(counts).sum().float(), reduction="sum")
-    scale = acc.num_processes * ga / global_count
+    scale = run.plan.loss_weight(global_count)
     nll_sum, grad_norm = 0.0, None
     for i, (batch, n) in enumerate(zip(micro_batches, counts)):
         # Dropout is seeded by the micro batch's place in the global data order, not by the rank
@@ -140,6 +141,8 @@ def train(run: Run, state: TrainState) -> dict[str, float]:
         run.sampler.set_epoch(epoch)
         batches = iter(loader)
         for step_in_epoch in range(start, plan.steps_per_epoch):
+            run.watchdog.beat()
+            fault_point("hang-before-step", state.step + 1)
             micro = [next(batches) for _ in range(plan.gradient_accumulation_steps)]
             nll, count, tokens, positions, grad_norm = train_step(run, micro, epoch, step_in_epoch)
             state.step += 1
@@ -156,12 +159,15 @@ def train(run: Run, state: TrainState) -> dict[str, float]:
                 _log_train(run, state, win, grad_norm, bar)
                 win = _Window()
             if run.eval_loader is not None and (done or (args.eval_steps and state.step % args.eval_steps == 0)):
+                run.watchdog.beat()
                 last_eval = _log_eval(run, state, bar)
             if not done and args.save_steps and state.step % args.save_steps == 0:
+                run.watchdog.beat()
                 run.checkpointer.save(state_dict_of(state))  # the last step's checkpoint is run.py's
             if done:
                 break
     bar.close()
+    run.watchdog.stop()
     return last_eval
 
 

@@ -13,6 +13,7 @@ Backend differences are in finetune/parallel/, never here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import shutil
@@ -24,7 +25,7 @@ import torch
 import yaml
 from accelerate.utils import set_seed
 
-from finetune import checkpoint, data, export, loop, metrics, model, optim, parallel
+from finetune import checkpoint, cluster, data, export, loop, metrics, model, optim, parallel
 from finetune.config import RUN_MARKERS, ConfigError, RunConfig
 
 logger = logging.getLogger("finetune")
@@ -32,24 +33,27 @@ logger = logging.getLogger("finetune")
 
 def run(cfg: RunConfig) -> dict:
     """Train as the config says; return the final eval metrics (empty without eval data)."""
-    acc, backend = start(cfg)
+    acc, backend, storage = start(cfg)
+    cluster.fetch_model(acc, cfg.model.model)
     tokenizer = model.load_tokenizer(cfg.model)
     ds, plan, eval_metrics = build_data(cfg, acc, backend.topology, tokenizer)
     layout = backend.layout(plan)
     resume = checkpoint.find_resume(cfg.train.output_dir, cfg.train.resume_from_checkpoint, layout)
+    cluster.agree_on_resume(acc, resume.path if resume else None)
     net, facts = build_model(cfg, backend, tokenizer, ds, resume)
     parts = build_optimization(cfg, acc, backend, net, ds, plan, tokenizer)
-    state = restore_or_start(cfg, acc, backend, parts, plan, resume)
+    state = restore_or_start(cfg, acc, backend, parts, plan, resume, storage)
     run_config = cfg.to_flat()
+    t = cfg.train
     ckpt = checkpoint.Checkpointer(
-        acc, backend, parts.model, parts.optimizer, cfg.train.output_dir, run_config, layout, cfg.train.save_total_limit
+        acc, backend, parts.model, parts.optimizer, t.output_dir, run_config, layout, t.save_total_limit, storage.writes
     )
     r = build_loop(cfg, acc, backend, parts, ds, plan, facts, ckpt, eval_metrics)
     return train_and_export(cfg, r, state, tokenizer, run_config)
 
 
 def start(cfg: RunConfig):
-    """The Accelerator, logging, and the backend that knows how this run is spread."""
+    """The Accelerator, logging, the backend that knows how this run is spread, and where its files go."""
     model.check_peft_support(cfg.peft)
     acc = parallel.make_accelerator(cfg)
     _setup_logging(acc)
@@ -63,14 +67,22 @@ def start(cfg: RunConfig):
         facts["mixed_precision"],
         ", ".join(facts["devices"]),
     )
-    logger.info("parallelism: %s", backend.topology.summary())
-    return acc, backend
+    topo = backend.topology
+    logger.info("parallelism: %s", topo.summary())
+    if topo.num_machines > 1:
+        logger.info(cluster.describe(acc, topo.num_machines))
+    storage = cluster.probe_storage(acc, cfg.train.output_dir, topo.num_machines)
+    if storage.node_local:
+        backend.keep_checkpoints_per_machine()
+    if topo.num_machines > 1:
+        logger.info(cluster.describe_storage(storage, cfg.train.output_dir, topo.num_machines))
+    return acc, backend, storage
 
 
 def build_data(cfg: RunConfig, acc, topology: parallel.Topology, tokenizer):
-    """Tokenized datasets (main process first, then the others from the cache), the Plan, the eval metrics."""
+    """Tokenized datasets (each machine's local main first, the others from the cache), the Plan, the eval metrics."""
     t = cfg.train
-    ds = data.build_datasets(cfg.data, cfg.model.task, tokenizer, t.seed, acc.main_process_first)
+    ds = data.build_datasets(cfg.data, cfg.model.task, tokenizer, t.seed, functools.partial(cluster.node_first, acc))
     eval_metrics = metrics.load_metrics(t.metrics, cfg.model.task) if ds.eval is not None else {}
     plan = parallel.make_plan(t, len(ds.train), topology)
     logger.info(
@@ -186,8 +198,9 @@ def _length_aware_batches(train, sampler, plan: parallel.Plan, net) -> data.Leng
     )
 
 
-def restore_or_start(cfg: RunConfig, acc, backend, p: Prepared, plan, resume) -> loop.TrainState:
-    """Continue from the checkpoint (exactly, or converted from another layout), or start in a clean output_dir."""
+def restore_or_start(cfg: RunConfig, acc, backend, p: Prepared, plan, resume, storage) -> loop.TrainState:
+    """Continue from the checkpoint (exactly, or converted from another layout), or start in a clean output_dir
+    (on each machine, when output_dir is not shared)."""
     t = cfg.train
     if resume:
         saved = checkpoint.restore(acc, backend, p.model, p.optimizer, p.scheduler, plan, resume)
@@ -195,7 +208,7 @@ def restore_or_start(cfg: RunConfig, acc, backend, p: Prepared, plan, resume) ->
         metrics.MetricsLog(t.output_dir, enabled=acc.is_main_process).truncate_after(state.step)
         logger.info("resumed from %s at step %d", resume.describe(), state.step)
         return state
-    if acc.is_main_process:
+    if storage.writes:
         if t.overwrite_output_dir or t.resume_from_checkpoint == "auto":  # auto: nothing checkpointed yet
             _clear_previous_run(t.output_dir)
         os.makedirs(t.output_dir, exist_ok=True)
@@ -244,6 +257,7 @@ def build_loop(cfg: RunConfig, acc, backend, p: Prepared, ds, plan, facts, ckpt,
         n_labels=len(ds.label_names) if ds.label_names else None,
         log=metrics.MetricsLog(t.output_dir, enabled=acc.is_main_process),
         checkpointer=ckpt,
+        watchdog=cluster.start_watchdog(acc, t.output_dir, parallel.collective_timeout(t)),
         extra={"world_size": topo.num_processes, "distributed_type": topo.distributed_type, **observed},
         flops_per_token=facts.flops_per_token,
         peak_flops=peak,

@@ -1,5 +1,6 @@
-"""Bad input: a corpus of broken inputs, each run the way a user runs finetune (`python -m finetune`; the
-cases refused while parsing and validating call the same entry point, cli.run_cli, in this process).
+"""Bad input: a corpus of broken inputs, each run through the entry point of `python -m finetune`
+(cli.run_cli), in this process (tests/test_train.py, test_deepspeed.py and test_megatron.py show the same
+refusals through `accelerate launch` subprocesses).
 
 Every case must end with exit code 2 and one clear message: the key (or file) that is wrong, what is
 wrong and the fix; no traceback; in under 10 s (wall time; CPU time when others overload the
@@ -13,9 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -490,25 +489,41 @@ def snapshot(root: Path) -> dict[str, bytes | None]:
     return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
 
 
-def _children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def problem_lines(output: str, key: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith(f"  - {key}: ")]
 
 
 def run_in_process(args: list[str], env: dict, monkeypatch, capsys) -> tuple[int, str, str]:
-    """A config-stage case: the same entry point as `python -m finetune` (cli.run_cli), in this process;
-    the refusal comes before any Accelerator, tokenizer or model exists (asserted below)."""
+    """The same entry point as `python -m finetune` (cli.run_cli), in this process (a new process per case
+    would spend most of its time importing). What a run leaves behind in the process (environment variables,
+    accelerate's singletons, logging handlers, the SIGTERM handler) is put back afterwards."""
+    import logging
+    import signal
+
+    from accelerate.state import AcceleratorState
+
     from finetune.cli import run_cli
 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.chdir(ROOT)
+    saved_env, saved_sigterm = dict(os.environ), signal.getsignal(signal.SIGTERM)
+    saved_handlers = logging.root.handlers[:]
+    # Libraries (transformers, datasets) keep one stderr handler for the process: point it at this case's
+    # captured stderr, not at an earlier case's (closed) one.
+    for lib in logging.Logger.manager.loggerDict.values():
+        for h in getattr(lib, "handlers", []):
+            if type(h) is logging.StreamHandler and h.stream is not sys.stdout:
+                h.stream = sys.stderr  # (setStream would flush the closed one)
     capsys.readouterr()
-    code = run_cli(args)
+    try:
+        code = run_cli(args)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        signal.signal(signal.SIGTERM, saved_sigterm)
+        logging.root.handlers[:] = saved_handlers
+        AcceleratorState._reset_state(reset_partial_state=True)
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
@@ -523,18 +538,10 @@ def test_bad_input_exits_2_with_one_clear_message(case: Case, assets, no_chat_mo
     if case.overwrite:
         args += ["--overwrite_output_dir", "true"]
     before = snapshot(tmp_path)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1", **ctx.env}
-    cpu_before, start = _children_cpu_s(), time.perf_counter()
-    if case.stage == CONFIG:
-        own_cpu = time.process_time()
-        returncode, stdout, stderr = run_in_process(args, ctx.env, monkeypatch, capsys)
-        cpu = time.process_time() - own_cpu
-    else:
-        proc = subprocess.run(
-            [sys.executable, "-m", "finetune", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
-        )
-        returncode, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
-        cpu = _children_cpu_s() - cpu_before
+    start = time.perf_counter()
+    own_cpu = time.process_time()
+    returncode, stdout, stderr = run_in_process(args, ctx.env, monkeypatch, capsys)
+    cpu = time.process_time() - own_cpu
     elapsed = time.perf_counter() - start
     output = stdout + stderr
     shown = f"argv: {args}\n--- output:\n{output[-4000:]}"

@@ -43,7 +43,10 @@ def test_ds_configs_leave_run_config_values_to_auto():
 def test_parity_over_every_single_node_backend(assets, tmp_path):
     """`finetune parity` over its 9 default configs, fp32, 10 steps, GA 2. The differences are computed here
     from each run's metrics.jsonl and final/model.safetensors (losses <= 1e-5 relative, weights <= 1e-5 absolute
-    to the single process), and every run shows the backend it really used (stage, offload, FSDP, sharding)."""
+    to the single process), and every run shows the backend it really used (stage, offload, FSDP, sharding).
+    Every final/ is the complete trained model; ZeRO-3's and ZeRO-2 offload's reload through from_pretrained."""
+    from transformers import AutoModelForCausalLM
+
     run = tmp_path / "run.yaml"
     run.write_text(
         json.dumps(
@@ -84,32 +87,18 @@ def test_parity_over_every_single_node_backend(assets, tmp_path):
             reference = losses, weights
             continue
         assert max(abs(a - b) / abs(a) for a, b in zip(reference[0], losses)) <= 1e-5, name
+        # final/ is the whole model (ZeRO-3 and FSDP gather it; not an empty shell), and it is the trained one
+        assert set(weights) == set(reference[1]), (name, set(weights) ^ set(reference[1]))
+        assert all(weights[k].shape == reference[1][k].shape for k in weights), name
         assert max((reference[1][k] - weights[k]).abs().max().item() for k in weights) <= 1e-5, name
+    base = load_file(os.path.join(assets.llama, "model.safetensors"))
+    assert any(not torch.equal(reference[1][k], base[k]) for k in base)  # trained, not the base
+    for name in ("zero3", "zero2_offload"):  # reloads through from_pretrained
+        model = AutoModelForCausalLM.from_pretrained(out / name / "final")
+        assert sum(p.numel() for p in model.parameters()) == sum(v.numel() for v in base.values())
 
 
-@pytest.mark.parametrize("launcher", ["zero3", "zero2_offload"])
-def test_zero_final_model_is_complete_and_reloads(assets, tmp_path, launcher):
-    """ZeRO-3 export gathers the weights: final/ is a full model (not an empty shell) that reloads."""
-    from transformers import AutoModelForCausalLM
-
-    res = finetune(
-        tmp_path / launcher,
-        *base_args(assets.llama, assets.instruction, "--max_steps", "3", "--eval_fraction", "0.1"),
-        launcher=launcher,
-    )
-    assert ("distributed: DEEPSPEED, world size 2," in res.output) and res.train_rows[-1]["world_size"] == 2
-    final = res.output_dir / "final"
-    exported = load_file(str(final / "model.safetensors"))
-    reference = load_file(os.path.join(assets.llama, "model.safetensors"))
-    assert set(exported) == set(reference)
-    for k, v in reference.items():
-        assert exported[k].shape == v.shape and exported[k].numel() > 0, k
-    assert any(not torch.equal(exported[k], reference[k]) for k in reference)  # trained, not the base
-    model = AutoModelForCausalLM.from_pretrained(final)
-    assert sum(p.numel() for p in model.parameters()) == sum(v.numel() for v in reference.values())
-
-
-@pytest.mark.parametrize("launcher", ["zero2", "zero3"])
+@pytest.mark.parametrize("launcher", ["zero2"])  # ZeRO-3: test_faults kills a rank and resumes it
 def test_zero_resume_equals_uninterrupted(assets, tmp_path, launcher):
     args = base_args(
         assets.llama,

@@ -93,41 +93,47 @@ def test_killed_rank_stops_everyone_and_resume_finishes_the_run(assets, tmp_path
     assert worst == 0.0 if launcher == "ddp" else worst <= 1e-6, worst
 
 
-def test_kill_while_writing_a_checkpoint_keeps_the_previous_one(assets, tmp_path):
+def test_kill_while_writing_a_checkpoint_keeps_the_previous_one_and_auto_resumes(assets, tmp_path):
+    """`--resume_from_checkpoint auto`, as a restarting launcher uses it: a process killed while writing its
+    first checkpoint leaves none, so the next start is fresh; one killed while writing step 4 leaves step 2
+    complete and named by `latest` (the half-written one stays hidden); the next start resumes from it and
+    clears the half-written one."""
     args = base_args(assets.gpt2, assets.text, "--max_steps", "6", "--save_steps", "2", "--eval_fraction", "0")
-    straight = finetune(tmp_path / "straight", *args)
-    out = tmp_path / "crashed"
-    crashed = finetune(out, *args, launcher="python", expect_ok=False, extra_env={"FINETUNE_FAULT": "in-checkpoint:4"})
-    assert crashed.returncode == -9
+    args += ["--resume_from_checkpoint", "auto"]
+    out = tmp_path / "run"
     ckpts = out / "checkpoints"
+    died = finetune(out, *args, launcher="python", expect_ok=False, extra_env={"FINETUNE_FAULT": "in-checkpoint:2"})
+    assert died.returncode == -9 and (out / "metrics.jsonl").exists() and not (ckpts / "latest").exists()
+    fresh = finetune(out, *args, launcher="python", expect_ok=False, extra_env={"FINETUNE_FAULT": "in-checkpoint:4"})
+    assert fresh.returncode == -9 and "resumed from" not in fresh.output
     assert (ckpts / "latest").read_text().strip() == "step_2"
     assert (ckpts / ".tmp_step_4").exists() and not (ckpts / "step_4").exists()
-    resumed = finetune(out, *args, "--resume_from_checkpoint", "latest")
-    assert [r["step"] for r in resumed.train_rows] == [1, 2, 3, 4, 5, 6]
-    assert not (ckpts / ".tmp_step_4").exists()
-    a, b = final_weights(straight.output_dir), final_weights(out)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_resume_auto_for_restarting_launchers(assets, tmp_path):
-    """`--resume_from_checkpoint auto`: a fresh start when nothing was checkpointed, a resume otherwise."""
-    args = base_args(
-        assets.gpt2,
-        assets.text,
-        "--max_steps",
-        "4",
-        "--save_steps",
-        "2",
-        "--eval_fraction",
-        "0",
-        "--resume_from_checkpoint",
-        "auto",
-    )
-    out = tmp_path / "run"
-    died = finetune(out, *args, launcher="python", expect_ok=False, extra_env={"FINETUNE_FAULT": "in-checkpoint:2"})
-    assert died.returncode == -9 and (out / "metrics.jsonl").exists() and not (out / "checkpoints" / "latest").exists()
-    fresh = finetune(out, *args, expect_ok=False, launcher="python", extra_env={"FINETUNE_FAULT": "in-checkpoint:4"})
-    assert fresh.returncode == -9 and "resumed from" not in fresh.output
-    assert (out / "checkpoints" / "latest").read_text().strip() == "step_2"
     resumed = finetune(out, *args)
-    assert "resumed from" in resumed.output and [r["step"] for r in resumed.train_rows] == [1, 2, 3, 4]
+    assert "resumed from" in resumed.output and "step_2" in resumed.output
+    assert [r["step"] for r in resumed.train_rows] == [1, 2, 3, 4, 5, 6]
+    assert not (ckpts / ".tmp_step_4").exists() and (out / "final" / "model.safetensors").exists()
+
+
+def test_a_stuck_rank_is_named_and_every_live_rank_leaves_its_stack(assets, tmp_path):
+    """Rank 1 stops answering before step 3 (FINETUNE_FAULT=hang-...): rank 0's collective times out after
+    ddp_timeout, the message names rank 1, and both ranks' Python stacks are in output_dir/logs/ (rank 1's
+    shows where it is stuck)."""
+    args = base_args(assets.llama, assets.instruction, "--max_steps", "6", "--eval_fraction", "0")
+    res = finetune(
+        tmp_path / "run",
+        *args,
+        "--ddp_timeout",
+        "8",
+        launcher="ddp",
+        expect_ok=False,
+        timeout=120,
+        extra_env={"FINETUNE_FAULT": "hang-before-step:3:1"},
+    )
+    assert res.returncode != 0
+    assert "finetune rank 0: a collective failed" in res.output, res.output[-3000:]
+    assert "Rank(s) 1 did not answer" in res.output, res.output[-3000:]
+    logs = tmp_path / "run" / "logs"
+    stuck = (logs / "stacks_rank1.txt").read_text()
+    waiting = (logs / "stacks_rank0.txt").read_text()
+    assert "fault_point" in stuck and "train" in stuck, stuck
+    assert "train_step" in waiting, waiting

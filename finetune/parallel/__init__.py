@@ -14,6 +14,7 @@ checkpoints and export are written once for all of them:
     prepare, observed        accelerate.prepare, and what the prepared objects show (logged, in metrics rows)
     forward_loss, clip_grad_norm, eval_logits, gather_for_metrics          the step and eval
     full_state_dict, full_optimizer_state, set_full_optimizer_state, hf_model   by parameter name
+    keep_checkpoints_per_machine   output_dir not shared between machines: complete copies, or a refusal
 
   ddp.py        one process and DDP (the defaults)
   deepspeed.py  DeepSpeed ZeRO-1/2/3, CPU offload
@@ -29,13 +30,20 @@ No code outside this package branches on the distributed type, ZeRO stage, FSDP,
 from __future__ import annotations
 
 from finetune.config import RunConfig
-from finetune.parallel.environment import describe, family_module, is_peer_failure, make_accelerator
+from finetune.parallel.environment import (
+    collective_timeout,
+    describe,
+    family_module,
+    is_peer_failure,
+    make_accelerator,
+)
 from finetune.parallel.plan import Plan, global_batch_index, make_plan
 from finetune.parallel.topology import Topology
 
 __all__ = [
     "Plan",
     "Topology",
+    "collective_timeout",
     "describe",
     "global_batch_index",
     "is_peer_failure",

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import torch
 
-from finetune.config import RunConfig
+from finetune.config import ConfigError, RunConfig
 from finetune.parallel.topology import Topology
 
 logger = logging.getLogger("finetune")
@@ -184,6 +184,26 @@ class Backend:
 
     def explain_error(self, err: BaseException) -> tuple[str, str] | None:
         return explain_error(err)
+
+    def keep_checkpoints_per_machine(self) -> None:
+        """output_dir is not shared between the machines (finetune.cluster.probe_storage): make each machine's
+        copy of every checkpoint complete. accelerate writes model, optimizer, scheduler and sampler states on
+        the global main process only, unless save_on_each_node; RNG states are per process anyway."""
+        self.acc.project_configuration.save_on_each_node = True
+
+
+def no_checkpoints_per_machine(why: str) -> ConfigError:
+    """The refusal of a backend whose checkpoints cannot be kept complete on each machine."""
+    return ConfigError(
+        [
+            (
+                "output_dir",
+                f"is not shared between the machines, and {why}; put output_dir on a filesystem every machine "
+                "mounts (NFS, Lustre, a cluster share), or use a DDP or DeepSpeed config (multinode_ddp.yaml, "
+                "multinode_zero3.yaml), which keep a complete checkpoint on every machine",
+            )
+        ]
+    )
 
 
 # ---------------------------------------------------------------- helpers every backend uses

@@ -120,6 +120,12 @@ class Backend(ddp.Backend):
 
     checkpoint_format = "portable"  # DeepSpeed's checkpoint holds partitions: portable/ adds full tensors
 
+    def keep_checkpoints_per_machine(self) -> None:
+        """Also DeepSpeed's own switch: each machine's local rank 0 writes the model-states file that every rank
+        reads when it loads (by default only global rank 0 writes it); each rank writes its own partition."""
+        super().keep_checkpoints_per_machine()
+        self.acc.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["use_node_local_storage"] = True
+
     def reentrant_checkpointing(self, peft_on: bool) -> bool:
         # PEFT under ZeRO-3: the non-reentrant recompute meets parameters ZeRO-3 has already released.
         return peft_on and self.topology.zero_stage == 3

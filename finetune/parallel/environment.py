@@ -47,7 +47,7 @@ def make_accelerator(cfg: RunConfig):
     ]
     if is_distributed_launch():
         gpu = has_accelerator_device()
-        timeout = datetime.timedelta(seconds=t.ddp_timeout or (1800 if gpu else 600))
+        timeout = datetime.timedelta(seconds=collective_timeout(t))
         handlers.append(InitProcessGroupKwargs(timeout=timeout, **({} if gpu else {"backend": "gloo"})))
     try:
         return Accelerator(
@@ -67,6 +67,13 @@ def make_accelerator(cfg: RunConfig):
             fix = "set report_to to some of those names, or [] for metrics.jsonl only"
             raise ConfigError([("report_to", f"{first}; {fix}")]) from None
         raise
+
+
+def collective_timeout(train) -> int:
+    """Seconds a collective waits for the other ranks (ddp_timeout; 1800 on GPU, 600 on CPU by default)."""
+    from finetune.parallel.ddp import has_accelerator_device
+
+    return train.ddp_timeout or (1800 if has_accelerator_device() else 600)
 
 
 def describe(accelerator) -> dict:

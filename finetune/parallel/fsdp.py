@@ -105,6 +105,12 @@ class Backend(ddp.Backend):
 
     checkpoint_format = "portable"  # accelerate's FSDP checkpoint holds shards: portable/ adds full tensors
 
+    def keep_checkpoints_per_machine(self) -> None:
+        raise ddp.no_checkpoints_per_machine(
+            "FSDP's sharded checkpoint (torch.distributed.checkpoint) writes its metadata on rank 0 only and "
+            "spreads entries every rank reads over the ranks, so no machine would hold a loadable copy"
+        )
+
     def place_model(self, model):
         """TP x FSDP2: split the loaded model by its tp_plan over accelerate's own "tp" mesh, before the optimizer
         is built (FSDP2 then shards it over "dp_shard" of the same mesh)."""

@@ -425,6 +425,11 @@ class Backend(ddp.Backend):
         self.grad_norm = None
         self.eval_dict: dict = {}
 
+    def keep_checkpoints_per_machine(self) -> None:
+        raise ddp.no_checkpoints_per_machine(
+            "Megatron-LM writes each tensor/pipeline shard from its own rank, with no per-machine copy"
+        )
+
     def prepare(self, model, optimizer, train_loader, eval_loader, scheduler, plan):
         """One accelerate.prepare call (each call initialises Megatron again, and a second one fails), with the
         dummy scheduler; then keep what Megatron's train/eval steps return that the forward drops."""

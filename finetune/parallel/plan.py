@@ -24,7 +24,7 @@ class Plan:
     steps_per_epoch: int
     total_steps: int
     warmup_steps: int
-    scheduler_steps_per_step: int  # accelerate steps a prepared scheduler once per process per optimizer step
+    num_processes: int  # accelerate steps a prepared scheduler once per process per optimizer step
 
     @property
     def global_batch_size(self) -> int:
@@ -33,11 +33,21 @@ class Plan:
     @property
     def scheduler_steps(self) -> tuple[int, int]:
         """(warmup, total) to build the LR scheduler with (AcceleratedScheduler, split_batches=False)."""
-        return self.warmup_steps * self.scheduler_steps_per_step, self.total_steps * self.scheduler_steps_per_step
+        return self.warmup_steps * self.num_processes, self.total_steps * self.num_processes
 
     def scheduler_position(self, step: int) -> int:
         """How many times the prepared scheduler has been stepped after `step` optimizer steps."""
-        return step * self.scheduler_steps_per_step
+        return step * self.num_processes
+
+    def loss_weight(self, global_count):
+        """Factor turning a micro batch's summed loss into its share of the global-batch mean.
+
+        accelerate divides each micro batch's loss by the accumulation steps and the gradient
+        reduction averages over processes, so both are multiplied back in; `global_count` is the
+        supervised count summed over every process (tensor-parallel replicas count their shared
+        batch once each, which the average over all processes cancels).
+        """
+        return self.num_processes * self.gradient_accumulation_steps / global_count
 
 
 def make_plan(train: TrainArgs, n_train_rows: int, topology: Topology) -> Plan:

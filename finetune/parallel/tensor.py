@@ -120,6 +120,11 @@ class Backend(ddp.Backend):
 
     checkpoint_format = "full"  # save_state goes through full state dicts (enable_full_checkpoints)
 
+    def keep_checkpoints_per_machine(self) -> None:
+        raise ddp.no_checkpoints_per_machine(
+            "tensor-parallel checkpoints (torch.distributed.checkpoint) are not verified to be complete per machine"
+        )
+
     def model_kwargs(self) -> dict:
         """Shard the model by its tp_plan over accelerate's "tp" mesh as it loads."""
         return {"tp_plan": "auto", "device_mesh": self.acc.torch_device_mesh["tp"]}

@@ -1,0 +1,281 @@
+"""Several machines: what a run does differently when its processes are spread over more than one node.
+
+  node_first(acc)      a block run by the global main first, then by each machine's local main (from
+                       the global main's shared cache, or into its own node-local one), then by the rest
+  fetch_model(...)     Hub downloads: each machine's local main first, the others from its cache
+  probe_storage(...)   is output_dir one filesystem every machine sees, or one per machine?
+  describe(...)        machines, processes per machine, hosts and the rendezvous, for the start log
+  Watchdog             hang forensics: a rank stuck past ddp_timeout writes its Python stack to
+                       output_dir/logs/, and the message names the ranks that did not answer
+
+On one machine all of this reduces to what a single-node run did before (one writer, no probe).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import socket
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from finetune.config import ConfigError
+
+logger = logging.getLogger("finetune")
+
+
+def machine_rank() -> int:
+    """This process's machine (node) index: torchrun's GROUP_RANK, 0 without a launcher."""
+    return int(os.environ.get("GROUP_RANK", 0))
+
+
+@contextmanager
+def node_first(acc):
+    """The global main process first, then each machine's local main, then everyone else.
+
+    With a shared cache the global main prepares it and every other process reads it; with a
+    node-local cache each machine's local main prepares its own. (accelerate's main_process_first
+    alone is the *global* main: a node-local cache would then be prepared by no one on the other
+    machines, or by all their ranks at once.)
+    """
+    with acc.main_process_first(), acc.local_main_process_first():
+        yield
+
+
+def fetch_model(acc, name: str, trust_remote_code: bool = False) -> None:
+    """A Hub id is downloaded by each machine's local main process first; the other processes then load
+    it from that machine's cache instead of all asking the Hub at once. Local directories need nothing.
+    A failed download is left to from_pretrained, which reports it with the model id."""
+    if os.path.isdir(name):
+        return
+    with node_first(acc):
+        if acc.is_local_main_process:
+            try:
+                from huggingface_hub import snapshot_download
+
+                snapshot_download(name, allow_patterns=FETCHED_FILES)
+            except Exception as e:  # offline, unknown id, gated: from_pretrained says which, on every rank
+                logger.info("could not pre-fetch %s (%s); loading directly", name, type(e).__name__)
+
+
+# What from_pretrained reads for a model and its tokenizer (no .bin/.h5/.msgpack/.onnx duplicates).
+FETCHED_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja", "*.py"]
+
+
+# ---------------------------------------------------------------- storage
+
+
+@dataclass(frozen=True)
+class Storage:
+    """Where the run's files live, as probed at start."""
+
+    kind: str  # "one machine" | "shared" | "node-local"
+    writes: bool  # this process writes the run's own files (checkpoint metadata, `latest`, run_config.yaml)
+
+    @property
+    def node_local(self) -> bool:
+        return self.kind == "node-local"
+
+
+def probe_storage(acc, output_dir: str, num_machines: int) -> Storage:
+    """Whether every machine sees the same output_dir (a shared filesystem) or each has its own.
+
+    Each machine's local main writes a marker file named by a token the global main chose; a machine
+    that sees every machine's marker shares the directory. Shared (or one machine): the global main
+    writes the run's files. Node-local: each machine's local main keeps a complete copy of every
+    checkpoint, so each machine resumes from its own disk; final/ is written on machine 0.
+    An output_dir that a machine cannot write is refused before anything loads.
+    """
+    if num_machines <= 1:
+        return Storage("one machine", acc.is_main_process)
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    token = broadcast_object_list([uuid.uuid4().hex[:12] if acc.is_main_process else None])[0]
+    mine = os.path.join(output_dir, f".finetune_probe_{token}_machine{machine_rank()}")
+    error = None
+    if acc.is_local_main_process:
+        try:
+            os.makedirs(output_dir, exist_ok=True)
+            with open(mine, "w") as f:
+                f.write(socket.gethostname())
+        except OSError as e:
+            error = f"{type(e).__name__}: {e}"
+    acc.wait_for_everyone()
+    seen = None
+    if acc.is_local_main_process and error is None:
+        seen = sum(
+            os.path.exists(os.path.join(output_dir, f".finetune_probe_{token}_machine{m}")) for m in range(num_machines)
+        )
+    reports = gather_object([(machine_rank(), socket.gethostname(), acc.is_local_main_process, error, seen)])
+    acc.wait_for_everyone()
+    if acc.is_local_main_process and error is None:
+        os.remove(mine)
+    writers = [r for r in reports if r[2]]
+    failed = [f"machine {m} ({host}): {err}" for m, host, _, err, _ in writers if err]
+    if failed:
+        raise ConfigError(
+            [
+                (
+                    "output_dir",
+                    f"{output_dir} cannot be written on {'; '.join(failed)}; create it with write permission on "
+                    "every machine, or choose another output_dir",
+                )
+            ]
+        )
+    if all(seen == num_machines for *_, seen in writers):
+        return Storage("shared", acc.is_main_process)
+    return Storage("node-local", acc.is_local_main_process)
+
+
+def describe_storage(storage: Storage, output_dir: str, num_machines: int) -> str:
+    """One line for the start log."""
+    if storage.kind == "shared":
+        return f"storage: {output_dir} is shared by the {num_machines} machines (one copy of each checkpoint)"
+    if storage.node_local:
+        return (
+            f"storage: {output_dir} is NOT shared between the {num_machines} machines: each machine keeps its "
+            "own copy of every checkpoint and resumes from it; final/ and metrics.jsonl are on machine 0"
+        )
+    return f"storage: {output_dir}"
+
+
+def agree_on_resume(acc, path: str | None) -> None:
+    """Every machine must continue from the same step; a node-local copy can lag (a machine's disk was
+    full, its copy was deleted)."""
+    from accelerate.utils import gather_object
+
+    if acc.num_processes == 1:
+        return
+    mine = os.path.basename(path) if path else "a fresh start"
+    views = gather_object([(machine_rank(), socket.gethostname(), mine)])
+    if len({v for *_, v in views}) > 1:
+        found = "; ".join(sorted({f"machine {m} ({h}): {v}" for m, h, v in views}))
+        raise ConfigError(
+            [
+                (
+                    "resume_from_checkpoint",
+                    f"the machines would resume from different checkpoints ({found}); give the same "
+                    "checkpoints/step_N on every machine, or copy the newest checkpoint to the machines that lack it",
+                )
+            ]
+        )
+
+
+# ---------------------------------------------------------------- the start log
+
+
+def describe(acc, num_machines: int) -> str:
+    """Machines, processes per machine, hosts and rendezvous: one line for the start log."""
+    from accelerate.utils import gather_object
+
+    hosts = gather_object([(machine_rank(), socket.gethostname())])
+    by_machine: dict[int, set[str]] = {}
+    for m, host in hosts:
+        by_machine.setdefault(m, set()).add(host)
+    names = ", ".join(f"{m}: {'/'.join(sorted(h))}" for m, h in sorted(by_machine.items()))
+    per_machine = os.environ.get("LOCAL_WORLD_SIZE", str(acc.num_processes // max(1, num_machines)))
+    where = f"{os.environ.get('MASTER_ADDR', '-')}:{os.environ.get('MASTER_PORT', '-')}"
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    rendezvous = f"rendezvous {where}" + (f" (run id {run_id})" if run_id and run_id != "none" else "")
+    return (
+        f"machines: {num_machines} x {per_machine} process(es) per machine = {acc.num_processes} "
+        f"(hosts {names}); {rendezvous}"
+    )
+
+
+# ---------------------------------------------------------------- hang forensics
+
+
+class Watchdog:
+    """Hang forensics for multi-process runs.
+
+    Every optimizer step re-arms a timer (faulthandler, a C thread that runs even while Python is stuck
+    in a collective or in I/O). A process that makes no progress for `timeout` seconds, which is the
+    collective timeout (ddp_timeout), writes the Python stack of every thread to
+    output_dir/logs/stacks_rank<N>.txt. When a collective then fails, `not_answering` names the ranks
+    that never reported the failure themselves: the stuck or dead ones.
+    """
+
+    def __init__(self, acc, output_dir: str, timeout: float):
+        import torch.distributed as dist
+
+        self.rank, self.world, self.timeout = acc.process_index, acc.num_processes, timeout
+        self.store = dist.distributed_c10d._get_default_store() if self.world > 1 and dist.is_initialized() else None
+        self.prefix = f"finetune/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
+        self.file = None
+        if self.store is not None:
+            logs = os.path.join(output_dir, "logs")
+            os.makedirs(logs, exist_ok=True)
+            self.path = os.path.join(logs, f"stacks_rank{self.rank}.txt")
+            self.file = open(self.path, "w")
+
+    def beat(self) -> None:
+        """Progress: restart the clock."""
+        if self.file is not None:
+            faulthandler.dump_traceback_later(self.timeout * 0.9, exit=False, file=self.file)
+
+    def stop(self) -> None:
+        if self.file is not None:
+            faulthandler.cancel_dump_traceback_later()
+
+    def not_answering(self, wait: float = 5.0) -> list[int]:
+        """After a failed collective: ranks that did not report the same failure within `wait` seconds."""
+        if self.store is None:
+            return []
+        self.stop()
+        faulthandler.dump_traceback(file=self.file, all_threads=True)
+        self.file.flush()
+        self.store.set(f"{self.prefix}/failed/{self.rank}", "1")
+        keys = {r: f"{self.prefix}/failed/{r}" for r in range(self.world)}
+        deadline = time.monotonic() + wait
+        while True:
+            missing = [r for r, k in keys.items() if not self.store.check([k])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.2)
+
+    def describe(self, missing: list[int]) -> str:
+        where = os.path.dirname(self.path) if self.file is not None else "output_dir/logs"
+        if not missing:
+            return f"Every rank saw the failure; Python stacks: {where}/stacks_rank*.txt."
+        ranks = ", ".join(str(r) for r in missing)
+        return (
+            f"Rank(s) {ranks} did not answer (stuck or dead); the stacks of the ranks that were still alive are "
+            f"in {where}/stacks_rank*.txt (a stuck rank's shows where it waits)."
+        )
+
+
+def fault_point(name: str, step: int) -> None:
+    """Fault injection for the crash and hang tests: FINETUNE_FAULT=<name>:<step>[:<rank>]. A name starting
+    with "hang-" makes that process stop answering (sleep); any other name kills it (SIGKILL) there."""
+    spec = os.environ.get("FINETUNE_FAULT", "").split(":")
+    if len(spec) < 2 or spec[0] != name or int(spec[1]) != step:
+        return
+    if len(spec) >= 3 and spec[2] != os.environ.get("RANK", "0"):
+        return
+    if name.startswith("hang-"):
+        while True:
+            time.sleep(60)
+    os.kill(os.getpid(), 9)
+
+
+_active: Watchdog | None = None  # the run's watchdog, for the error report in finetune.cli
+
+
+def start_watchdog(acc, output_dir: str, timeout: float) -> Watchdog:
+    global _active
+    _active = Watchdog(acc, output_dir, timeout)
+    return _active
+
+
+def explain_hang() -> str:
+    """For the message after a failed collective: who did not answer, where the stacks are."""
+    if _active is None or _active.store is None:
+        return ""
+    try:
+        return _active.describe(_active.not_answering())
+    except Exception as e:  # the store may be gone with the launcher
+        return f"(could not ask the other ranks: {type(e).__name__})"

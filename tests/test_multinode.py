@@ -1,0 +1,253 @@
+"""Several machines, on loopback: two launches of the same command with `--num_machines 2`, `--machine_rank 0`
+and `1`, main address 127.0.0.1 and one process each, as two machines run it. Only 127.0.0.1 is ever used.
+
+The one-machine two-process run of the same config is the reference: the two "machines" must reproduce its
+per-step losses (1e-6 relative), with one shared output_dir and with one output_dir per machine (a node-local
+disk), and resume in both."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT, Result, base_args, crash_after, finetune
+
+pytestmark = pytest.mark.slow
+SHIPPED = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_machines(outs: tuple[Path, Path], config: str, *args: str, timeout: int = 300) -> list[Result]:
+    """Machine 0 and machine 1 of `accelerate_configs/<config>.yaml`, one process each, on 127.0.0.1."""
+    port = free_port()
+    procs = []
+    for rank, out in enumerate(outs):
+        cmd = [
+            sys.executable, "-m", "accelerate.commands.launch",
+            "--config_file", str(ROOT / "accelerate_configs" / f"{config}.yaml"),
+            "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
+            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+            "-m", "finetune", "--output_dir", str(out), "--disable_tqdm", "true", *args,
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        procs.append(
+            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+        time.sleep(0.5)  # machine 0 first: c10d ranks the machines in the order they join
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for p, out in zip(procs, outs):
+            output, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
+            results.append(Result(p.returncode, output, out))
+    finally:
+        for p in procs:
+            p.kill()
+    return results
+
+
+DIST_TYPE = {"multinode_ddp": "MULTI_CPU", "multinode_zero3": "DEEPSPEED", "multinode_fsdp2": "FSDP"}
+
+
+def assert_two_machines(results: list[Result], config: str) -> None:
+    """Both launches succeeded as one job of 2 processes on 2 machines, of the config's distributed type."""
+    machine0 = results[0]
+    assert all(r.returncode == 0 for r in results), "\n\n".join(r.output[-4000:] for r in results)
+    assert f"distributed: {DIST_TYPE[config]}, world size 2," in machine0.output, machine0.output[-3000:]
+    assert "machines: 2 x 1 process(es) per machine = 2" in machine0.output, machine0.output[-3000:]
+    assert "rendezvous 127.0.0.1:" in machine0.output
+    rows = machine0.train_rows
+    assert rows and rows[-1]["world_size"] == 2 and rows[-1]["distributed_type"] == DIST_TYPE[config]
+
+
+def losses_equal(a: Result, b: Result) -> None:
+    la, lb = a.losses(), b.losses()
+    assert len(la) == len(lb) and la, (la, lb)
+    assert max(abs(x - y) / abs(x) for x, y in zip(la, lb)) <= 1e-6, (la, lb)
+
+
+@pytest.fixture(scope="module")
+def reference(assets, tmp_path_factory):
+    """The one-machine, two-process run of each config (computed once per config)."""
+    cache: dict[str, Result] = {}
+
+    def get(config: str) -> Result:
+        if config not in cache:
+            single_node = {"multinode_ddp": "ddp", "multinode_zero3": "zero3", "multinode_fsdp2": "fsdp2"}[config]
+            cache[config] = finetune(tmp_path_factory.mktemp(config) / "run", *run_args(assets), launcher=single_node)
+        return cache[config]
+
+    return get
+
+
+def run_args(assets) -> list[str]:
+    return base_args(assets.llama, assets.instruction, "--max_steps", "4", "--save_steps", "2", "--eval_fraction", "0")
+
+
+@pytest.mark.parametrize("config", ["multinode_ddp", "multinode_zero3", "multinode_fsdp2"])
+def test_two_machines_sharing_output_dir_equal_one_machine(assets, tmp_path, reference, config):
+    out = tmp_path / "shared"
+    results = two_machines((out, out), config, *run_args(assets))
+    assert_two_machines(results, config)
+    assert f"storage: {out} is shared by the 2 machines" in results[0].output
+    losses_equal(reference(config), results[0])
+    assert (out / "final").is_dir() and (out / "checkpoints" / "step_4").is_dir()
+    if config == "multinode_ddp":  # resume: both machines continue from the shared checkpoint
+        crash_after(out, 2)
+        resumed = two_machines((out, out), config, *run_args(assets), "--resume_from_checkpoint", "latest")
+        assert_two_machines(resumed, config)
+        assert "resumed from" in resumed[0].output
+        assert [r["step"] for r in resumed[0].train_rows] == [1, 2, 3, 4]
+        losses_equal(reference(config), resumed[0])
+
+
+def test_two_machines_each_with_its_own_output_dir_equal_one_machine_and_resume(assets, tmp_path, reference):
+    """No shared filesystem (one output_dir per machine): every machine keeps a complete ZeRO-3 checkpoint
+    and resumes from its own copy; final/ and metrics.jsonl are written once, on machine 0."""
+    config = "multinode_zero3"
+    outs = (tmp_path / "machine0", tmp_path / "machine1")
+    results = two_machines(outs, config, *run_args(assets))
+    assert_two_machines(results, config)
+    assert "is NOT shared between the 2 machines" in results[0].output
+    losses_equal(reference("multinode_zero3"), results[0])
+    assert (outs[0] / "final").is_dir() and not (outs[1] / "final").exists()
+    assert not (outs[1] / "metrics.jsonl").exists()
+    for rank, out in enumerate(outs):  # each machine's copy: its rank's ZeRO partition and states, and the rest
+        ckpt = out / "checkpoints" / "step_2"
+        assert (out / "checkpoints" / "latest").read_text().strip() == "step_4"
+        names = {p.name for p in ckpt.rglob("*")}
+        mine = {f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt" for kind in ("model", "optim")}
+        assert mine | {f"random_states_{rank}.pkl", "scheduler.bin", "trainer_state.json"} <= names, sorted(names)
+    crash_after(outs[0], 2)
+    _crash_copy(outs[1], 2)
+    resumed = two_machines(outs, config, *run_args(assets), "--resume_from_checkpoint", "latest")
+    assert_two_machines(resumed, config)
+    assert [r["step"] for r in resumed[0].train_rows] == [1, 2, 3, 4]
+    losses_equal(reference("multinode_zero3"), resumed[0])
+
+
+def _crash_copy(out: Path, step: int) -> None:
+    """crash_after for a machine that holds no final/ (it is written on machine 0 only)."""
+    for ckpt in (out / "checkpoints").glob("step_*"):
+        if int(ckpt.name.split("_")[1]) > step:
+            shutil.rmtree(ckpt)
+    (out / "checkpoints" / "latest").write_text(f"step_{step}\n")
+
+
+def test_fsdp2_without_a_shared_output_dir_is_refused_before_training(assets, tmp_path):
+    outs = (tmp_path / "machine0", tmp_path / "machine1")
+    results = two_machines(outs, "multinode_fsdp2", *run_args(assets), timeout=180)
+    assert all(r.returncode != 0 for r in results), results[0].output[-3000:]
+    assert "exitcode: 2" in results[0].output  # finetune's bad-input code, under the launcher's own report
+    assert "output_dir: is not shared between the machines" in results[0].output
+    assert not (outs[0] / "checkpoints").exists() and not (outs[0] / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------- configs and the SLURM script (no launch)
+
+
+def test_no_shipped_config_holds_an_address_that_routes():
+    """Multi-machine configs hold a placeholder that cannot be taken for an address; others none at all."""
+    for path in SHIPPED:
+        raw = yaml.safe_load(path.read_text())
+        ip = raw.get("main_process_ip")
+        if raw.get("num_machines", 1) > 1:
+            assert isinstance(ip, str) and ip.startswith("<EDIT"), path.name
+            assert raw["rdzv_backend"] == "c10d", path.name
+        else:
+            assert ip in (None, "127.0.0.1", "localhost"), path.name
+    names = {p.stem for p in SHIPPED}
+    assert {"multinode_ddp", "multinode_zero3", "multinode_fsdp2"} <= names
+    zero3 = yaml.safe_load((ROOT / "accelerate_configs" / "multinode_zero3.yaml").read_text())
+    assert zero3["deepspeed_config"]["deepspeed_multinode_launcher"] == "standard"
+
+
+def test_unedited_placeholder_stops_the_launch_at_once(tmp_path):
+    start = time.monotonic()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(ROOT / "accelerate_configs" / "multinode_ddp.yaml"),
+            "-m",
+            "finetune",
+            "--output_dir",
+            str(tmp_path / "out"),
+        ],  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0 and time.monotonic() - start < 30
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "<EDIT: address of machine 0, or pass --main_process_ip>" in last, proc.stderr[-2000:]
+
+
+def test_slurm_script_gives_each_node_its_own_machine_rank(tmp_path):
+    """srun runs the launch line on every node: SLURM_NODEID must expand there (fake srun/scontrol/accelerate
+    record what each node would run)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "launched.jsonl"
+    fakes = {
+        # srun: run the command once per node, with that node's SLURM_NODEID
+        "srun": '#!/bin/bash\nwhile [[ "$1" == --* ]]; do case "$1" in --output) shift 2;; *) shift;; esac; done\n'
+        'for n in 0 1; do SLURM_NODEID=$n "$@"; done\n',
+        "scontrol": "#!/bin/bash\necho gpu-node-a\necho gpu-node-b\n",
+        "accelerate": f"#!/bin/bash\n{sys.executable} -c 'import json,sys; print(json.dumps(sys.argv[1:]))' "
+        f'"$@" >> {log}\n',
+    }
+    for name, text in fakes.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NODELIST": "gpu-node-[a-b]",
+        "SLURM_JOB_ID": "42",
+        "SLURM_NODEID": "0",  # the batch host's own value: must not leak into the nodes' commands
+        "GPUS_PER_NODE": "4",
+    }
+    proc = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "scripts" / "slurm.sbatch"),
+            "accelerate_configs/multinode_zero3.yaml",
+            "run.yaml",
+            "--max_steps",
+            "5",
+        ],  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    launches = [json.loads(line) for line in log.read_text().splitlines()]
+
+    def value(argv, flag):
+        return argv[argv.index(flag) + 1]
+
+    assert [value(a, "--machine_rank") for a in launches] == ["0", "1"]
+    for argv in launches:
+        assert value(argv, "--main_process_ip") == "gpu-node-a" and value(argv, "--num_processes") == "8"
+        assert value(argv, "--num_machines") == "2" and value(argv, "--rdzv_backend") == "c10d"
+        assert argv[argv.index("-m") :] == ["-m", "finetune", "--config", "run.yaml", "--max_steps", "5"]
