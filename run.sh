@@ -50,7 +50,9 @@ case "$cmd" in
       -m finetune --config examples/demo.yaml --overwrite_output_dir true "$@" ;;
   test)
     setup
-    "$PY" -m pytest -q tests "$@" ;;
+    # Two tests at a time (-n 2, pytest-xdist): most of a multi-process test is start-up and waiting, so two
+    # side by side keep both cores busy. Every launch takes a free port, so they never share one.
+    "$PY" -m pytest -q -n 2 --dist loadgroup tests "$@" ;;
   bench)
     setup
     "$PY" bench/perf.py "$@" ;;

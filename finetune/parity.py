@@ -73,6 +73,8 @@ def run_one(name: str, path: Path, ga: int, args: argparse.Namespace, overrides:
         "accelerate.commands.launch",
         "--config_file",
         str(path),
+        "--main_process_port",
+        "0",  # a free port: no clash with another job on this machine
         "-m",
         "finetune",
         "--config",

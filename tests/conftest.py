@@ -117,6 +117,8 @@ def finetune(
             "accelerate.commands.launch",
             "--config_file",
             str(ROOT / "accelerate_configs" / f"{launcher}.yaml"),
+            "--main_process_port",
+            "0",  # a free port: tests may run side by side (pytest -n)
             *launch_args,
             "-m",
             "finetune",

@@ -26,6 +26,7 @@ import yaml
 
 from finetune.demo import write_jsonl
 
+pytestmark = pytest.mark.xdist_group("bad_inputs")  # one worker: its module fixture runs once
 ROOT = Path(__file__).resolve().parents[1]
 TIME_LIMIT_S = 10.0
 DROP = object()  # a base-config field set to DROP is left out of the YAML

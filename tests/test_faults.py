@@ -48,6 +48,8 @@ def test_killed_rank_stops_everyone_and_resume_finishes_the_run(assets, tmp_path
         "accelerate.commands.launch",
         "--config_file",
         str(ROOT / "accelerate_configs" / f"{launcher}.yaml"),
+        "--main_process_port",
+        "0",
         "-m",
         "finetune",
         "--output_dir",

@@ -12,7 +12,7 @@ import sys
 import pytest
 from conftest import ROOT, base_args, crash_after, finetune, max_rel_diff, max_weight_diff
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fsdp")]  # one worker: the module fixture runs once
 
 PROBE = """
 import os, sys
