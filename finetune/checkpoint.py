@@ -23,6 +23,7 @@ adapter's weights by name. Full tensors are in one of two forms:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -40,6 +41,7 @@ STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "run_config.yaml"
 PORTABLE = "portable"
 PARAM_NAMES = "optimizer_param_names.json"
+MANIFEST = "manifest.json"
 
 
 def checkpoints_dir(output_dir: str) -> str:
@@ -89,23 +91,31 @@ class Checkpointer:
         self.writes = writes  # this process makes and names the directories (cluster.Storage.writes)
 
     def save(self, trainer_state: dict[str, Any]) -> str:
-        """Save a resumable checkpoint on every rank, atomically; update `latest`; prune old ones."""
+        """Save a resumable checkpoint on every rank, atomically; update `latest`; prune old ones.
+
+        A write error on any rank (a full disk, an I/O error) removes the half-written checkpoint and stops
+        the run with one message (CheckpointWriteError); `latest` still names the previous checkpoint."""
         acc, step = self.acc, trainer_state["step"]
         root = checkpoints_dir(self.output_dir)
         final = os.path.join(root, f"step_{step}")
         tmp = os.path.join(root, f".tmp_step_{step}")
+        error = None
         if self.writes:
             shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
+            error = _attempt(os.makedirs, tmp)
         acc.wait_for_everyone()
-        acc.save_state(tmp, safe_serialization=True)
-        self._write_full_tensors(tmp)
+        if error is None:
+            error = _attempt(acc.save_state, tmp, safe_serialization=True)
+        if error is None:
+            error = _attempt(self._write_full_tensors, tmp)
+        if error is None:
+            error = _attempt(fault_point, "enospc-in-checkpoint", step)
         fault_point("in-checkpoint", step)
         acc.wait_for_everyone()
+        if self.writes and error is None:
+            error = _attempt(self._write_metadata, tmp, trainer_state)
+        self._raise_if_any_failed(error, step, tmp)
         if self.writes:
-            write_atomic(os.path.join(tmp, CONFIG_FILE), yaml.safe_dump(self.run_config, sort_keys=False))
-            state = {**trainer_state, "layout": self.layout}
-            write_atomic(os.path.join(tmp, STATE_FILE), json.dumps(state, indent=2))
             if os.path.exists(final):  # e.g. a resumed run saving the step it resumed from
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -116,6 +126,40 @@ class Checkpointer:
                         shutil.rmtree(path, ignore_errors=True)
         acc.wait_for_everyone()
         return final
+
+    def _write_metadata(self, tmp: str, trainer_state: dict[str, Any]) -> None:
+        """The run config, the manifest of every file (size and SHA-256, verified at resume), and last the
+        trainer state, which marks the checkpoint complete."""
+        write_atomic(os.path.join(tmp, CONFIG_FILE), yaml.safe_dump(self.run_config, sort_keys=False))
+        write_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest_of(tmp), indent=1))
+        state = {**trainer_state, "layout": self.layout}
+        write_atomic(os.path.join(tmp, STATE_FILE), json.dumps(state, indent=2))
+
+    def _raise_if_any_failed(self, error: OSError | None, step: int, tmp: str) -> None:
+        from accelerate.utils import gather_object
+
+        errors = (
+            gather_object([(self.acc.process_index, error and str(error))])
+            if self.acc.num_processes > 1
+            else [(0, error and str(error))]
+        )
+        failed = [(rank, text) for rank, text in errors if text]
+        if not failed:
+            return
+        previous = latest_complete(self.output_dir)
+        needs = _size_of(previous) if previous else _size_of(tmp)
+        if self.writes:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.acc.wait_for_everyone()
+        free = shutil.disk_usage(self.output_dir).free if os.path.isdir(self.output_dir) else 0
+        where = "; ".join(f"rank {rank}: {text}" for rank, text in failed[:3])
+        kept = f"{previous} is intact and `latest` still names it" if previous else "no earlier checkpoint exists"
+        raise CheckpointWriteError(
+            f"could not write checkpoint step_{step} ({where}). A checkpoint of this run takes about "
+            f"{needs / 1e9:.2f} GB; {free / 1e9:.2f} GB are free under {self.output_dir}. {kept}. Free space, "
+            "set save_total_limit (keep fewer checkpoints) or choose another output_dir, then continue with "
+            "--resume_from_checkpoint latest."
+        )
 
     def _write_full_tensors(self, tmp: str) -> None:
         """What another layout needs to resume (see the module docstring)."""
@@ -143,6 +187,67 @@ class Checkpointer:
             save_file(tensors, os.path.join(out, "optimizer.safetensors"))
 
 
+class CheckpointWriteError(Exception):
+    """A checkpoint could not be written (a full disk, an I/O error); the previous one is intact."""
+
+
+def _attempt(fn, *args, **kwargs) -> OSError | None:
+    """Run a step of writing a checkpoint; the OSError it raised, if any (collected from every rank)."""
+    try:
+        fn(*args, **kwargs)
+    except OSError as e:
+        return e
+    return None
+
+
+def _size_of(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def manifest_of(directory: str) -> dict[str, list]:
+    """{relative path: [size, sha256]} of every file under `directory` (but the manifest itself)."""
+    out = {}
+    for d, _, files in os.walk(directory):
+        for name in sorted(files):
+            path = os.path.join(d, name)
+            rel = os.path.relpath(path, directory)
+            if rel != MANIFEST:
+                out[rel] = [os.path.getsize(path), _sha256(path)]
+    return dict(sorted(out.items()))
+
+
+def _sha256(path: str) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def damage(path: str) -> str | None:
+    """What is wrong with a checkpoint, checked against the manifest written with it; None: intact."""
+    if not os.path.isfile(os.path.join(path, STATE_FILE)):
+        return f"{STATE_FILE} is missing (an incomplete checkpoint)"
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        return None  # written before manifests existed: nothing to check against
+    except (OSError, json.JSONDecodeError) as e:
+        return f"{MANIFEST} cannot be read ({type(e).__name__})"
+    for rel, (size, digest) in manifest.items():
+        full = os.path.join(path, rel)
+        if not os.path.isfile(full):
+            return f"{rel} is missing"
+        if os.path.getsize(full) != size:
+            return f"{rel} has {os.path.getsize(full)} bytes, {size} were written"
+        if _sha256(full) != digest:
+            return f"{rel} does not match its checksum (damaged)"
+    return None
+
+
 def latest_complete(output_dir: str) -> str | None:
     """The checkpoint `latest` names, if there is one."""
     try:
@@ -167,6 +272,46 @@ def resolve_resume(output_dir: str, spec: str | None) -> str | None:
         return spec
     with open(os.path.join(checkpoints_dir(output_dir), LATEST)) as f:
         return os.path.join(checkpoints_dir(output_dir), f.read().strip())
+
+
+def choose(output_dir: str, spec: str | None) -> tuple[str | None, list[tuple[str, str]]]:
+    """The checkpoint to continue from (None: start fresh), verified against its manifest, and the damaged
+    ones skipped on the way as (path, what is wrong). With latest/auto that is the newest intact checkpoint;
+    a path names one, and a damaged one is refused."""
+    path = resolve_resume(output_dir, spec)
+    if not path:
+        return None, []
+    if spec not in (LATEST, "auto"):
+        why = damage(path) if os.path.isfile(os.path.join(path, STATE_FILE)) else None  # else: read_trainer_state
+        if why:
+            raise ConfigError(
+                [
+                    (
+                        "resume_from_checkpoint",
+                        f"{path} is damaged: {why}; give an older checkpoints/step_N, or 'latest', which skips "
+                        "damaged checkpoints",
+                    )
+                ]
+            )
+        return path, []
+    newest = int(re.sub(r"\D", "", os.path.basename(path)) or 0)
+    older = [p for step, p in reversed(list_checkpoints(output_dir)) if step < newest]
+    skipped = []
+    for candidate in [path, *older]:
+        why = damage(candidate)
+        if why is None:
+            return candidate, skipped
+        skipped.append((candidate, why))
+    raise ConfigError(
+        [
+            (
+                "resume_from_checkpoint",
+                f"every checkpoint under {checkpoints_dir(output_dir)} is damaged ("
+                + "; ".join(f"{os.path.basename(p)}: {why}" for p, why in skipped)
+                + "); start fresh with --overwrite_output_dir true, or restore a checkpoint from a backup",
+            )
+        ]
+    )
 
 
 def read_trainer_state(path: str) -> dict[str, Any]:
@@ -202,6 +347,7 @@ class Resume:
     path: str
     saved: dict[str, Any]  # its trainer_state.json
     portable: bool  # written by another layout: weights and AdamW state go by parameter name
+    changes: list = dataclasses.field(default_factory=list)  # (key, in the checkpoint, now): applied
 
     @property
     def step(self) -> int:
@@ -243,16 +389,74 @@ class Resume:
         }
 
 
-def find_resume(output_dir: str, spec: str | None, layout: dict[str, Any]) -> Resume | None:
-    """The checkpoint to continue from (None: start fresh), refused before any model loads when a resume
-    under another layout cannot be exact."""
-    path = resolve_resume(output_dir, spec)
+# Run-config values a resume cannot change: the model, what the data is and how it is cut and ordered.
+# (The global batch is checked from the layout.) Anything else changed on resume is applied and logged.
+FIXED_ON_RESUME = (
+    "model",
+    "task",
+    "dataset",
+    "dataset_config",
+    "eval_dataset",
+    "format",
+    "max_seq_length",
+    "packing",
+    "max_train_samples",
+    "eval_fraction",
+    "seed",
+    "peft.method",
+    "peft.r",
+    "peft.alpha",
+    "peft.target_modules",
+)
+NOT_COMPARED = ("output_dir", "resume_from_checkpoint", "overwrite_output_dir")
+SCHEDULE_KEYS = {"learning_rate", "max_steps", "num_train_epochs", "warmup_steps", "warmup_ratio", "lr_scheduler_type"}
+
+
+def config_changes(path: str, run_config: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key, in the checkpoint, now) for every run-config value that differs from the checkpoint's; a value
+    the resume cannot change is refused (ConfigError), naming the key and the fix."""
+    try:
+        with open(os.path.join(path, CONFIG_FILE)) as f:
+            saved = yaml.safe_load(f) or {}
+    except OSError:
+        return []
+    was, now = _dotted(saved), _dotted(run_config)
+    changes = [(k, was[k], v) for k, v in now.items() if k not in NOT_COMPARED and k in was and was[k] != v]
+    fixed = [(k, was, now) for k, was, now in changes if k in FIXED_ON_RESUME]
+    if fixed:
+        raise ConfigError(
+            [
+                (
+                    k,
+                    f"is {now!r} but {path} was trained with {was!r}; a resume continues the same run, so set it back "
+                    "to the checkpoint's value, or start a new run in another output_dir",
+                )
+                for k, was, now in fixed
+            ]
+        )
+    return changes
+
+
+def _dotted(flat: dict[str, Any]) -> dict[str, Any]:
+    """The run config's sections (peft: {...}) as dotted keys (peft.method), the names the command line uses."""
+    out = {}
+    for k, v in flat.items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{sub}": x for sub, x in v.items()})
+        else:
+            out[k] = v
+    return out
+
+
+def find_resume(path: str | None, layout: dict[str, Any], run_config: dict[str, Any]) -> Resume | None:
+    """The Resume of the chosen checkpoint (`choose`; None: start fresh), refused before any model loads when a
+    resume under another layout cannot be exact, or when the run config changes what a resume cannot."""
     if not path:
         return None
     saved = read_trainer_state(path)
     was, here = dict(saved["layout"]), dict(layout)
     batch_was, batch_here = was.pop("global_batch_size"), here.pop("global_batch_size")
-    resume = Resume(path, saved, portable=was != here)
+    resume = Resume(path, saved, portable=was != here, changes=config_changes(path, run_config))
     if batch_was != batch_here:
         raise ConfigError(
             [
@@ -307,12 +511,16 @@ def _check_same_parameters(path: str, named: dict, state: dict) -> None:
         raise RuntimeError(f"checkpoint {path} and this model disagree on parameters: {sorted(differ)[:5]}")
 
 
-def restore(accelerator, backend, model, optimizer, scheduler, plan, resume: Resume) -> dict[str, Any]:
-    """Restore model, optimizer, scheduler (and, same layout, RNG) on every rank; return the trainer state."""
+def restore(accelerator, backend, model, optimizer, scheduler, plan, resume: Resume, learning_rate: float) -> dict:
+    """Restore model, optimizer, scheduler (and, same layout, RNG) on every rank; return the trainer state.
+    A changed learning rate or schedule applies from the resumed step on."""
+    from finetune.optim import reschedule, set_scheduler_position
+
     if not resume.portable:
         backend.load_state(resume.path)
+        if {k for k, _, _ in resume.changes} & SCHEDULE_KEYS:
+            reschedule(scheduler, learning_rate, plan.scheduler_position(resume.step))
         return resume.saved
-    from finetune.optim import set_scheduler_position
     from finetune.parallel.ddp import trainable_parameters
 
     state = resume.full_state()

@@ -13,6 +13,8 @@ import os
 import signal
 import sys
 
+from finetune.checkpoint import CheckpointWriteError
+from finetune.cluster import STOP, Diverged, Preempted, Stopped
 from finetune.config import (
     NESTED,
     SECTIONS,
@@ -101,14 +103,6 @@ def _is_main_rank() -> bool:
     return os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
 
 
-class Stopped(Exception):
-    """SIGTERM: the launcher ends the survivors when a rank dies (or the job is cancelled)."""
-
-
-def _raise_stopped(signum, frame):
-    raise Stopped()
-
-
 def run_cli(argv: list[str] | None = None) -> int:
     """Parse and run; returns the exit code.
 
@@ -128,16 +122,37 @@ def run_cli(argv: list[str] | None = None) -> int:
         return check(argv[1:])
     cfg = None
     rank = os.environ.get("RANK", "0")
-    signal.signal(signal.SIGTERM, _raise_stopped)
+    STOP.install()
     try:
         cfg = parse(argv)
+        STOP.install(cfg.train.preemption_signal)
         from finetune.run import run
 
         run(cfg)
     except ConfigError as e:
         if _is_main_rank():
             print(e.render(), file=sys.stderr)
+        launcher_error_file(e.render())
         return 2
+    except Preempted as e:
+        if _is_main_rank():
+            print(
+                f"finetune: stopped by {e.signame} (preemption) after step {e.step}; checkpoint saved: {e.checkpoint}. "
+                "Continue with the same command plus --resume_from_checkpoint auto.",
+                file=sys.stderr,
+                flush=True,
+            )
+        return 128 + signal.Signals[e.signame].value
+    except Diverged as e:
+        if _is_main_rank():
+            print(f"finetune: {e}", file=sys.stderr, flush=True)
+        launcher_error_file(str(e))
+        return 1
+    except CheckpointWriteError as e:
+        if _is_main_rank():
+            print(f"finetune: {e}", file=sys.stderr, flush=True)
+        launcher_error_file(str(e))
+        return 1
     except KeyboardInterrupt:
         print("finetune: interrupted", file=sys.stderr)
         return 130
@@ -165,6 +180,27 @@ def run_cli(argv: list[str] | None = None) -> int:
         )
         return 1
     return 0
+
+
+def launcher_error_file(message: str) -> None:
+    """Under torchrun (accelerate launch), its error file: the launcher's failure report then shows this message
+    instead of "To enable traceback see ..."."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import json
+    import time
+
+    with open(path, "w") as f:
+        json.dump(
+            {
+                "message": {
+                    "message": message,
+                    "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))},
+                }
+            },
+            f,
+        )
 
 
 def _hint(cfg) -> str:

@@ -7,6 +7,9 @@
   describe(...)        machines, processes per machine, hosts and the rendezvous, for the start log
   Watchdog             hang forensics: a rank stuck past ddp_timeout writes its Python stack to
                        output_dir/logs/, and the message names the ranks that did not answer
+  STOP                 preemption: SIGTERM or train.preemption_signal ends the run at a step boundary,
+                       with a checkpoint
+  from_writer(...)     a value computed by the process that writes a machine's files, for every process
 
 On one machine all of this reduces to what a single-node run did before (one writer, no probe).
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
+import signal
 import socket
 import time
 import uuid
@@ -164,6 +168,78 @@ def agree_on_resume(acc, path: str | None) -> None:
         )
 
 
+def from_writer(acc, storage: Storage, compute):
+    """compute() run by the process that writes this machine's files (the global main, or each machine's local
+    main when output_dir is not shared), and its result handed to every process that reads those files: a
+    checkpoint is read (e.g. checksummed) once per copy, not once per process."""
+    from accelerate.utils import gather_object
+
+    mine = None
+    if storage.writes:
+        try:
+            mine = compute()
+        except ConfigError as e:  # raised on every process, not only where it was found
+            mine = e
+    if acc.num_processes > 1:
+        everyone = gather_object([(machine_rank(), storage.writes, mine)])
+        writers = [(m, value) for m, writes, value in everyone if writes]
+        mine = writers[0][1] if len(writers) == 1 else next(v for m, v in writers if m == machine_rank())
+    if isinstance(mine, ConfigError):
+        raise mine
+    return mine
+
+
+# ---------------------------------------------------------------- preemption
+
+
+class Stopped(Exception):
+    """A stop signal before training started (or after it ended): the launcher ends the survivors when a rank
+    dies, or the job was cancelled."""
+
+
+class Preempted(Exception):
+    """The run stopped at a step boundary on a stop signal, after writing a checkpoint."""
+
+    def __init__(self, signame: str, step: int, checkpoint: str):
+        super().__init__(f"{signame} at step {step}")
+        self.signame, self.step, self.checkpoint = signame, step, checkpoint
+
+
+class Diverged(Exception):
+    """A non-finite loss or gradient norm: the run stops at that step and exports nothing."""
+
+
+class StopRequest:
+    """SIGTERM (a scheduler's preemption; torchrun forwards it to every rank and waits 30 s before SIGKILL) and
+    train.preemption_signal. Before training starts, a signal stops the process at once (Stopped). While it
+    trains, the signal is only noted: the flag rides on the all-reduce every optimizer step starts with, so
+    all ranks see it at the same step boundary, write a checkpoint there and stop (loop.train)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.armed = False
+
+    def install(self, *names: str) -> None:
+        for name in {"SIGTERM", *names}:
+            signal.signal(getattr(signal, name), self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if not self.armed:
+            raise Stopped()
+        self.signum = signum
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def signame(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+
+STOP = StopRequest()
+
+
 # ---------------------------------------------------------------- the start log
 
 
@@ -249,8 +325,9 @@ class Watchdog:
 
 
 def fault_point(name: str, step: int) -> None:
-    """Fault injection for the crash and hang tests: FINETUNE_FAULT=<name>:<step>[:<rank>]. A name starting
-    with "hang-" makes that process stop answering (sleep); any other name kills it (SIGKILL) there."""
+    """Fault injection for the crash, hang and storage tests: FINETUNE_FAULT=<name>:<step>[:<rank>]. A name
+    starting with "hang-" makes that process stop answering (sleep), "enospc-" raises the error a full disk
+    gives; any other name kills it (SIGKILL) there."""
     spec = os.environ.get("FINETUNE_FAULT", "").split(":")
     if len(spec) < 2 or spec[0] != name or int(spec[1]) != step:
         return
@@ -259,6 +336,10 @@ def fault_point(name: str, step: int) -> None:
     if name.startswith("hang-"):
         while True:
             time.sleep(60)
+    if name.startswith("enospc-"):
+        import errno
+
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"(injected at {name} {step})")
     os.kill(os.getpid(), 9)
 
 

@@ -26,6 +26,7 @@ TASKS = ("causal_lm", "classification")
 FORMATS = ("auto", "text", "instruction", "chat", "classification")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+PREEMPTION_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGTERM")
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 SHIPPED_METRICS = Path(__file__).parent / "metric_modules"  # evaluate modules that load offline
 # Files whose presence in output_dir means "a previous run lives here".
@@ -140,6 +141,12 @@ class TrainArgs:
     )
     metrics: list[str] | None = _f(
         None, "Eval metrics: names shipped with finetune (accuracy, f1) or any evaluate.load name; default by task."
+    )
+    preemption_signal: str = _f(
+        "SIGUSR1",
+        "Besides SIGTERM, the signal that asks the run to stop for preemption (SLURM: --signal=USR1@300): every "
+        "rank finishes the optimizer step in progress, a checkpoint is written, and the run exits; "
+        "--resume_from_checkpoint auto continues from it.",
     )
     ddp_timeout: int | None = _f(
         None,
@@ -512,6 +519,8 @@ def validate(
     ):
         if value is not None and value < 1:
             p.append((key, f"must be >= 1 or null (off), got {value}"))
+    if t.preemption_signal not in PREEMPTION_SIGNALS:
+        p.append(("preemption_signal", f"must be one of {', '.join(PREEMPTION_SIGNALS)}, got {t.preemption_signal!r}"))
     if t.max_steps == 0 or t.max_steps < -1:
         p.append(("max_steps", f"must be >= 1, or -1 to use num_train_epochs; got {t.max_steps}"))
     if t.max_steps == -1 and t.num_train_epochs <= 0:

@@ -8,6 +8,7 @@ Backend and layout differences live in finetune/parallel/ (the `backend` object)
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from finetune.cluster import fault_point
+from finetune.cluster import STOP, Diverged, Preempted, fault_point
 from finetune.config import TrainArgs
 from finetune.metrics import MetricsLog, summarize
 from finetune.parallel import Plan, global_batch_index
@@ -69,7 +70,11 @@ def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: i
     counts = [b.pop("num_supervised") for b in micro_batches]
     tokens = sum(b.pop("num_tokens") for b in micro_batches)
     positions = sum(b.pop("num_positions") for b in micro_batches)
-    global_count = acc.reduce(torch.stack(counts).sum().float(), reduction="sum")
+    # One all-reduce: the global supervised count, and whether any rank was asked to stop (preemption).
+    local = torch.stack(counts).sum().float()
+    global_count, stops = acc.reduce(torch.stack([local, torch.full_like(local, float(STOP.requested))]), "sum")
+    if stops.item() > 0:
+        return None
     scale = run.plan.loss_weight(global_count)
     nll_sum, grad_norm = 0.0, None
     for i, (batch, n) in enumerate(zip(micro_batches, counts)):
@@ -116,7 +121,17 @@ class _Window:
 
 
 def train(run: Run, state: TrainState) -> dict[str, float]:
-    """Run optimizer steps from state.step to plan.total_steps; log, evaluate and checkpoint."""
+    """Run optimizer steps from state.step to plan.total_steps; log, evaluate and checkpoint. A stop signal
+    (cluster.STOP) ends it at the next step boundary with a checkpoint; a non-finite step ends it at once."""
+    STOP.armed = True
+    try:
+        return _train(run, state)
+    finally:
+        STOP.armed = False
+        run.watchdog.stop()
+
+
+def _train(run: Run, state: TrainState) -> dict[str, float]:
     acc, plan, args = run.accelerator, run.plan, run.args
     bar = tqdm(
         total=plan.total_steps,
@@ -130,6 +145,7 @@ def train(run: Run, state: TrainState) -> dict[str, float]:
         last_eval = _log_eval(run, state, bar)
     run.model.train()
     win = _Window()
+    health = _Health()
     while state.step < plan.total_steps:
         epoch, start = divmod(state.step, plan.steps_per_epoch)
         skip = start * plan.gradient_accumulation_steps  # resuming inside an epoch
@@ -144,8 +160,13 @@ def train(run: Run, state: TrainState) -> dict[str, float]:
             run.watchdog.beat()
             fault_point("hang-before-step", state.step + 1)
             micro = [next(batches) for _ in range(plan.gradient_accumulation_steps)]
-            nll, count, tokens, positions, grad_norm = train_step(run, micro, epoch, step_in_epoch)
+            out = train_step(run, micro, epoch, step_in_epoch)
+            if out is None:  # every rank saw the stop request at this step boundary
+                path = run.checkpointer.save(state_dict_of(state))
+                raise Preempted(STOP.signame, state.step, path)
+            nll, count, tokens, positions, grad_norm = out
             state.step += 1
+            health.check(state.step, grad_norm, run.checkpointer.output_dir)
             win.nll, win.count, win.tokens, win.positions, win.steps = (
                 win.nll + nll,
                 win.count + count,
@@ -167,8 +188,45 @@ def train(run: Run, state: TrainState) -> dict[str, float]:
             if done:
                 break
     bar.close()
-    run.watchdog.stop()
     return last_eval
+
+
+class _Health:
+    """Divergence: a non-finite gradient norm (global: the same on every rank, NaN wherever any rank's loss
+    was) stops the run at that step. A norm of exactly zero for several steps in a row: nothing is learning."""
+
+    ZERO_STEPS = 3
+
+    def __init__(self) -> None:
+        self.zeros = 0
+
+    def check(self, step: int, grad_norm, output_dir: str) -> None:
+        if grad_norm is None:
+            return
+        value = float(grad_norm)
+        if not math.isfinite(value):
+            from finetune.checkpoint import latest_complete
+
+            last = latest_complete(output_dir)
+            raise Diverged(
+                f"the gradient norm of step {step} is {value}: training diverged, and the weights are no longer "
+                "usable, so nothing is exported. Usual causes: a learning rate far too high, fp16 overflow (use "
+                "bf16), or bad data. "
+                + (
+                    f"Last good checkpoint: {last} (resume from it with a lower learning_rate)."
+                    if last
+                    else "No checkpoint was written before it."
+                )
+            )
+        self.zeros = self.zeros + 1 if value == 0.0 else 0
+        if self.zeros == self.ZERO_STEPS:
+            logger.warning(
+                "the gradient norm has been exactly 0 for %d steps in a row (up to step %d): nothing is learning. "
+                "Usual causes: a learning rate so high that the model died (loss stuck), every label masked, or "
+                "no trainable parameters reached by the loss",
+                self.ZERO_STEPS,
+                step,
+            )
 
 
 def _log_train(run: Run, state: TrainState, win: _Window, grad_norm, bar) -> None:

@@ -54,3 +54,15 @@ def set_scheduler_position(scheduler, position: int) -> None:
     inner.last_epoch = position - 1
     inner._step_count = position
     inner.step()
+
+
+def reschedule(scheduler, learning_rate: float, position: int) -> None:
+    """A resume with a changed learning rate or schedule (max_steps, warmup, type): the restored schedule
+    continues from `position` with the run config's peak learning rate and formula (the restored state holds
+    the old peak; the formula is always the current config's). Schedulers without torch's LambdaLR state
+    (Megatron-LM's own) keep theirs."""
+    inner = getattr(scheduler, "scheduler", scheduler)
+    if not hasattr(inner, "base_lrs"):
+        return
+    inner.base_lrs = [learning_rate for _ in inner.base_lrs]
+    set_scheduler_position(scheduler, position)

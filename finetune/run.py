@@ -38,8 +38,7 @@ def run(cfg: RunConfig) -> dict:
     tokenizer = model.load_tokenizer(cfg.model)
     ds, plan, eval_metrics = build_data(cfg, acc, backend.topology, tokenizer)
     layout = backend.layout(plan)
-    resume = checkpoint.find_resume(cfg.train.output_dir, cfg.train.resume_from_checkpoint, layout)
-    cluster.agree_on_resume(acc, resume.path if resume else None)
+    resume = find_resume(cfg, acc, storage, layout)
     net, facts = build_model(cfg, backend, tokenizer, ds, resume)
     parts = build_optimization(cfg, acc, backend, net, ds, plan, tokenizer)
     state = restore_or_start(cfg, acc, backend, parts, plan, resume, storage)
@@ -77,6 +76,20 @@ def start(cfg: RunConfig):
     if topo.num_machines > 1:
         logger.info(cluster.describe_storage(storage, cfg.train.output_dir, topo.num_machines))
     return acc, backend, storage
+
+
+def find_resume(cfg: RunConfig, acc, storage, layout) -> checkpoint.Resume | None:
+    """The checkpoint to continue from: the newest intact one (each copy checksummed once, by the process that
+    writes it), the same on every machine, and a run config that may continue it (changes said)."""
+    t = cfg.train
+    path, skipped = cluster.from_writer(acc, storage, lambda: checkpoint.choose(t.output_dir, t.resume_from_checkpoint))
+    for bad, why in skipped:
+        logger.warning("skipped checkpoint %s: %s", bad, why)
+    cluster.agree_on_resume(acc, path)
+    resume = checkpoint.find_resume(path, layout, cfg.to_flat())
+    for key, was, now in resume.changes if resume else []:
+        logger.info("resume: %s changed from %r to %r (applied)", key, was, now)
+    return resume
 
 
 def build_data(cfg: RunConfig, acc, topology: parallel.Topology, tokenizer):
@@ -203,7 +216,7 @@ def restore_or_start(cfg: RunConfig, acc, backend, p: Prepared, plan, resume, st
     (on each machine, when output_dir is not shared)."""
     t = cfg.train
     if resume:
-        saved = checkpoint.restore(acc, backend, p.model, p.optimizer, p.scheduler, plan, resume)
+        saved = checkpoint.restore(acc, backend, p.model, p.optimizer, p.scheduler, plan, resume, t.learning_rate)
         state = loop.TrainState(**{f.name: saved[f.name] for f in dataclasses.fields(loop.TrainState)})
         metrics.MetricsLog(t.output_dir, enabled=acc.is_main_process).truncate_after(state.step)
         logger.info("resumed from %s at step %d", resume.describe(), state.step)

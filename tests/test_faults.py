@@ -1,9 +1,12 @@
-"""Faults: a rank killed mid-run, a run killed while writing a checkpoint. Nothing hangs, nothing is lost."""
+"""Faults: a rank killed mid-run, preemption, a run killed while writing a checkpoint, a full disk, a damaged
+checkpoint, divergence, a stuck rank. Nothing hangs, nothing is lost, one message says what happened."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -14,34 +17,43 @@ import torch
 from conftest import ROOT, base_args, finetune
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("faults")]  # one worker: the straight runs once
 
 
 def final_weights(output_dir) -> dict[str, torch.Tensor]:
     return load_file(str(output_dir / "final" / "model.safetensors"))
 
 
-@pytest.mark.parametrize("launcher", ["ddp", "zero3"])
-def test_killed_rank_stops_everyone_and_resume_finishes_the_run(assets, tmp_path, launcher):
-    args = base_args(
-        assets.llama,
-        assets.instruction,
-        "--max_steps",
-        "20",
-        "--save_steps",
-        "5",
-        "--eval_fraction",
-        "0",
-        "--logging_steps",
-        "1",
-    )
-    straight = finetune(tmp_path / "straight", *args, launcher=launcher)
+def run_args(assets) -> list[str]:
+    return base_args(assets.llama, assets.instruction, "--max_steps", "30", "--save_steps", "5", "--eval_fraction", "0")
 
-    out = tmp_path / "crashed"
-    # The kill step is random but seeded; pytest shows this line when the test fails (FINETUNE_TEST_SEED replays it).
+
+@pytest.fixture(scope="module")
+def straight(assets, tmp_path_factory):
+    """The uninterrupted run under each launcher (computed once per launcher)."""
+    cache = {}
+
+    def get(launcher: str):
+        if launcher not in cache:
+            cache[launcher] = finetune(
+                tmp_path_factory.mktemp(launcher) / "straight", *run_args(assets), launcher=launcher
+            )
+        return cache[launcher]
+
+    return get
+
+
+def seeded_step(what: str) -> int:
+    """A random step between 6 and 14, seeded; pytest shows the line when the test fails (FINETUNE_TEST_SEED
+    replays it)."""
     seed = int(os.environ.get("FINETUNE_TEST_SEED", random.randrange(2**31)))
-    kill_at = random.Random(seed).randint(6, 14)
-    print(f"FINETUNE_TEST_SEED={seed}: rank 1 killed after step {kill_at}")
+    step = random.Random(seed).randint(6, 14)
+    print(f"FINETUNE_TEST_SEED={seed}: {what} after step {step}")
+    return step
+
+
+def launch_until(out, assets, launcher: str, step: int) -> tuple[subprocess.Popen, list[str]]:
+    """Start the run under `accelerate launch` and read its output until it reports `step`."""
     cmd = [
         sys.executable,
         "-m",
@@ -56,9 +68,9 @@ def test_killed_rank_stops_everyone_and_resume_finishes_the_run(assets, tmp_path
         str(out),
         "--disable_tqdm",
         "true",
-        *args,
+        *run_args(assets),
     ]
-    launcher_proc = subprocess.Popen(
+    proc = subprocess.Popen(
         cmd,
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -67,32 +79,69 @@ def test_killed_rank_stops_everyone_and_resume_finishes_the_run(assets, tmp_path
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     lines = []
-    for line in launcher_proc.stdout:
+    for line in proc.stdout:
         lines.append(line)
-        if f"step {kill_at}/" in line:
+        if f"step {step}/" in line:
             break
+    return proc, lines
+
+
+def assert_resume_finishes(out, launcher: str, straight_run, assets) -> None:
+    resumed = finetune(out, *run_args(assets), "--resume_from_checkpoint", "auto", launcher=launcher)
+    assert [r["step"] for r in resumed.train_rows] == list(range(1, 31))
+    a, b = final_weights(straight_run.output_dir), final_weights(out)
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    assert worst == 0.0 if launcher == "ddp" else worst <= 1e-6, worst
+    assert max(abs(x - y) / abs(x) for x, y in zip(straight_run.losses(), resumed.losses())) <= 1e-6
+
+
+def kill_rank_1(proc: subprocess.Popen) -> None:
     victims = [
         p
-        for p in psutil.Process(launcher_proc.pid).children(recursive=True)
+        for p in psutil.Process(proc.pid).children(recursive=True)
         if p.environ().get("RANK") == "1" and "finetune" in " ".join(p.cmdline())
     ]
     assert len(victims) == 1, [p.cmdline() for p in victims]
     victims[0].kill()
+
+
+@pytest.mark.parametrize("launcher", ["ddp", "zero3"])
+def test_killed_rank_stops_everyone_and_resume_finishes_the_run(assets, tmp_path, launcher, straight):
+    """Rank 1 killed: the survivors stop within seconds, each says what happened and where to resume; the
+    resume equals the uninterrupted run."""
+    out = tmp_path / "crashed"
+    proc, lines = launch_until(out, assets, launcher, seeded_step("rank 1 killed"))
+    kill_rank_1(proc)
     killed = time.monotonic()
-    rest, _ = launcher_proc.communicate(timeout=90)
+    rest, _ = proc.communicate(timeout=90)
     elapsed = time.monotonic() - killed
     output = "".join(lines) + rest
-    assert launcher_proc.returncode != 0
+    assert proc.returncode != 0
     assert elapsed < 60, f"survivors took {elapsed:.0f} s to exit"
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
     assert "finetune rank 0:" in output and "Last complete checkpoint" in output, output[-3000:]
     assert "rank      : 1" in output  # the launcher names the rank that died
+    assert_resume_finishes(out, launcher, straight(launcher), assets)
 
-    resumed = finetune(out, *args, "--resume_from_checkpoint", "latest", launcher=launcher)
-    assert [r["step"] for r in resumed.train_rows] == list(range(1, 21))
-    a, b = final_weights(straight.output_dir), final_weights(out)
-    worst = max((a[k] - b[k]).abs().max().item() for k in a)
-    assert worst == 0.0 if launcher == "ddp" else worst <= 1e-6, worst
+
+@pytest.mark.parametrize("launcher", ["ddp", "zero3"])
+def test_sigterm_to_the_launcher_checkpoints_the_step_reached(assets, tmp_path, launcher, straight):
+    """A scheduler's preemption: SIGTERM to `accelerate launch` mid-run. Every rank finishes its step, a
+    checkpoint of the step reached is written, the run says where to resume, and the resume equals the
+    uninterrupted run."""
+    out = tmp_path / "preempted"
+    proc, lines = launch_until(out, assets, launcher, seeded_step("SIGTERM to the launcher"))
+    proc.terminate()
+    rest, _ = proc.communicate(timeout=90)
+    output = "".join(lines) + rest
+    assert proc.returncode != 0, output[-3000:]
+    match = re.search(r"stopped by SIGTERM \(preemption\) after step (\d+); checkpoint saved: (\S+)\.", output)
+    assert match, output[-3000:]
+    step = int(match.group(1))
+    assert 6 <= step < 30 and match.group(2).endswith(f"step_{step}")
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{step}"
+    assert not (out / "final").exists()
+    assert_resume_finishes(out, launcher, straight(launcher), assets)
 
 
 def test_kill_while_writing_a_checkpoint_keeps_the_previous_one_and_auto_resumes(assets, tmp_path):
@@ -139,3 +188,45 @@ def test_a_stuck_rank_is_named_and_every_live_rank_leaves_its_stack(assets, tmp_
     waiting = (logs / "stacks_rank0.txt").read_text()
     assert "fault_point" in stuck and "train" in stuck, stuck
     assert "train_step" in waiting, waiting
+
+
+def test_full_disk_while_saving_then_a_damaged_checkpoint(assets, tmp_path):
+    """A write error while saving step 4 (what a full disk raises): one message, exit 1, the half-written
+    checkpoint removed, `latest` still step 2, which resumes. Then step 6 gets damaged on disk: `latest`
+    skips it (and says so) for step 4; naming it explicitly is refused with exit 2."""
+    args = base_args(assets.gpt2, assets.text, "--max_steps", "6", "--save_steps", "2", "--eval_fraction", "0")
+    out = tmp_path / "run"
+    ckpts = out / "checkpoints"
+    full = finetune(
+        out, *args, launcher="python", expect_ok=False, extra_env={"FINETUNE_FAULT": "enospc-in-checkpoint:4"}
+    )
+    assert full.returncode == 1 and "Traceback" not in full.output, full.output[-3000:]
+    assert full.output.count("finetune: could not write checkpoint step_4") == 1
+    assert "No space left on device" in full.output and "save_total_limit" in full.output
+    assert (ckpts / "latest").read_text().strip() == "step_2"
+    assert not (ckpts / ".tmp_step_4").exists() and not (out / "final").exists()
+    finetune(out, *args, "--resume_from_checkpoint", "latest", launcher="python")
+    assert json.loads((ckpts / "step_6" / "manifest.json").read_text())["model.safetensors"][0] > 0
+    weights = ckpts / "step_6" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte: same size, wrong checksum
+    weights.write_bytes(bytes(data))
+    named = finetune(out, *args, "--resume_from_checkpoint", str(ckpts / "step_6"), launcher="python", expect_ok=False)
+    assert named.returncode == 2 and "Traceback" not in named.output
+    assert "resume_from_checkpoint:" in named.output and "is damaged" in named.output
+    again = finetune(out, *args, "--resume_from_checkpoint", "latest", launcher="python")
+    assert (
+        "skipped checkpoint" in again.output and "step_6: model.safetensors does not match its checksum" in again.output
+    )
+    assert f"resumed from {ckpts / 'step_4'}" in again.output
+
+
+def test_divergence_stops_at_the_non_finite_step_and_exports_nothing(assets, tmp_path):
+    args = base_args(assets.llama, assets.instruction, "--max_steps", "30", "--eval_fraction", "0")
+    res = finetune(tmp_path / "run", *args, "--learning_rate", "1e30", launcher="python", expect_ok=False)
+    assert res.returncode == 1 and "Traceback" not in res.output, res.output[-3000:]
+    match = re.search(r"the gradient norm of step (\d+) is (nan|inf)", res.output)
+    assert match and "training diverged" in res.output, res.output[-3000:]
+    assert not (tmp_path / "run" / "final").exists()
+    logged = [r["step"] for r in res.train_rows] if (tmp_path / "run" / "metrics.jsonl").exists() else []
+    assert all(step < int(match.group(1)) for step in logged)

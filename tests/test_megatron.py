@@ -319,7 +319,9 @@ def test_accelerate_launch_reaches_the_refusal_on_cpu(assets, tmp_path):
         timeout=120,
     )
     assert res.returncode != 0
-    assert res.output.count("needs NVIDIA GPUs and CUDA") == 1, res.output[-3000:]  # printed by rank 0 only
+    ours, report = res.output.split("Failures:", 1)  # the ranks' output, then the launcher's report
+    assert ours.count("needs NVIDIA GPUs and CUDA") == 1, res.output[-3000:]  # printed by rank 0 only
+    assert "needs NVIDIA GPUs and CUDA" in report and "To enable traceback" not in report  # torchrun's error file
     assert "gradient_accumulation_steps: must be 1 under Megatron-LM, got 2" in res.output
     assert "exitcode  : 2" in res.output
 

@@ -253,4 +253,6 @@ def test_slurm_script_gives_each_node_its_own_machine_rank(tmp_path):
     for argv in launches:
         assert value(argv, "--main_process_ip") == "gpu-node-a" and value(argv, "--num_processes") == "8"
         assert value(argv, "--num_machines") == "2" and value(argv, "--rdzv_backend") == "c10d"
-        assert argv[argv.index("-m") :] == ["-m", "finetune", "--config", "run.yaml", "--max_steps", "5"]
+        assert argv[argv.index("-m") :] == [
+            "-m", "finetune", "--config", "run.yaml", "--resume_from_checkpoint", "auto", "--max_steps", "5"
+        ]  # fmt: skip
