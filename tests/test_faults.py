@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 import torch
-from conftest import ROOT, base_args, finetune
+from conftest import ROOT, base_args, crash_after, finetune
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("faults")]  # one worker: the straight runs once
@@ -230,3 +230,33 @@ def test_divergence_stops_at_the_non_finite_step_and_exports_nothing(assets, tmp
     assert not (tmp_path / "run" / "final").exists()
     logged = [r["step"] for r in res.train_rows] if (tmp_path / "run" / "metrics.jsonl").exists() else []
     assert all(step < int(match.group(1)) for step in logged)
+
+
+def test_resume_with_a_changed_run_config(assets, tmp_path):
+    """What a resume cannot change (here the seed: another data order) is refused, naming the key; the rest
+    (learning rate, schedule, logging) is listed and applied from the resumed step."""
+    args = base_args(assets.gpt2, assets.text, "--max_steps", "4", "--save_steps", "2", "--eval_fraction", "0")
+    out = tmp_path / "run"
+    finetune(out, *args, launcher="python")
+    crash_after(out, 2)
+    refused = finetune(
+        out, *args, "--resume_from_checkpoint", "latest", "--seed", "7", launcher="python", expect_ok=False
+    )
+    assert refused.returncode == 2 and "Traceback" not in refused.output
+    assert "seed: is 7 but" in refused.output and "was trained with 42" in refused.output
+    changed = ("--learning_rate", "3e-3", "--lr_scheduler_type", "constant")
+    resumed = finetune(out, *args, "--resume_from_checkpoint", "latest", *changed, launcher="python")
+    assert "resume: learning_rate changed from 0.001 to 0.003 (applied)" in resumed.output, resumed.output[-2000:]
+    assert "resume: lr_scheduler_type changed from 'linear' to 'constant' (applied)" in resumed.output
+    rates = {r["step"]: r["learning_rate"] for r in resumed.train_rows}
+    assert rates[3] == pytest.approx(3e-3) and rates[4] == pytest.approx(3e-3)
+
+
+def test_a_dead_model_is_reported(assets, tmp_path):
+    """A learning rate far too high but finite kills the model (gradient norm exactly 0, loss constant): the
+    run says nothing is learning."""
+    args = base_args(assets.llama, assets.instruction, "--max_steps", "6", "--eval_fraction", "0")
+    res = finetune(tmp_path / "run", *args, "--learning_rate", "1e6", launcher="python")
+    norms = [r["grad_norm"] for r in res.train_rows]
+    assert norms[-3:] == [0.0, 0.0, 0.0], norms
+    assert res.output.count("the gradient norm has been exactly 0 for 3 steps in a row") == 1, res.output[-2000:]
