@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -201,3 +203,14 @@ def test_megatron_gpt2_shards_become_the_hf_model():
     assert set(out) == set(want), set(out) ^ set(want)
     for name, value in want.items():
         assert torch.equal(out[name], value), name
+
+
+def test_accelerate_still_imports_deepspeed_to_unwrap():
+    """The reason for finetune.parallel.ddp.unwrap_without_deepspeed: accelerate's unwrap_model imports deepspeed
+    (when installed) even for a plain module. When this fails, accelerate no longer does: delete the workaround."""
+    code = (
+        "import sys, torch; from accelerate.utils.other import extract_model_from_parallel; "
+        "extract_model_from_parallel(torch.nn.Linear(1, 1)); print('deepspeed' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1:] == ["True"], out.stdout + out.stderr[-2000:]

@@ -28,6 +28,7 @@ from finetune.parallel.topology import env_tp_size, env_world_size
 
 
 def environment(cfg: RunConfig) -> None:
+    ddp.unwrap_without_deepspeed()
     if not ddp.has_accelerator_device() and env_world_size() > 1:
         come_up_on_cpu(datetime.timedelta(seconds=cfg.train.ddp_timeout or 600))
 
