@@ -304,7 +304,8 @@ def train_and_export(cfg: RunConfig, r: loop.Run, state: loop.TrainState, tokeni
         logger.info("final eval: %s", "  ".join(f"{k} {v:.4f}" for k, v in final_eval.items()))
     how = "PeftModel.from_pretrained on the base model" if cfg.peft.method != "none" else "from_pretrained"
     logger.info("model saved to %s (load it with %s)", os.path.abspath(final), how)
-    acc.end_training()
+    for tracker in acc.trackers:  # accelerate's end_training, but for destroying the process group (see cli.main)
+        tracker.finish()
     return final_eval
 
 
