@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -125,7 +126,7 @@ def finetune(
         ]
     cmd += ["--output_dir", str(output_dir), "--disable_tqdm", "true", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = run_killing_the_group(cmd, env, timeout)
     result = Result(proc.returncode, proc.stdout + proc.stderr, Path(output_dir))
     if expect_ok:
         assert proc.returncode == 0, f"finetune failed ({proc.returncode}):\n{result.output[-6000:]}"
@@ -135,6 +136,21 @@ def finetune(
             rows = result.train_rows  # a resumed run's first rows may come from another layout
             assert rows and rows[-1]["world_size"] == world and rows[-1]["distributed_type"] == dist_type
     return result
+
+
+def run_killing_the_group(cmd: list[str], env: dict, timeout: int) -> subprocess.CompletedProcess:
+    """subprocess.run, but a launch that outlives `timeout` is killed with every process it started (the ranks
+    too, not only the launcher), so a hung run cannot linger past its test."""
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{(out + err)[-6000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def classification_args(model: str, assets) -> list[str]:

@@ -7,9 +7,11 @@ disk), and resume in both."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -44,7 +46,15 @@ def two_machines(outs: tuple[Path, Path], config: str, *args: str, timeout: int 
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         procs.append(
-            subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
         )
         time.sleep(0.5)  # machine 0 first: c10d ranks the machines in the order they join
     deadline = time.monotonic() + timeout
@@ -54,8 +64,9 @@ def two_machines(outs: tuple[Path, Path], config: str, *args: str, timeout: int 
             output, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
             results.append(Result(p.returncode, output, out))
     finally:
-        for p in procs:
-            p.kill()
+        for p in procs:  # the launcher and the ranks it started: nothing outlives the test
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
     return results
 
 
@@ -114,7 +125,7 @@ def test_two_machines_sharing_output_dir_equal_one_machine(assets, tmp_path, ref
         losses_equal(reference(config), resumed[0])
 
 
-@pytest.mark.parametrize("config", ["multinode_ddp", "multinode_zero3"])
+@pytest.mark.parametrize("config", ["multinode_zero3"])  # (DDP's per-machine copy: save_on_each_node, the same path)
 def test_two_machines_each_with_its_own_output_dir_equal_one_machine_and_resume(assets, tmp_path, reference, config):
     """No shared filesystem (one output_dir per machine): every machine keeps a complete checkpoint and resumes
     from its own copy; final/ and metrics.jsonl are written once, on machine 0."""
