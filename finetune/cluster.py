@@ -49,7 +49,7 @@ def node_first(acc):
         yield
 
 
-def fetch_model(acc, name: str, trust_remote_code: bool = False) -> None:
+def fetch_model(acc, name: str) -> None:
     """A Hub id is downloaded by each machine's local main process first; the other processes then load
     it from that machine's cache instead of all asking the Hub at once. Local directories need nothing.
     A failed download is left to from_pretrained, which reports it with the model id."""

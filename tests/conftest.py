@@ -7,12 +7,16 @@ subprocess with a timeout, and asserts the world size and distributed type the r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,6 +155,68 @@ def run_killing_the_group(cmd: list[str], env: dict, timeout: int) -> subprocess
         out, err = proc.communicate()
         raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{(out + err)[-6000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def free_port() -> int:
+    """A port nobody listens on now (tests run side by side under pytest -n: never the default 29500)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_listening(port: int, proc: subprocess.Popen, limit_s: float = 60) -> None:
+    """Until something listens on 127.0.0.1:port (a launcher's rendezvous store), or proc has exited."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"nothing listens on port {port} after {limit_s} s")
+
+
+def two_machines(
+    config: str, args_of: Callable[[int], list[str]], env_of: Callable[[int], dict] = dict, timeout: int = 300
+) -> list[tuple[int, str]]:
+    """Machine 0 and machine 1 of accelerate_configs/<config>.yaml, one process each, rendezvous (c10d) on
+    127.0.0.1 only: `accelerate launch ... --machine_rank m -m finetune <args_of(m)>`, environment `env_of(m)`
+    on top of ours. Machine 0 starts first and hosts the store; machine 1 joins once it listens (c10d ranks
+    the machines in the order they join). (returncode, output) per machine; nothing outlives the call."""
+    port, procs = free_port(), []
+    try:
+        for machine in (0, 1):
+            cmd = [
+                sys.executable, "-m", "accelerate.commands.launch",
+                "--config_file", str(ROOT / "accelerate_configs" / f"{config}.yaml"),
+                "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(machine),
+                "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--rdzv_backend", "c10d",
+                "-m", "finetune", *args_of(machine),
+            ]  # fmt: skip
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **env_of(machine)}
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=ROOT,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                )
+            )
+            if machine == 0:
+                wait_listening(port, procs[0])
+        deadline = time.monotonic() + timeout
+        results = []
+        for p in procs:
+            output, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
+            results.append((p.returncode, output))
+        return results
+    finally:
+        for p in procs:  # the launcher and the ranks it started
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
 
 
 def classification_args(model: str, assets) -> list[str]:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +17,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
+
+from conftest import free_port, two_machines
 
 from finetune import check
 
@@ -217,24 +217,6 @@ def env_with(**extra: str) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **extra}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_listening(port: int, proc: subprocess.Popen, limit_s: float = 60) -> None:
-    """Until something listens on 127.0.0.1:port (the launcher's rendezvous store)."""
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[0][-4000:]
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.2)
-    raise AssertionError(f"nothing listens on port {port} after {limit_s} s")
-
-
 def test_two_ranks_pass(tmp_path):
     out_dir = tmp_path / "out"
     proc = subprocess.run(
@@ -261,35 +243,15 @@ def test_version_mismatch_between_two_machines(tmp_path):
     info = fake / "transformers-99.0.0.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: transformers\nVersion: 99.0.0\n")
-    port, procs = free_port(), []
-    try:
-        for machine in (0, 1):
-            launch_args = ("--num_machines", "2", "--num_processes", "2", "--machine_rank", str(machine))
-            launch_args += ("--main_process_ip", "127.0.0.1", "--main_process_port", str(port))
-            cmd = launch_cmd(
-                "--output_dir", str(tmp_path / "out"), launch_args=(*launch_args, "--rdzv_backend", "c10d")
-            )
-            env = env_with(**({"PYTHONPATH": str(fake)} if machine else {}))
-            procs.append(
-                subprocess.Popen(
-                    cmd,
-                    cwd=ROOT,
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    start_new_session=True,
-                )
-            )
-            if machine == 0:  # the head node hosts the rendezvous (accelerate refuses a port already taken)
-                wait_listening(port, procs[0])
-        outs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+    ran = two_machines(
+        "ddp",
+        lambda m: ["check", "--output_dir", str(tmp_path / "out")],
+        env_of=lambda m: {"PYTHONPATH": str(fake)} if m else {},
+        timeout=120,
+    )
+    codes, outs = zip(*ran)
     out = "\n".join(outs)
-    assert all(p.returncode == 1 for p in procs), ([p.returncode for p in procs], out[-6000:])
+    assert codes == (1, 1), (codes, out[-6000:])
     assert "finetune check: 2 ranks on 2 node(s), gloo" in out, out[-6000:]
     assert table_ranks(out) == [0, 1], out
     found = re.search(r"transformers differs between ranks: (.*)", out)

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, base_args, crash_after, finetune, max_rel_diff, max_weight_diff
+from conftest import ROOT, base_args, crash_after, finetune, free_port, max_rel_diff, max_weight_diff
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fsdp")]  # one worker: the module fixture runs once
 
@@ -24,12 +23,6 @@ if sys.argv[1] == "workaround":
 acc = Accelerator()
 print(f"rank {acc.process_index}: {acc.distributed_type} {acc.num_processes} fsdp2={acc.is_fsdp2}", flush=True)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_probe(tmp_path, mode: str) -> str:

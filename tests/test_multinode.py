@@ -7,17 +7,15 @@ disk), and resume in both."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import conftest
 import pytest
 import yaml
 from conftest import ROOT, Result, base_args, crash_after, finetune
@@ -26,48 +24,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multinode")]  # one wor
 SHIPPED = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def two_machines(outs: tuple[Path, Path], config: str, *args: str, timeout: int = 300) -> list[Result]:
-    """Machine 0 and machine 1 of `accelerate_configs/<config>.yaml`, one process each, on 127.0.0.1."""
-    port = free_port()
-    procs = []
-    for rank, out in enumerate(outs):
-        cmd = [
-            sys.executable, "-m", "accelerate.commands.launch",
-            "--config_file", str(ROOT / "accelerate_configs" / f"{config}.yaml"),
-            "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
-            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-            "-m", "finetune", "--output_dir", str(out), "--disable_tqdm", "true", *args,
-        ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        procs.append(
-            subprocess.Popen(
-                cmd,
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-        )
-        time.sleep(0.5)  # machine 0 first: c10d ranks the machines in the order they join
-    deadline = time.monotonic() + timeout
-    results = []
-    try:
-        for p, out in zip(procs, outs):
-            output, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
-            results.append(Result(p.returncode, output, out))
-    finally:
-        for p in procs:  # the launcher and the ranks it started: nothing outlives the test
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-    return results
+def launch(outs: tuple[Path, Path], config: str, *args: str, timeout: int = 300) -> list[Result]:
+    """The finetune run on machine 0 and machine 1 of `accelerate_configs/<config>.yaml`, one process each."""
+    ran = conftest.two_machines(
+        config, lambda m: ["--output_dir", str(outs[m]), "--disable_tqdm", "true", *args], timeout=timeout
+    )
+    return [Result(code, output, out) for (code, output), out in zip(ran, outs)]
 
 
 DIST_TYPE = {"multinode_ddp": "MULTI_CPU", "multinode_zero3": "DEEPSPEED", "multinode_fsdp2": "FSDP"}
@@ -111,14 +73,14 @@ def run_args(assets) -> list[str]:
 @pytest.mark.parametrize("config", ["multinode_ddp", "multinode_zero3", "multinode_fsdp2"])
 def test_two_machines_sharing_output_dir_equal_one_machine(assets, tmp_path, reference, config):
     out = tmp_path / "shared"
-    results = two_machines((out, out), config, *run_args(assets))
+    results = launch((out, out), config, *run_args(assets))
     assert_two_machines(results, config)
     assert f"storage: {out} is shared by the 2 machines" in results[0].output
     losses_equal(reference(config), results[0])
     assert (out / "final").is_dir() and (out / "checkpoints" / "step_4").is_dir()
     if config == "multinode_ddp":  # resume: both machines continue from the shared checkpoint
         crash_after(out, 2)
-        resumed = two_machines((out, out), config, *run_args(assets), "--resume_from_checkpoint", "latest")
+        resumed = launch((out, out), config, *run_args(assets), "--resume_from_checkpoint", "latest")
         assert_two_machines(resumed, config)
         assert "resumed from" in resumed[0].output
         assert [r["step"] for r in resumed[0].train_rows] == [1, 2, 3, 4]
@@ -130,7 +92,7 @@ def test_two_machines_each_with_its_own_output_dir_equal_one_machine_and_resume(
     """No shared filesystem (one output_dir per machine): every machine keeps a complete checkpoint and resumes
     from its own copy; final/ and metrics.jsonl are written once, on machine 0."""
     outs = (tmp_path / "machine0", tmp_path / "machine1")
-    results = two_machines(outs, config, *run_args(assets))
+    results = launch(outs, config, *run_args(assets))
     assert_two_machines(results, config)
     assert "is NOT shared between the 2 machines" in results[0].output
     losses_equal(reference(config), results[0])
@@ -147,7 +109,7 @@ def test_two_machines_each_with_its_own_output_dir_equal_one_machine_and_resume(
         assert own | {f"random_states_{rank}.pkl", "scheduler.bin", "trainer_state.json"} <= names, sorted(names)
     crash_after(outs[0], 2)
     _crash_copy(outs[1], 2)
-    resumed = two_machines(outs, config, *run_args(assets), "--resume_from_checkpoint", "latest")
+    resumed = launch(outs, config, *run_args(assets), "--resume_from_checkpoint", "latest")
     assert_two_machines(resumed, config)
     assert [r["step"] for r in resumed[0].train_rows] == [1, 2, 3, 4]
     losses_equal(reference(config), resumed[0])
@@ -163,7 +125,7 @@ def _crash_copy(out: Path, step: int) -> None:
 
 def test_fsdp2_without_a_shared_output_dir_is_refused_before_training(assets, tmp_path):
     outs = (tmp_path / "machine0", tmp_path / "machine1")
-    results = two_machines(outs, "multinode_fsdp2", *run_args(assets), timeout=180)
+    results = launch(outs, "multinode_fsdp2", *run_args(assets), timeout=180)
     assert all(r.returncode != 0 for r in results), results[0].output[-3000:]
     assert "exitcode: 2" in results[0].output  # finetune's bad-input code, under the launcher's own report
     assert "output_dir: is not shared between the machines" in results[0].output
