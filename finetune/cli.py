@@ -85,7 +85,7 @@ def parse(argv: list[str]):
         values = load_yaml(args.config)
     elif not problems:
         problems.append(("--config", "missing: pass a run-config YAML (see examples/), or give --model and --dataset"))
-        if "model" in vars(args) and "dataset" in vars(args):
+        if "model" in vars(args) and ("dataset" in vars(args) or "datasets" in vars(args)):
             problems.pop()
     overrides = {k: parse_cli_value(k, v) for k, v in vars(args).items() if k != "config"}
     if not args.config and not overrides:  # nothing given at all: the one thing to say is how to start
