@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             shown = "required" if default == "" else f"default: {default!r}"
             kw: dict = {"metavar": (item or base).__name__.upper() + ("[,...]" if item else "")}
+            if item is dict:  # a list of mappings (datasets): YAML text
+                kw = {"metavar": "YAML"}
             if base is bool:
                 kw = {"nargs": "?", "const": "true", "metavar": "BOOL"}
             name = f"{section}.{f.name}" if section in NESTED else f.name

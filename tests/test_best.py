@@ -76,8 +76,10 @@ def test_rule_is_transformers_early_stopping(values, patience, threshold, greate
         if verdict.stop:
             stop = i
             break
-    assert stop == expected_stop(values, patience, threshold, greater) == transformers_stop(
-        values, patience, threshold, greater
+    assert (
+        stop
+        == expected_stop(values, patience, threshold, greater)
+        == transformers_stop(values, patience, threshold, greater)
     )
     assert state.best_metric == best
 

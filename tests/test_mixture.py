@@ -192,7 +192,9 @@ def rows_per_step(order: list[int], world: int, ga: int, micro: int) -> list[set
         for rank in range(world)
     ]
     steps = len(order) // (micro * ga * world)
-    return [{int(r) for rank in range(world) for m in range(ga) for r in loaders[rank][s * ga + m]} for s in range(steps)]
+    return [
+        {int(r) for rank in range(world) for m in range(ga) for r in loaders[rank][s * ga + m]} for s in range(steps)
+    ]
 
 
 def test_same_rows_per_step_under_1x2_and_2x1():
