@@ -533,17 +533,17 @@ def default_source_name(spec: str) -> str:
 
 
 def sources_of(d: DataArgs) -> list[Source]:
-    """The run's training sources: the `datasets:` list, or `dataset:` alone as a one-source mixture.
-    Assumes a validated config."""
+    """The run's training sources: the `datasets:` list, or `dataset:` alone as a one-source mixture. (Values
+    that do not validate are left at the top-level ones: source_problems reports them.)"""
     if not d.datasets:
         return [Source(default_source_name(d.dataset), 1.0, d)]
     out = []
     for entry in d.datasets:
-        own = {k: _coerce("data", k, v)[0] for k, v in entry.items() if k in SOURCE_FIELDS}
-        args = dataclasses.replace(d, datasets=None, **own)
-        out.append(
-            Source(str(entry.get("name") or default_source_name(args.dataset)), float(entry.get("weight", 1.0)), args)
-        )
+        coerced = {k: _coerce("data", k, v) for k, v in entry.items() if k in SOURCE_FIELDS}
+        args = dataclasses.replace(d, datasets=None, **{k: v for k, (v, err) in coerced.items() if err is None})
+        weight = entry.get("weight", 1.0)
+        weight = float(weight) if isinstance(weight, (int, float)) and not isinstance(weight, bool) else 1.0
+        out.append(Source(str(entry.get("name") or default_source_name(args.dataset)), weight, args))
     return out
 
 

@@ -74,6 +74,7 @@ def test_every_bad_source_is_reported_with_its_key(files):
                 {"dataset": files["alpaca"], "weight": -1.5, "max_seq_length": 8},
                 {"dataset": files["chat"].replace("chat", "nowhere"), "name": "x y"},
                 {"dataset": files["alpaca"]},
+                {"dataset": files["alpaca"], "name": "six", "weight": "heavy", "eval_fraction": "most"},
             ],
         }
     )
@@ -95,6 +96,8 @@ def test_every_bad_source_is_reported_with_its_key(files):
         "datasets[3].dataset",
         "datasets[3].name",
         "datasets[4].name",
+        "datasets[5].weight",
+        "datasets[5].eval_fraction",
         "eval_dataset",
     }
 
