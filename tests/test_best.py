@@ -209,3 +209,46 @@ def test_best_checkpoint_early_stopping_pruning_and_resume(assets, tmp_path):
     assert [r["eval_loss"] for r in resumed.eval_rows] == pytest.approx(losses, rel=1e-6)
     again = load_file(str(resumed_dir / "final" / "model.safetensors"))
     assert all((again[k] == final[k]).all() for k in final)
+
+
+@pytest.mark.slow
+def test_load_best_model_at_end_exports_the_best_adapter(assets, tmp_path):
+    """An adapter run: final/ holds the best checkpoint's adapter weights (set by name from the checkpoint's full
+    state, on the run's base model), not the last step's."""
+    from safetensors.torch import load_file
+
+    args = base_args(
+        assets.llama,
+        assets.instruction,
+        "--max_steps",
+        "3",
+        "--learning_rate",
+        "0.1",
+        "--lr_scheduler_type",
+        "constant",
+        "--eval_fraction",
+        "0.05",
+        "--eval_steps",
+        "1",
+        "--save_steps",
+        "1",
+        "--load_best_model_at_end",
+        "true",
+        "--peft.method",
+        "lora",
+        "--peft.r",
+        "4",
+    )
+    run = finetune(tmp_path / "lora", *args, launcher="python")
+    losses = [r["eval_loss"] for r in run.eval_rows]
+    best = run.eval_rows[losses.index(min(losses))]["step"]
+    assert best != 3, losses  # the scenario: the learning rate is too high for the adapter after the first step
+
+    def adapter(step: int) -> dict:
+        full = load_file(str(run.output_dir / "checkpoints" / f"step_{step}" / "model.safetensors"))
+        return {k.replace(".default", ""): v for k, v in full.items() if "lora_" in k}
+
+    final = load_file(str(run.output_dir / "final" / "adapter_model.safetensors"))
+    assert final and set(final) == set(adapter(best))
+    assert all((final[k] == adapter(best)[k]).all() for k in final)
+    assert any((final[k] != adapter(3)[k]).any() for k in final)
