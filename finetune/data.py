@@ -374,8 +374,11 @@ class EpochSampler(torch.utils.data.Sampler):
         return self.n
 
     def __iter__(self):
+        return iter(self.permutation().tolist())
+
+    def permutation(self) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        return iter(torch.randperm(self.n, generator=g).tolist())
+        return torch.randperm(self.n, generator=g)
 
 
 class LengthAwareBatchSampler(torch.utils.data.Sampler):

@@ -186,7 +186,7 @@ class MixtureSampler(torch.utils.data.Sampler):
         shuffles = []
         for k in range(first, last + 1):
             stream.set_epoch(k)
-            shuffles.append(torch.tensor(list(stream), dtype=torch.long))
+            shuffles.append(stream.permutation())
         return torch.cat(shuffles)[start - first * n : start - first * n + count]
 
 
