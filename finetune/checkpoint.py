@@ -121,8 +121,9 @@ class Checkpointer:
             os.replace(tmp, final)
             write_atomic(os.path.join(root, LATEST), f"step_{step}\n")
             if self.save_total_limit:
-                for _, path in list_checkpoints(self.output_dir)[: -self.save_total_limit]:
-                    if path != final:
+                best = trainer_state.get("best_step")  # finetune.best: never pruned
+                for old_step, path in list_checkpoints(self.output_dir)[: -self.save_total_limit]:
+                    if path != final and old_step != best:
                         shutil.rmtree(path, ignore_errors=True)
         acc.wait_for_everyone()
         return final
@@ -403,6 +404,9 @@ FIXED_ON_RESUME = (
     "max_train_samples",
     "eval_fraction",
     "seed",
+    "datasets",
+    "metric_for_best_model",
+    "greater_is_better",
     "peft.method",
     "peft.r",
     "peft.alpha",

@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             shown = "required" if default == "" else f"default: {default!r}"
             kw: dict = {"metavar": (item or base).__name__.upper() + ("[,...]" if item else "")}
+            if item is dict:  # a list of mappings (datasets): YAML text
+                kw = {"metavar": "YAML"}
             if base is bool:
                 kw = {"nargs": "?", "const": "true", "metavar": "BOOL"}
             name = f"{section}.{f.name}" if section in NESTED else f.name
@@ -85,7 +87,7 @@ def parse(argv: list[str]):
         values = load_yaml(args.config)
     elif not problems:
         problems.append(("--config", "missing: pass a run-config YAML (see examples/), or give --model and --dataset"))
-        if "model" in vars(args) and "dataset" in vars(args):
+        if "model" in vars(args) and ("dataset" in vars(args) or "datasets" in vars(args)):
             problems.pop()
     overrides = {k: parse_cli_value(k, v) for k, v in vars(args).items() if k != "config"}
     if not args.config and not overrides:  # nothing given at all: the one thing to say is how to start

@@ -29,6 +29,7 @@ SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 PREEMPTION_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGTERM")
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 SHIPPED_METRICS = Path(__file__).parent / "metric_modules"  # evaluate modules that load offline
+DEFAULT_METRICS = {"causal_lm": [], "classification": ["accuracy", "f1"]}  # eval metrics by task
 # Files whose presence in output_dir means "a previous run lives here".
 RUN_MARKERS = ("metrics.jsonl", "checkpoints", "final", "run_config.yaml")
 
@@ -77,6 +78,14 @@ class DataArgs:
     """Where the examples come from and how they become token ids."""
 
     dataset: str = _f("", "Hub dataset id, or a local .json/.jsonl/.csv/.parquet/.txt file, glob or directory.")
+    datasets: list[dict] | None = _f(
+        None,
+        "A weighted mixture instead of `dataset` (YAML list, or YAML text on the command line): each source a "
+        "mapping of the per-source data fields (dataset, format, *_column, eval_dataset/eval_split/eval_fraction, "
+        "...; left out: the top-level value) plus weight (> 0) and name (default: the file stem). Each epoch "
+        "draws as many rows as all sources hold, weight / sum of weights of them from each source; eval is "
+        "reported per source (eval_<name>_loss) and overall. See README, 'Dataset mixtures'.",
+    )
     dataset_config: str | None = _f(None, "Hub dataset configuration name.")
     train_split: str = _f("train", "Split used for training.")
     eval_dataset: str | None = _f(None, "Separate eval data (same forms as `dataset`).")
@@ -133,6 +142,29 @@ class TrainArgs:
     eval_on_start: bool = _f(False, "Evaluate once before training (shows the starting point).")
     save_steps: int | None = _f(500, "Checkpoint every N optimizer steps (always at the end).")
     save_total_limit: int | None = _f(None, "Keep only the newest N checkpoints.")
+    metric_for_best_model: str | None = _f(
+        None,
+        "The eval metric that picks the best checkpoint (eval_loss, eval_perplexity, eval_accuracy, "
+        "eval_<source>_loss ...; `loss` means eval_loss, as in transformers). Default with "
+        "load_best_model_at_end: eval_loss.",
+    )
+    greater_is_better: bool | None = _f(
+        None, "Whether a larger metric_for_best_model is better; default: false for loss and perplexity, else true."
+    )
+    load_best_model_at_end: bool = _f(
+        False,
+        "Export the best checkpoint's weights (by metric_for_best_model) to final/ instead of the last step's; "
+        "needs eval_steps and save_steps a multiple of it. A new best is checkpointed when it is evaluated, "
+        "and save_total_limit never prunes it.",
+    )
+    early_stopping_patience: int | None = _f(
+        None,
+        "Stop when metric_for_best_model has not improved (by more than early_stopping_threshold) for this many "
+        "evaluations in a row; every rank stops at the same step, with a checkpoint.",
+    )
+    early_stopping_threshold: float = _f(
+        0.0, "How much metric_for_best_model must improve on the best so far to reset early_stopping_patience."
+    )
     seed: int = _f(42, "Seed for init, data order and dropout; results do not depend on the world size.")
     resume_from_checkpoint: str | None = _f(
         None,
@@ -276,6 +308,11 @@ def parse_cli_value(name: str, text: str) -> Any:
     if text in ("null", "~"):
         return None
     if name in all_fields() and field_type(all_fields()[name][0], name)[0] in (str, list):
+        if field_type(all_fields()[name][0], name)[2] is dict:  # a list of mappings (datasets): YAML text
+            try:
+                return yaml.safe_load(text)
+            except yaml.YAMLError:
+                return text
         return text
     try:
         return yaml.safe_load(text)
@@ -453,6 +490,169 @@ def _check_metrics(problems: list, names: list[str]) -> None:
         )
 
 
+# ---------------------------------------------------------------- dataset mixtures (`datasets:`)
+
+# The data fields a source of a mixture may set for itself; the others (max_seq_length, packing, ...) hold for all.
+SOURCE_FIELDS = (
+    "dataset",
+    "dataset_config",
+    "train_split",
+    "eval_dataset",
+    "eval_split",
+    "eval_fraction",
+    "format",
+    "text_column",
+    "text_pair_column",
+    "prompt_column",
+    "prompt_template",
+    "response_column",
+    "messages_column",
+    "label_column",
+    "max_train_samples",
+)
+SOURCE_KEYS = (*SOURCE_FIELDS, "weight", "name")
+# What each format tokenizes to: sources mix when their rows have the same schema for the task.
+ROW_SCHEMA = {"text": "tokens", "instruction": "tokens", "chat": "tokens", "classification": "label"}
+
+
+@dataclass(frozen=True)
+class Source:
+    """One source of the training data: its own data fields (the top-level ones where it sets none)."""
+
+    name: str  # eval_<name>_loss
+    weight: float
+    args: DataArgs
+
+
+def default_source_name(spec: str) -> str:
+    """A source's name when it gives none: its file (or directory, or Hub dataset) name without extension."""
+    base = Path(spec.rstrip("/")).name
+    base = base.split("*")[0].split("?")[0] or Path(spec.rstrip("/")).parent.name
+    stem = base[: -len(Path(base).suffix)] if Path(base).suffix.lower() in DATA_EXTENSIONS else base
+    return "".join(c if c.isalnum() or c in "_-" else "_" for c in stem).strip("_") or "source"
+
+
+def sources_of(d: DataArgs) -> list[Source]:
+    """The run's training sources: the `datasets:` list, or `dataset:` alone as a one-source mixture. (Values
+    that do not validate are left at the top-level ones: source_problems reports them.)"""
+    if not d.datasets:
+        return [Source(default_source_name(d.dataset), 1.0, d)]
+    out = []
+    for entry in d.datasets:
+        coerced = {k: _coerce("data", k, v) for k, v in entry.items() if k in SOURCE_FIELDS}
+        args = dataclasses.replace(d, datasets=None, **{k: v for k, (v, err) in coerced.items() if err is None})
+        weight = entry.get("weight", 1.0)
+        weight = float(weight) if isinstance(weight, (int, float)) and not isinstance(weight, bool) else 1.0
+        out.append(Source(str(entry.get("name") or default_source_name(args.dataset)), weight, args))
+    return out
+
+
+def has_eval_data(d: DataArgs) -> bool:
+    """Whether some source has eval data (its own eval set or split, or a held-out fraction)."""
+    if d.datasets and not all(isinstance(e, dict) for e in d.datasets):
+        return True  # reported elsewhere
+    sources = sources_of(d) if d.datasets else [Source("", 1.0, d)]
+    return any(s.args.eval_dataset or s.args.eval_split or s.args.eval_fraction > 0 for s in sources)
+
+
+def source_problems(d: DataArgs, task: str, *, check_filesystem: bool = True) -> list[tuple[str, str]]:
+    """Problems with `datasets:`, each keyed datasets[i].field: unknown or mistyped fields, weights, names,
+    formats that cannot mix, missing files."""
+    if d.datasets is None:
+        return []
+    p: list[tuple[str, str]] = []
+    if d.dataset:
+        p.append(("datasets", "and dataset are both set; give one (a one-source list, or dataset: alone)"))
+    for key in ("eval_dataset", "eval_split"):
+        if getattr(d, key):
+            p.append((key, f"applies to one source: with datasets:, set it inside a source (datasets[i].{key})"))
+    if not d.datasets:
+        p.append(("datasets", "is empty; list at least one source ({dataset: FILE, weight: 1}), or use dataset:"))
+    names: dict[str, int] = {}
+    kinds: dict[str, int] = {}  # row schema -> first source with it
+    for i, entry in enumerate(d.datasets):
+        at = f"datasets[{i}]"
+        if not isinstance(entry, dict):
+            p.append((at, f"must be a mapping like {{dataset: data/chat.jsonl, weight: 0.6}}, got {entry!r}"))
+            continue
+        ok = True
+        for key, value in entry.items():
+            if key in SOURCE_FIELDS:
+                value, err = _coerce("data", key, value)
+                if err:
+                    p.append((f"{at}.{key}", err))
+                    ok = False
+            elif key not in ("weight", "name"):
+                if key in {f.name for f in dataclasses.fields(DataArgs)}:
+                    hint = "; it applies to every source: set it at the top level"
+                else:
+                    close = difflib.get_close_matches(str(key), SOURCE_KEYS, n=1, cutoff=0.6)
+                    hint = f"; did you mean {close[0]!r}?" if close else f"; a source takes {', '.join(SOURCE_KEYS)}"
+                p.append((f"{at}.{key}", f"unknown field{hint}"))
+        weight = entry.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0 or weight == float("inf"):
+            p.append((f"{at}.weight", f"must be a number > 0 (its share is weight / sum of weights), got {weight!r}"))
+        name = entry.get("name")
+        if name is not None and (
+            not isinstance(name, str) or not name or any(not (c.isalnum() or c in "_-") for c in name)
+        ):
+            p.append((f"{at}.name", f"must be letters, digits, _ or - (it names eval_<name>_loss), got {name!r}"))
+        if not entry.get("dataset"):
+            p.append((f"{at}.dataset", "is required: a Hub dataset id or local data files"))
+            continue
+        if not ok:
+            continue
+        source = sources_of(dataclasses.replace(d, datasets=[entry]))[0]
+        s = source.args
+        if name is None or isinstance(name, str):
+            first = names.setdefault(source.name, i)
+            if first != i:
+                p.append(
+                    (
+                        f"{at}.name",
+                        f"{source.name!r} is also datasets[{first}]'s name (from the file name when not given); "
+                        "set name: to tell them apart",
+                    )
+                )
+        if s.format not in FORMATS:
+            _choice(p, f"{at}.format", s.format, FORMATS)
+        elif s.format != "auto":
+            schema = ROW_SCHEMA[s.format]
+            first = kinds.setdefault(schema, i)
+            other = next((j for k, j in kinds.items() if k != schema), None)
+            if other is not None and first == i:
+                was = d.datasets[other].get("format") or d.format
+                p.append(
+                    (
+                        f"{at}.format",
+                        f"{s.format!r} rows cannot mix with datasets[{other}]'s {was!r} rows: the sources of a mixture "
+                        "must tokenize to the same rows (causal_lm: text, instruction, chat; classification: "
+                        "classification); set a format of one kind, or train them in separate runs",
+                    )
+                )
+            elif task == "classification" and schema != "label":
+                p.append(
+                    (
+                        f"{at}.format",
+                        f"{s.format!r} is a causal-LM format; task classification needs format "
+                        "classification: set it (or auto)",
+                    )
+                )
+            elif task == "causal_lm" and schema == "label":
+                p.append((f"{at}.format", "classification data needs task classification: set task: classification"))
+        if not 0 <= s.eval_fraction < 1:
+            p.append((f"{at}.eval_fraction", f"must be in [0, 1), got {s.eval_fraction}"))
+        if s.max_train_samples is not None and s.max_train_samples < 1:
+            p.append((f"{at}.max_train_samples", f"must be >= 1 or null (off), got {s.max_train_samples}"))
+        if "{prompt}" not in s.prompt_template:
+            p.append((f"{at}.prompt_template", "must contain the placeholder {prompt}"))
+        if check_filesystem:
+            _check_data_path(p, f"{at}.dataset", s.dataset)
+            if s.eval_dataset:
+                _check_data_path(p, f"{at}.eval_dataset", s.eval_dataset)
+    return p
+
+
 def previous_run_in(output_dir: str) -> list[str]:
     """The markers of a previous run found in output_dir (empty if none)."""
     return [m for m in RUN_MARKERS if os.path.exists(os.path.join(output_dir, m))]
@@ -466,8 +666,9 @@ def validate(
     p: list[tuple[str, str]] = []
     if not m.model:
         p.append(("model", "is required: set it to a Hub model id or a local model directory"))
-    if not d.dataset:
-        p.append(("dataset", "is required: set it to a Hub dataset id or local data files"))
+    if not d.dataset and d.datasets is None:
+        p.append(("dataset", "is required: set it to a Hub dataset id or local data files (or give datasets:)"))
+    p += source_problems(d, m.task, check_filesystem=check_filesystem)
     _choice(p, "task", m.task, TASKS)
     _choice(p, "torch_dtype", m.torch_dtype, DTYPES)
     _choice(p, "format", d.format, FORMATS)
@@ -537,12 +738,16 @@ def validate(
         p.append(("warmup_ratio", f"must be in [0, 1), got {t.warmup_ratio}"))
     if not 0 <= d.eval_fraction < 1:
         p.append(("eval_fraction", f"must be in [0, 1), got {d.eval_fraction}"))
-    if t.eval_steps and not (d.eval_dataset or d.eval_split or d.eval_fraction > 0):
+    has_eval = has_eval_data(d)
+    if t.eval_steps and not has_eval:
         p.append(("eval_steps", "is set but there is no eval data; give eval_dataset, eval_split or eval_fraction > 0"))
-    if t.eval_on_start and not (d.eval_dataset or d.eval_split or d.eval_fraction > 0):
+    if t.eval_on_start and not has_eval:
         p.append(
             ("eval_on_start", "is set but there is no eval data; give eval_dataset, eval_split or eval_fraction > 0")
         )
+    from finetune.best import best_problems
+
+    p += best_problems(cfg, has_eval)
     if not t.output_dir:
         p.append(("output_dir", "is required"))
     if not check_filesystem:
@@ -568,9 +773,9 @@ def validate(
                 "give the template text or the path of a template file",
             )
         )
-    if d.dataset:
+    if d.dataset and not d.datasets:
         _check_data_path(p, "dataset", d.dataset)
-    if d.eval_dataset:
+    if d.eval_dataset and not d.datasets:
         _check_data_path(p, "eval_dataset", d.eval_dataset)
     if t.metrics:
         _check_metrics(p, t.metrics)

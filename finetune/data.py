@@ -34,6 +34,7 @@ class Datasets:
     format: str
     label_names: list[str] | None  # classification: id -> name
     supervised_tokens: int  # in train, after truncation
+    mixture: Any = None  # finetune.mixture.Mixture: the sources of the train rows (mixture.build_mixture_datasets)
 
 
 # ---------------------------------------------------------------- loading
@@ -340,7 +341,10 @@ class Collator:
             labels.append(list(e["labels"]) + [IGNORE] * gap if per_token else e["labels"])
             extra.append(list(e["position_ids"]) + list(range(gap)) if packed else [1] * n + [0] * gap)
         labels_t = torch.tensor(labels, dtype=torch.long)
+        # a mixture's eval rows name their source (finetune.mixture): passed on for eval per source
+        source = {"source": torch.tensor([e["source"] for e in examples])} if "source" in examples[0] else {}
         return {
+            **source,
             "input_ids": torch.tensor(ids, dtype=torch.long),
             "labels": labels_t,
             ("position_ids" if packed else "attention_mask"): torch.tensor(extra, dtype=torch.long),
@@ -370,8 +374,11 @@ class EpochSampler(torch.utils.data.Sampler):
         return self.n
 
     def __iter__(self):
+        return iter(self.permutation().tolist())
+
+    def permutation(self) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        return iter(torch.randperm(self.n, generator=g).tolist())
+        return torch.randperm(self.n, generator=g)
 
 
 class LengthAwareBatchSampler(torch.utils.data.Sampler):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import yaml
@@ -19,18 +20,35 @@ from finetune.checkpoint import CONFIG_FILE, write_atomic
 LABELS_FILE = "labels.json"
 
 
-def export(accelerator, backend, model, tokenizer, run_config: dict[str, Any], output_dir: str) -> str:
-    """Write output_dir/final/: model (or adapter) + tokenizer + the effective run config. A collective."""
+def export(
+    accelerator,
+    backend,
+    model,
+    tokenizer,
+    run_config: dict[str, Any],
+    output_dir: str,
+    weights_from: Callable[[str], None] | None = None,
+    card: str | None = None,
+) -> str:
+    """Write output_dir/final/: model (or adapter) + tokenizer + the effective run config. A collective.
+    weights_from: write the weights from elsewhere instead (one process: the best checkpoint, finetune.best);
+    card: a README.md (model card) to add."""
     final = os.path.join(output_dir, "final")
     tmp = os.path.join(output_dir, ".tmp_final")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    backend.save_pretrained(model, tmp)  # every rank takes part
+    if weights_from is None:
+        backend.save_pretrained(model, tmp)  # every rank takes part
+    elif accelerator.is_main_process:
+        with backend.one_process_loading():
+            weights_from(tmp)
     if accelerator.is_main_process:
         net = backend.hf_model(model)
         tokenizer.save_pretrained(tmp)
         write_atomic(os.path.join(tmp, CONFIG_FILE), yaml.safe_dump(run_config, sort_keys=False))
+        if card:
+            write_atomic(os.path.join(tmp, "README.md"), card)
         id2label = getattr(net.config, "id2label", None)
         if os.path.exists(os.path.join(tmp, "adapter_config.json")) and run_config.get("task") == "classification":
             # the classes a classifier adapter was trained for: `finetune merge` rebuilds the head from them

@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 
 from finetune.cluster import STOP, Diverged, Preempted, fault_point
 from finetune.config import TrainArgs
-from finetune.metrics import MetricsLog, summarize
+from finetune.metrics import MetricsLog
+from finetune.mixture import summarize_by_source
 from finetune.parallel import Plan, global_batch_index
 
 logger = logging.getLogger("finetune")
@@ -32,6 +33,9 @@ class TrainState:
     step: int = 0  # optimizer steps done
     tokens_seen: int = 0  # non-padding input tokens, all ranks
     supervised_seen: int = 0  # tokens (or examples) the loss was taken over, all ranks
+    best_step: int | None = None  # finetune.best: the best evaluation so far (metric_for_best_model)
+    best_metric: float | None = None
+    evals_without_improvement: int = 0  # early stopping's patience count
 
 
 @dataclass
@@ -44,7 +48,7 @@ class Run:
     optimizer: Any
     scheduler: Any
     train_loader: Any
-    sampler: Any  # finetune.data.EpochSampler: the order of an epoch depends only on (seed, epoch)
+    sampler: Any  # finetune.mixture.MixtureSampler: the order of an epoch depends only on (seed, epoch)
     eval_loader: Any | None
     plan: Plan
     args: TrainArgs
@@ -57,6 +61,8 @@ class Run:
     extra: dict[str, Any] = field(default_factory=dict)  # constant facts added to every log row
     flops_per_token: float = 0.0  # model FLOPs per trained token (model.ModelFacts)
     peak_flops: float | None = None  # all devices together; None: MFU not reported
+    sources: list[str] | None = None  # a mixture's source names: eval is also reported per source
+    best: Any = None  # finetune.best.BestRule: best checkpoint and early stopping (None: off)
 
 
 def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: int):
@@ -104,12 +110,15 @@ def evaluate(run: Run) -> dict[str, float]:
     parts: dict[str, list[torch.Tensor]] = defaultdict(list)
     for batch in run.eval_loader:
         batch.pop("num_supervised"), batch.pop("num_tokens"), batch.pop("num_positions")
+        source = batch.pop("source", None)  # a mixture's eval rows: which source each comes from
         labels = batch.pop("labels")
         stats = backend.eval_stats(run.model, batch, labels, run.task)
+        if source is not None:
+            stats = {**stats, "source": source}
         for k, v in backend.gather_for_metrics(stats).items():  # drops the padding of an uneven last batch
             parts[k].append(v.cpu())
     run.model.train()
-    return summarize({k: torch.cat(v) for k, v in parts.items()}, run.metrics, run.n_labels)
+    return summarize_by_source({k: torch.cat(v) for k, v in parts.items()}, run.metrics, run.n_labels, run.sources)
 
 
 class _Window:
@@ -146,7 +155,8 @@ def _train(run: Run, state: TrainState) -> dict[str, float]:
     run.model.train()
     win = _Window()
     health = _Health()
-    while state.step < plan.total_steps:
+    stopped = False  # early stopping
+    while state.step < plan.total_steps and not stopped:
         epoch, start = divmod(state.step, plan.steps_per_epoch)
         skip = start * plan.gradient_accumulation_steps  # resuming inside an epoch
         loader = acc.skip_first_batches(run.train_loader, skip) if skip else run.train_loader
@@ -179,13 +189,20 @@ def _train(run: Run, state: TrainState) -> dict[str, float]:
             if state.step % args.logging_steps == 0 or done:
                 _log_train(run, state, win, grad_norm, bar)
                 win = _Window()
+            save = bool(args.save_steps and state.step % args.save_steps == 0)
             if run.eval_loader is not None and (done or (args.eval_steps and state.step % args.eval_steps == 0)):
                 run.watchdog.beat()
                 last_eval = _log_eval(run, state, bar)
-            if not done and args.save_steps and state.step % args.save_steps == 0:
+                if run.best is not None:
+                    verdict = _judge(run, state, last_eval)
+                    save = save or (verdict.new_best and run.best.load_best)  # the best always has a checkpoint
+                    stopped = verdict.stop
+                    if stopped and win.steps:  # the steps since the last train row
+                        _log_train(run, state, win, grad_norm, bar)
+            if not done and not stopped and save:
                 run.watchdog.beat()
                 run.checkpointer.save(state_dict_of(state))  # the last step's checkpoint is run.py's
-            if done:
+            if done or stopped:
                 break
     bar.close()
     return last_eval
@@ -284,6 +301,27 @@ def _log_eval(run: Run, state: TrainState, bar) -> dict[str, float]:
         text = "  ".join(f"{k} {v:.4f}" for k, v in result.items())
         (bar.write if not bar.disable else logger.info)(f"eval @ step {state.step}: {text}")
     return result
+
+
+def _judge(run: Run, state: TrainState, result: dict[str, float]):
+    """Best checkpoint and early stopping (finetune.best) on this evaluation. The gathered metrics are the same
+    on every rank; the main process's value is broadcast all the same, so no rank can decide differently."""
+    from accelerate.utils import broadcast_object_list
+
+    value = run.best.value_of(result)
+    if run.accelerator.num_processes > 1:
+        value = broadcast_object_list([value])[0]
+    verdict = run.best.update(state, value)
+    if verdict.stop:
+        logger.info(
+            "early stopping at step %d: %s has not improved by more than %g for %d evaluations; best %s",
+            state.step,
+            run.best.metric,
+            run.best.threshold,
+            state.evals_without_improvement,
+            run.best.describe(state),
+        )
+    return verdict
 
 
 def state_dict_of(state: TrainState) -> dict[str, Any]:

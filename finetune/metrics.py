@@ -11,9 +11,7 @@ from typing import Any
 
 import torch
 
-from finetune.config import SHIPPED_METRICS, ConfigError
-
-DEFAULT_METRICS = {"causal_lm": [], "classification": ["accuracy", "f1"]}
+from finetune.config import DEFAULT_METRICS, SHIPPED_METRICS, ConfigError
 
 
 def load_metrics(names: list[str] | None, task: str) -> dict[str, Any]:

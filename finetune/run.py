@@ -25,7 +25,7 @@ import torch
 import yaml
 from accelerate.utils import set_seed
 
-from finetune import checkpoint, cluster, data, export, loop, metrics, model, optim, parallel
+from finetune import best, checkpoint, cluster, data, export, loop, metrics, mixture, model, optim, parallel
 from finetune.config import RUN_MARKERS, ConfigError, RunConfig
 
 logger = logging.getLogger("finetune")
@@ -48,7 +48,7 @@ def run(cfg: RunConfig) -> dict:
         acc, backend, parts.model, parts.optimizer, t.output_dir, run_config, layout, t.save_total_limit, storage.writes
     )
     r = build_loop(cfg, acc, backend, parts, ds, plan, facts, ckpt, eval_metrics)
-    return train_and_export(cfg, r, state, tokenizer, run_config)
+    return train_and_export(cfg, r, state, tokenizer, run_config, ds.label_names)
 
 
 def start(cfg: RunConfig):
@@ -95,7 +95,9 @@ def find_resume(cfg: RunConfig, acc, storage, layout) -> checkpoint.Resume | Non
 def build_data(cfg: RunConfig, acc, topology: parallel.Topology, tokenizer):
     """Tokenized datasets (each machine's local main first, the others from the cache), the Plan, the eval metrics."""
     t = cfg.train
-    ds = data.build_datasets(cfg.data, cfg.model.task, tokenizer, t.seed, functools.partial(cluster.node_first, acc))
+    ds = mixture.build_mixture_datasets(
+        cfg.data, cfg.model.task, tokenizer, t.seed, functools.partial(cluster.node_first, acc)
+    )
     eval_metrics = metrics.load_metrics(t.metrics, cfg.model.task) if ds.eval is not None else {}
     plan = parallel.make_plan(t, len(ds.train), topology)
     logger.info(
@@ -162,7 +164,7 @@ class Prepared:
     train_loader: Any
     scheduler: Any
     eval_loader: Any | None
-    sampler: data.EpochSampler
+    sampler: mixture.MixtureSampler
 
 
 def build_optimization(cfg: RunConfig, acc, backend, net, ds: data.Datasets, plan, tokenizer) -> Prepared:
@@ -172,7 +174,7 @@ def build_optimization(cfg: RunConfig, acc, backend, net, ds: data.Datasets, pla
     warmup, length = plan.scheduler_steps
     scheduler = optim.build_scheduler(optimizer, t.lr_scheduler_type, warmup, length)
     collate = data.Collator(tokenizer.pad_token_id)
-    sampler = data.EpochSampler(len(ds.train), t.seed)
+    sampler = mixture.MixtureSampler.of(ds, t.seed)  # the epoch's order; one source: EpochSampler's
     if cfg.data.length_aware_batching:
         batches = {"batch_sampler": _length_aware_batches(ds.train, sampler, plan, net)}
     else:
@@ -217,7 +219,7 @@ def restore_or_start(cfg: RunConfig, acc, backend, p: Prepared, plan, resume, st
     t = cfg.train
     if resume:
         saved = checkpoint.restore(acc, backend, p.model, p.optimizer, p.scheduler, plan, resume, t.learning_rate)
-        state = loop.TrainState(**{f.name: saved[f.name] for f in dataclasses.fields(loop.TrainState)})
+        state = loop.TrainState(**{f.name: saved.get(f.name, f.default) for f in dataclasses.fields(loop.TrainState)})
         metrics.MetricsLog(t.output_dir, enabled=acc.is_main_process).truncate_after(state.step)
         logger.info("resumed from %s at step %d", resume.describe(), state.step)
         return state
@@ -274,10 +276,14 @@ def build_loop(cfg: RunConfig, acc, backend, p: Prepared, ds, plan, facts, ckpt,
         extra={"world_size": topo.num_processes, "distributed_type": topo.distributed_type, **observed},
         flops_per_token=facts.flops_per_token,
         peak_flops=peak,
+        sources=ds.mixture.names if ds.mixture and ds.mixture.per_source_eval else None,
+        best=best.BestRule.of(t),
     )
 
 
-def train_and_export(cfg: RunConfig, r: loop.Run, state: loop.TrainState, tokenizer, run_config: dict) -> dict:
+def train_and_export(
+    cfg: RunConfig, r: loop.Run, state: loop.TrainState, tokenizer, run_config: dict, label_names=None
+) -> dict:
     """The loop, the end-of-run checkpoint, final/ (and merged/), and the memory report."""
     acc, backend = r.accelerator, r.backend
     startup = metrics.peak_memory(acc.device)  # loading and preparing
@@ -292,7 +298,15 @@ def train_and_export(cfg: RunConfig, r: loop.Run, state: loop.TrainState, tokeni
     training = metrics.peak_memory(acc.device)
     metrics.reset_peak_memory(acc.device)
     r.checkpointer.save(loop.state_dict_of(state))  # the end-of-run checkpoint (a resume of a finished run)
-    final = export.export(acc, backend, r.model, tokenizer, run_config, cfg.train.output_dir)
+    weights_from, card = None, None
+    if cfg.train.load_best_model_at_end and state.best_step is not None:
+        path = best.best_checkpoint(cfg.train.output_dir, state)
+        weights_from = best.weights_writer(cfg, tokenizer, label_names, path)
+        card = best.model_card(r.best, state, state.step)
+        logger.info("load_best_model_at_end: final/ gets the best checkpoint, %s: %s", r.best.describe(state), path)
+    final = export.export(
+        acc, backend, r.model, tokenizer, run_config, cfg.train.output_dir, weights_from=weights_from, card=card
+    )
     if cfg.peft.merge:
         if acc.is_main_process:
             with backend.one_process_loading():

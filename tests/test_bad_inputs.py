@@ -423,6 +423,71 @@ CASES = [
         "optimizer",
         "remove it",
     ),
+    # ---- dataset mixtures (datasets:)
+    Case(
+        "mixture_weight_not_positive",
+        lambda c: c.yaml(dataset=DROP, datasets=[{"dataset": c.assets.instruction, "weight": 0}]),
+        "datasets[0].weight",
+        "> 0",
+    ),
+    Case(
+        "mixture_formats_cannot_mix",
+        lambda c: c.yaml(
+            dataset=DROP,
+            datasets=[
+                {"dataset": c.assets.chat, "format": "chat"},
+                {"dataset": c.assets.classification, "format": "classification"},
+            ],
+        ),
+        "datasets[1].format",
+        "cannot mix",
+    ),
+    Case(
+        "mixture_source_key_typo",
+        lambda c: c.yaml(dataset=DROP, datasets=[{"dataset": c.assets.instruction, "wieght": 2}]),
+        "datasets[0].wieght",
+        "did you mean 'weight'",
+    ),
+    Case(
+        "mixture_source_file_missing",
+        lambda c: c.yaml(dataset=DROP, datasets=[{"dataset": str(c.tmp / "nowhere.jsonl")}]),
+        "datasets[0].dataset",
+        "nowhere.jsonl",
+    ),
+    Case(
+        "mixture_classification_labels_differ",
+        lambda c: c.yaml(
+            **CLS,
+            dataset=DROP,
+            eval_fraction=0.0,
+            datasets=[
+                {"dataset": c.jsonl("a.jsonl", rows_cls(["food", "rain"] * 4))},
+                {"dataset": c.jsonl("b.jsonl", rows_cls(["food", "tech"] * 4))},
+            ],
+        ),
+        "datasets[1].label_column",
+        "same label set",
+        stage=DATA,
+    ),
+    # ---- best checkpoint and early stopping
+    Case(
+        "metric_for_best_model_never_computed",
+        lambda c: c.yaml(metric_for_best_model="accuracy"),
+        "metric_for_best_model",
+        "never computed",
+    ),
+    Case(
+        "load_best_model_at_end_without_saving",
+        lambda c: c.yaml(load_best_model_at_end=True, eval_steps=1),
+        "load_best_model_at_end",
+        "set save_steps",
+    ),
+    Case(
+        "early_stopping_without_metric",
+        lambda c: c.yaml(early_stopping_patience=2, eval_steps=1),
+        "early_stopping_patience",
+        "metric_for_best_model",
+    ),
     # ---- output_dir, checkpoints, resume
     Case("output_dir_holds_previous_run", lambda c: c.yaml(), "output_dir", "--overwrite_output_dir", overwrite=False),
     Case("output_dir_is_a_file", output_dir_is_a_file, "output_dir", "out.txt", overwrite=False),

@@ -224,6 +224,11 @@ def test_a_supported_megatron_run_passes_the_checks(on_a_gpu_machine_with_megatr
         ({"peft": {"method": "lora"}}, "peft.method", "peft.method: none"),
         ({"packing": True}, "packing", "packing: false"),
         ({"length_aware_batching": True}, "length_aware_batching", "length_aware_batching: false"),
+        (
+            {"load_best_model_at_end": True, "eval_steps": 2, "save_steps": 2},
+            "load_best_model_at_end",
+            "load_best_model_at_end: false",
+        ),
         ({"max_seq_length": 63}, "max_seq_length", "multiple of megatron_lm_tp_degree 2"),
         ({"task": "classification"}, "task", "causal_lm"),
     ],

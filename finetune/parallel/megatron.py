@@ -221,6 +221,15 @@ def megatron_problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> li
                 "is not supported under Megatron-LM (its GPT step attends across packed examples); set packing: false",
             )
         )
+    if t.load_best_model_at_end:
+        p.append(
+            (
+                "load_best_model_at_end",
+                "is not supported under Megatron-LM (its checkpoints are in Megatron's own format, with no full "
+                "weights to export the best one from); set load_best_model_at_end: false (early stopping works), "
+                "or use a DDP/DeepSpeed/FSDP config",
+            )
+        )
     if cfg.data.length_aware_batching:
         p.append(
             (
