@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -21,6 +22,7 @@ from finetune.cluster import STOP, Diverged, Preempted, fault_point
 from finetune.config import TrainArgs
 from finetune.metrics import MetricsLog, summarize
 from finetune.parallel import Plan, global_batch_index
+from finetune.report import write_curves
 
 logger = logging.getLogger("finetune")
 
@@ -181,7 +183,9 @@ def _train(run: Run, state: TrainState) -> dict[str, float]:
                 win = _Window()
             if run.eval_loader is not None and (done or (args.eval_steps and state.step % args.eval_steps == 0)):
                 run.watchdog.beat()
+                paused = time.perf_counter()
                 last_eval = _log_eval(run, state, bar)
+                win.t0 += time.perf_counter() - paused  # eval and curves.png are not training time (tokens/s)
             if not done and args.save_steps and state.step % args.save_steps == 0:
                 run.watchdog.beat()
                 run.checkpointer.save(state_dict_of(state))  # the last step's checkpoint is run.py's
@@ -278,6 +282,8 @@ def _log_train(run: Run, state: TrainState, win: _Window, grad_norm, bar) -> Non
 def _log_eval(run: Run, state: TrainState, bar) -> dict[str, float]:
     result = evaluate(run)
     run.log.write({"step": state.step, **result})
+    if run.log.enabled:  # the main process: curves.png so far
+        write_curves(os.path.dirname(run.log.path))
     if run.args.report_to:
         run.accelerator.log(result, step=state.step)
     if run.accelerator.is_main_process:

@@ -30,7 +30,7 @@ def make_accelerator(cfg: RunConfig):
     import os
 
     from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs
-    from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs
+    from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration
 
     from finetune.parallel.ddp import has_accelerator_device
 
@@ -58,7 +58,10 @@ def make_accelerator(cfg: RunConfig):
             dataloader_config=DataLoaderConfiguration(use_seedable_sampler=False, even_batches=True),
             kwargs_handlers=handlers,
             log_with=t.report_to or None,
-            project_dir=t.output_dir,
+            # TensorBoard (report_to) writes under output_dir/runs/<tracker_project>.
+            project_config=ProjectConfiguration(
+                project_dir=t.output_dir, logging_dir=os.path.join(t.output_dir, "runs")
+            ),
             **family.accelerator_kwargs(cfg),
         )
     except ValueError as e:
