@@ -84,6 +84,7 @@ class ScreenFilter(logging.Filter):
         self.main, self.rank = main, rank
 
     def filter(self, record: logging.LogRecord) -> bool:
+        record.screen = record.getMessage()
         ours = record.name == OURS or record.name.startswith(OURS + ".")
         if not self.main:
             record.prefix = f"[finetune rank{self.rank}]" if ours else f"[{record.name.split('.')[0]} rank{self.rank}]"
@@ -94,8 +95,8 @@ class ScreenFilter(logging.Filter):
         if record.levelno < logging.WARNING or getattr(record, "category", None) in QUIET_WARNINGS:
             return False
         text = record.getMessage()
-        if "LOAD REPORT" in text:
-            record.prefix, record.msg, record.args = "[finetune]", summarize_load_report(text, self.rank), None
+        if "LOAD REPORT" in text:  # the record itself stays whole: the rank's log gets the table
+            record.prefix, record.screen = "[finetune]", summarize_load_report(text, self.rank)
             return True
         if record.levelno < logging.ERROR and any(pattern in text for pattern, _ in QUIET):
             return False
@@ -135,7 +136,7 @@ def setup() -> RankLog:
     _State.log = log
     screen = logging.StreamHandler(sys.stdout)
     screen.addFilter(ScreenFilter(main, rank))
-    screen.setFormatter(logging.Formatter("%(prefix)s %(message)s"))
+    screen.setFormatter(logging.Formatter("%(prefix)s %(screen)s"))
     root = logging.getLogger()
     for h in root.handlers[:]:  # our earlier handlers (a second run in one process); others (pytest's) stay
         if isinstance(h, RankLog) or any(isinstance(f, ScreenFilter) for f in h.filters):
