@@ -22,7 +22,7 @@ from finetune.cluster import STOP, Diverged, Preempted, fault_point
 from finetune.config import TrainArgs
 from finetune.metrics import MetricsLog, summarize
 from finetune.parallel import Plan, global_batch_index
-from finetune.report import write_curves
+from finetune.report import CURVES_EVERY_S, write_curves
 
 logger = logging.getLogger("finetune")
 
@@ -283,7 +283,7 @@ def _log_eval(run: Run, state: TrainState, bar) -> dict[str, float]:
     result = evaluate(run)
     run.log.write({"step": state.step, **result})
     if run.log.enabled:  # the main process: curves.png so far
-        write_curves(os.path.dirname(run.log.path))
+        write_curves(os.path.dirname(run.log.path), min_interval=CURVES_EVERY_S)
     if run.args.report_to:
         run.accelerator.log(result, step=state.step)
     if run.accelerator.is_main_process:
