@@ -318,7 +318,7 @@ def train_and_export(
     about |= {"parallelism": topo.summary(), "world_size": topo.num_processes, "wall_time_s": console.wall_time()}
     about |= {"distributed_type": topo.distributed_type, "mixed_precision": acc.mixed_precision}
     about["global_batch_size"] = r.plan.global_batch_size
-    report.finish(acc, cfg, final, about)
     for tracker in acc.trackers:  # accelerate's end_training, but for destroying the process group (see cli.main)
         tracker.finish()
+    report.finish(acc, cfg, final, about)
     return final_eval
