@@ -208,6 +208,17 @@ def quiet_import(module: str) -> None:
         _State.log.write(captured.getvalue())
 
 
+@contextlib.contextmanager
+def printed_to_log():
+    """What third-party code prints meanwhile goes to the rank's log (every rank): Accelerator() under DeepSpeed
+    prints "DeepSpeed ...shm_comm_op built successfully" on each start. Exceptions pass through."""
+    if _State.log is None:
+        yield
+        return
+    with contextlib.redirect_stdout(_Printed(_State.log)):
+        yield
+
+
 def attach(output_dir: str) -> str | None:
     """output_dir is this run's now: write the rank's log there (what was held, then everything as it comes)."""
     log = _State.log
