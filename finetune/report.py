@@ -29,6 +29,7 @@ logger = logging.getLogger("finetune")
 CURVES = "curves.png"
 CARD = "README.md"
 PIPELINE_TAGS = {"causal_lm": "text-generation", "classification": "text-classification"}
+ADAPTER_NAMES = {"lora": "LoRA", "dora": "DoRA"}
 AUTO_CLASSES = {"causal_lm": "AutoModelForCausalLM", "classification": "AutoModelForSequenceClassification"}
 
 
@@ -396,7 +397,8 @@ def card_text(cfg: RunConfig, rows: list[dict[str, Any]], about: dict[str, Any])
         )
     lines = [f"# {name}", ""]
     lines += [
-        f"{'A ' + pe.method.upper() + ' adapter for' if peft_on else 'A fine-tuned version of'} `{m.model}` "
+        f"{'A ' + ADAPTER_NAMES.get(pe.method, pe.method) + ' adapter for' if peft_on else 'A fine-tuned version of'} "
+        f"`{m.model}` "
         f"({m.task.replace('_', ' ')}), trained with finetune on `{d.dataset}`.",
         "",
         "## How to load it",

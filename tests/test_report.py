@@ -225,7 +225,12 @@ def test_model_card_metadata_and_loading(assets, tmp_path):
         "tags": ["finetune", "causal-lm", "lora", "peft"],
         "license": "apache-2.0",
     }
-    assert "# sft-1" in text and "AutoPeftModelForCausalLM as Auto" in text and "subfolder='merged'" in text
+    assert (
+        "# sft-1" in text
+        and f"A LoRA adapter for `{base}`" in text
+        and "AutoPeftModelForCausalLM as Auto" in text
+        and "subfolder='merged'" in text
+    )
     assert "| eval_loss | 0.2500 |" in text and "| eval_accuracy | 1.0000 |" in text
     hub = build_config(
         {"model": "org/base", "dataset": "org/data", "output_dir": str(tmp_path / "r")}, check_filesystem=False
