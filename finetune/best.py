@@ -228,12 +228,12 @@ def weights_writer(cfg: RunConfig, tokenizer, label_names: list[str] | None, pat
     return write
 
 
-def model_card(rule: BestRule, state: Any, last_step: int) -> str:
+def card_section(rule: BestRule, state: Any, last_step: int) -> str:
+    """The model card's word on which weights final/ holds (finetune.report adds it under Results)."""
     return (
-        "# finetune: the best checkpoint\n\n"
         f"These are the weights of step {state.best_step} (checkpoints/step_{state.best_step}), the best "
         f"evaluation by `{rule.metric}` = {state.best_metric:.6g} "
         f"({'greater' if rule.greater_is_better else 'lower'} is better)"
         + (f", not those of the last step ({last_step})" if last_step != state.best_step else ", also the last step")
-        + ": the run config set `load_best_model_at_end: true`. See metrics.jsonl for every evaluation.\n"
+        + ": the run config set `load_best_model_at_end: true`. See metrics.jsonl for every evaluation."
     )

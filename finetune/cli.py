@@ -25,6 +25,7 @@ from finetune.config import (
     load_yaml,
     parse_cli_value,
 )
+from finetune.report import PushFailed
 
 DESCRIPTION = """\
 Fine-tune a Hugging Face model. The run config (YAML, --config) says what to train; every field
@@ -34,13 +35,16 @@ can be overridden on the command line. The parallelism is chosen by the Accelera
   finetune parity --config examples/sft.yaml --steps 10                    # same losses under every backend?
   finetune merge outputs/sft/final                                         # adapter + base -> one model
   finetune check --config examples/sft.yaml                                # preflight: launch it like the run
+  finetune plot outputs/ddp outputs/zero3 -o parity.png                    # several runs' curves in one PNG
   accelerate launch --config_file accelerate_configs/ddp.yaml finetune --config examples/sft.yaml --max_steps 50
 """
 
 EPILOG = """\
-Outputs (under output_dir): metrics.jsonl (one JSON row per logged step and per eval),
+Outputs (under output_dir): metrics.jsonl (one JSON row per logged step and per eval), curves.png,
 checkpoints/step_N (resumable; checkpoints/latest names the newest), final/ (a standard HF model
-directory with tokenizer and the effective run config). Exit code 2 means bad input."""
+directory with tokenizer, the effective run config and a model card, README.md), logs/rank<N>.log
+(every rank's log, with the third-party warnings kept off the screen), runs/ (TensorBoard, with
+report_to: [tensorboard]). Exit code 2 means bad input."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,6 +122,10 @@ def run_cli(argv: list[str] | None = None) -> int:
         return parity(argv[1:])
     if argv[:1] == ["merge"]:
         return merge(argv[1:])
+    if argv[:1] == ["plot"]:
+        from finetune.report import plot_main
+
+        return plot_main(argv[1:])
     if argv[:1] == ["check"]:
         from finetune.check import main as check
 
@@ -146,6 +154,11 @@ def run_cli(argv: list[str] | None = None) -> int:
             )
         return 128 + signal.Signals[e.signame].value
     except Diverged as e:
+        if _is_main_rank():
+            print(f"finetune: {e}", file=sys.stderr, flush=True)
+        launcher_error_file(str(e))
+        return 1
+    except PushFailed as e:
         if _is_main_rank():
             print(f"finetune: {e}", file=sys.stderr, flush=True)
         launcher_error_file(str(e))

@@ -31,7 +31,7 @@ DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet":
 SHIPPED_METRICS = Path(__file__).parent / "metric_modules"  # evaluate modules that load offline
 DEFAULT_METRICS = {"causal_lm": [], "classification": ["accuracy", "f1"]}  # eval metrics by task
 # Files whose presence in output_dir means "a previous run lives here".
-RUN_MARKERS = ("metrics.jsonl", "checkpoints", "final", "run_config.yaml")
+RUN_MARKERS = ("metrics.jsonl", "checkpoints", "final", "run_config.yaml", "logs", "curves.png", "runs")
 
 
 class ConfigError(Exception):
@@ -191,7 +191,29 @@ class TrainArgs:
     sync_batchnorm: bool = _f(False, "DDP: convert BatchNorm layers to SyncBatchNorm.")
     dataloader_num_workers: int = _f(0, "Worker processes per data loader.")
     report_to: list[str] = _f(
-        [], "Extra trackers for accelerate (e.g. [tensorboard]); metrics.jsonl is always written."
+        [],
+        "Trackers that get every metrics row and the run config, through accelerate: tensorboard (files in "
+        "output_dir/runs), wandb, mlflow, trackio, comet_ml, aim, clearml, dvclive, swanlab, or all (every one "
+        "installed); metrics.jsonl and curves.png are always written.",
+    )
+    run_name: str | None = _f(
+        None, "Name of the run in the trackers, the model card and `finetune plot` (default: output_dir's name)."
+    )
+    tracker_project: str = _f(
+        "finetune",
+        "Project (wandb, trackio, comet_ml), experiment (mlflow) or run folder (tensorboard) the trackers log to.",
+    )
+    push_to_hub: bool = _f(
+        False,
+        "At the end, the main process uploads final/ (model or adapter, tokenizer, model card; merged/ too) to the "
+        "Hugging Face Hub. Needs a token (`hf auth login` or HF_TOKEN; never saved or logged), checked before "
+        "training starts.",
+    )
+    hub_model_id: str | None = _f(
+        None, "Hub repository (namespace/name, or name under your account); default: output_dir's name."
+    )
+    hub_private_repo: bool | None = _f(
+        None, "Create the Hub repository as private (default: the Hub's default, public)."
     )
     disable_tqdm: bool = _f(False, "No progress bar (a log line every logging_steps instead).")
 
@@ -653,6 +675,49 @@ def source_problems(d: DataArgs, task: str, *, check_filesystem: bool = True) ->
     return p
 
 
+HUB_REPO_ID = r"(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*"
+
+
+def hub_repo_id(train: TrainArgs) -> str:
+    """hub_model_id, or output_dir's name (as transformers' Trainer does)."""
+    return train.hub_model_id or Path(os.path.abspath(train.output_dir)).name
+
+
+def _check_hub(problems: list, t: TrainArgs) -> None:
+    """push_to_hub: a valid repository name, the Hub reachable by configuration, and a token; said before
+    anything loads (not after hours of training). The token itself is only looked up, never kept."""
+    import re
+
+    if not t.push_to_hub:
+        return
+    if not re.fullmatch(HUB_REPO_ID, hub_repo_id(t)) or ".." in hub_repo_id(t):
+        problems.append(
+            (
+                "hub_model_id",
+                f"{hub_repo_id(t)!r} is not a Hub repository name; give namespace/name or name "
+                "(letters, digits, '-', '_', '.')",
+            )
+        )
+    if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        problems.append(
+            (
+                "push_to_hub",
+                "the Hub is offline here (HF_HUB_OFFLINE is set); unset HF_HUB_OFFLINE on a machine "
+                "with network, or set push_to_hub: false and upload final/ later (`hf upload`)",
+            )
+        )
+        return
+    from huggingface_hub import get_token
+
+    if not get_token():
+        problems.append(
+            (
+                "push_to_hub",
+                "no Hugging Face token found; run `hf auth login` or set HF_TOKEN, or set push_to_hub: false",
+            )
+        )
+
+
 def previous_run_in(output_dir: str) -> list[str]:
     """The markers of a previous run found in output_dir (empty if none)."""
     return [m for m in RUN_MARKERS if os.path.exists(os.path.join(output_dir, m))]
@@ -750,6 +815,7 @@ def validate(
     p += best_problems(cfg, has_eval)
     if not t.output_dir:
         p.append(("output_dir", "is required"))
+    _check_hub(p, t)
     if not check_filesystem:
         return p
     if m.model and looks_local(m.model) and not os.path.isdir(os.path.expanduser(m.model)):

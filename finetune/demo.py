@@ -97,7 +97,10 @@ def build_tokenizer(path: str | os.PathLike, vocab_size: int = 600, chat_templat
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer)
     hf = PreTrainedTokenizerFast(
@@ -185,6 +188,12 @@ def _main() -> None:
     p.add_argument("--dir", default="demo", help="where to put them (default: demo)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Building the model on the CPU: DeepSpeed (imported by transformers when installed) need not guess the device
+    # (its guess prints "Setting accelerator to CPU"), and one tiny model needs no progress bar.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
     out = prepare(args.dir)
     print(f"demo base model: {out['model']}\ndemo data: {out['train']}, {out['eval']}")
 

@@ -28,11 +28,9 @@ def export(
     run_config: dict[str, Any],
     output_dir: str,
     weights_from: Callable[[str], None] | None = None,
-    card: str | None = None,
 ) -> str:
     """Write output_dir/final/: model (or adapter) + tokenizer + the effective run config. A collective.
-    weights_from: write the weights from elsewhere instead (one process: the best checkpoint, finetune.best);
-    card: a README.md (model card) to add."""
+    weights_from: write the weights from elsewhere instead (one process: the best checkpoint, finetune.best)."""
     final = os.path.join(output_dir, "final")
     tmp = os.path.join(output_dir, ".tmp_final")
     if accelerator.is_main_process:
@@ -47,8 +45,6 @@ def export(
         net = backend.hf_model(model)
         tokenizer.save_pretrained(tmp)
         write_atomic(os.path.join(tmp, CONFIG_FILE), yaml.safe_dump(run_config, sort_keys=False))
-        if card:
-            write_atomic(os.path.join(tmp, "README.md"), card)
         id2label = getattr(net.config, "id2label", None)
         if os.path.exists(os.path.join(tmp, "adapter_config.json")) and run_config.get("task") == "classification":
             # the classes a classifier adapter was trained for: `finetune merge` rebuilds the head from them

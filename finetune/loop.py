@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -22,6 +23,7 @@ from finetune.config import TrainArgs
 from finetune.metrics import MetricsLog
 from finetune.mixture import summarize_by_source
 from finetune.parallel import Plan, global_batch_index
+from finetune.report import CURVES_EVERY_S, write_curves
 
 logger = logging.getLogger("finetune")
 
@@ -192,7 +194,9 @@ def _train(run: Run, state: TrainState) -> dict[str, float]:
             save = bool(args.save_steps and state.step % args.save_steps == 0)
             if run.eval_loader is not None and (done or (args.eval_steps and state.step % args.eval_steps == 0)):
                 run.watchdog.beat()
+                paused = time.perf_counter()
                 last_eval = _log_eval(run, state, bar)
+                win.t0 += time.perf_counter() - paused  # eval and curves.png are not training time (tokens/s)
                 if run.best is not None:
                     verdict = _judge(run, state, last_eval)
                     save = save or (verdict.new_best and run.best.load_best)  # the best always has a checkpoint
@@ -295,6 +299,8 @@ def _log_train(run: Run, state: TrainState, win: _Window, grad_norm, bar) -> Non
 def _log_eval(run: Run, state: TrainState, bar) -> dict[str, float]:
     result = evaluate(run)
     run.log.write({"step": state.step, **result})
+    if run.log.enabled:  # the main process: curves.png so far
+        write_curves(os.path.dirname(run.log.path), min_interval=CURVES_EVERY_S)
     if run.args.report_to:
         run.accelerator.log(result, step=state.step)
     if run.accelerator.is_main_process:

@@ -17,7 +17,6 @@ import functools
 import logging
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +24,21 @@ import torch
 import yaml
 from accelerate.utils import set_seed
 
-from finetune import best, checkpoint, cluster, data, export, loop, metrics, mixture, model, optim, parallel
+from finetune import (
+    best,
+    checkpoint,
+    cluster,
+    console,
+    data,
+    export,
+    loop,
+    metrics,
+    mixture,
+    model,
+    optim,
+    parallel,
+    report,
+)
 from finetune.config import RUN_MARKERS, ConfigError, RunConfig
 
 logger = logging.getLogger("finetune")
@@ -42,20 +55,33 @@ def run(cfg: RunConfig) -> dict:
     net, facts = build_model(cfg, backend, tokenizer, ds, resume)
     parts = build_optimization(cfg, acc, backend, net, ds, plan, tokenizer)
     state = restore_or_start(cfg, acc, backend, parts, plan, resume, storage)
+    console.attach(cfg.train.output_dir)  # output_dir is this run's now: the rank's log goes there
     run_config = cfg.to_flat()
     t = cfg.train
     ckpt = checkpoint.Checkpointer(
         acc, backend, parts.model, parts.optimizer, t.output_dir, run_config, layout, t.save_total_limit, storage.writes
     )
     r = build_loop(cfg, acc, backend, parts, ds, plan, facts, ckpt, eval_metrics)
-    return train_and_export(cfg, r, state, tokenizer, run_config, ds.label_names)
+    about = {
+        "data_format": ds.format,
+        "train_rows": len(ds.train),
+        "eval_rows": len(ds.eval) if ds.eval is not None else 0,
+        "label_names": ds.label_names,
+    }
+    return train_and_export(cfg, r, state, tokenizer, run_config, about)
 
 
 def start(cfg: RunConfig):
     """The Accelerator, logging, the backend that knows how this run is spread, and where its files go."""
+    console.setup()  # before the Accelerator: DeepSpeed's import already logs
     model.check_peft_support(cfg.peft)
+    problems = report.tracker_problems(cfg.train.report_to)
+    if os.environ.get("RANK", "0") == "0":  # one question to the Hub per job
+        problems += report.hub_preflight(cfg)
+    if problems:
+        raise ConfigError(problems)
     acc = parallel.make_accelerator(cfg)
-    _setup_logging(acc)
+    console.set_main(acc.is_main_process)
     backend = parallel.make_backend(acc, cfg)
     facts = parallel.describe(acc)
     logger.info(
@@ -247,8 +273,8 @@ def build_loop(cfg: RunConfig, acc, backend, p: Prepared, ds, plan, facts, ckpt,
     """Everything the loop needs, with the facts every metrics row repeats (how the run is really spread)."""
     t = cfg.train
     if t.report_to:
-        flat = cfg.to_flat()
-        acc.init_trackers("finetune", config={k: v for k, v in flat.items() if isinstance(v, (int, float, str, bool))})
+        spread = {"world_size": backend.topology.num_processes, "distributed_type": backend.topology.distributed_type}
+        report.init_trackers(acc, cfg, {**spread, "mixed_precision": acc.mixed_precision})
     observed = backend.observed(p.model)
     logger.info("prepared: %s", ", ".join(f"{k} {v}" for k, v in observed.items()))
     peak = metrics.peak_flops(acc.device, acc.mixed_precision)
@@ -282,9 +308,10 @@ def build_loop(cfg: RunConfig, acc, backend, p: Prepared, ds, plan, facts, ckpt,
 
 
 def train_and_export(
-    cfg: RunConfig, r: loop.Run, state: loop.TrainState, tokenizer, run_config: dict, label_names=None
+    cfg: RunConfig, r: loop.Run, state: loop.TrainState, tokenizer, run_config: dict, about: dict
 ) -> dict:
-    """The loop, the end-of-run checkpoint, final/ (and merged/), and the memory report."""
+    """The loop, the end-of-run checkpoint, final/ (and merged/; the best checkpoint's weights with
+    load_best_model_at_end), the memory report, and report.finish: curves, model card, Hub, summary."""
     acc, backend = r.accelerator, r.backend
     startup = metrics.peak_memory(acc.device)  # loading and preparing
     metrics.reset_peak_memory(acc.device)
@@ -298,15 +325,13 @@ def train_and_export(
     training = metrics.peak_memory(acc.device)
     metrics.reset_peak_memory(acc.device)
     r.checkpointer.save(loop.state_dict_of(state))  # the end-of-run checkpoint (a resume of a finished run)
-    weights_from, card = None, None
+    weights_from = None
     if cfg.train.load_best_model_at_end and state.best_step is not None:
         path = best.best_checkpoint(cfg.train.output_dir, state)
-        weights_from = best.weights_writer(cfg, tokenizer, label_names, path)
-        card = best.model_card(r.best, state, state.step)
+        weights_from = best.weights_writer(cfg, tokenizer, about["label_names"], path)
+        about["best"] = best.card_section(r.best, state, state.step)
         logger.info("load_best_model_at_end: final/ gets the best checkpoint, %s: %s", r.best.describe(state), path)
-    final = export.export(
-        acc, backend, r.model, tokenizer, run_config, cfg.train.output_dir, weights_from=weights_from, card=card
-    )
+    final = export.export(acc, backend, r.model, tokenizer, run_config, cfg.train.output_dir, weights_from=weights_from)
     if cfg.peft.merge:
         if acc.is_main_process:
             with backend.one_process_loading():
@@ -314,35 +339,11 @@ def train_and_export(
             logger.info("merged model saved to %s", os.path.abspath(merged))
         acc.wait_for_everyone()
     metrics.report_memory(acc, r.log, state.step, startup, training)
-    if final_eval:
-        logger.info("final eval: %s", "  ".join(f"{k} {v:.4f}" for k, v in final_eval.items()))
-    how = "PeftModel.from_pretrained on the base model" if cfg.peft.method != "none" else "from_pretrained"
-    logger.info("model saved to %s (load it with %s)", os.path.abspath(final), how)
+    topo = backend.topology
+    about |= {"parallelism": topo.summary(), "world_size": topo.num_processes, "wall_time_s": console.wall_time()}
+    about |= {"distributed_type": topo.distributed_type, "mixed_precision": acc.mixed_precision}
+    about["global_batch_size"] = r.plan.global_batch_size
     for tracker in acc.trackers:  # accelerate's end_training, but for destroying the process group (see cli.main)
         tracker.finish()
+    report.finish(acc, cfg, final, about)
     return final_eval
-
-
-def _setup_logging(accelerator) -> None:
-    import warnings
-
-    import datasets
-    import transformers
-
-    # Known-harmless third-party warnings that would otherwise print on every step:
-    # DeepSpeed calls torch.distributed collectives that torch has renamed;
-    # under DeepSpeed the engine steps the optimizer, so torch cannot see that it ran before the scheduler.
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`")
-
-    main = accelerator.is_main_process
-    logging.basicConfig(
-        format="[finetune] %(message)s" if main else f"[finetune rank{accelerator.process_index}] %(message)s",
-        stream=sys.stdout,
-        force=True,
-    )
-    logger.setLevel(logging.INFO if main else logging.WARNING)
-    transformers.utils.logging.set_verbosity_warning() if main else transformers.utils.logging.set_verbosity_error()
-    datasets.utils.logging.set_verbosity_warning() if main else datasets.utils.logging.set_verbosity_error()
-    if not main:
-        datasets.disable_progress_bars()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from finetune import console
 from finetune.config import RunConfig, TrainArgs
 from finetune.parallel import ddp
 
@@ -33,6 +34,9 @@ def project_cache() -> Path:
 
 
 def environment(cfg: RunConfig) -> None:
+    # Importing DeepSpeed logs "Setting accelerator to CPU" (no GPU) through its own console handler: to the
+    # rank's log instead of the screen (finetune/console.py).
+    console.quiet_import("deepspeed")
     # accelerate fills the JSON's "gradient_clipping": "auto" from this (else it would use 1.0).
     os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(cfg.train.max_grad_norm)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(project_cache() / "torch_extensions"))

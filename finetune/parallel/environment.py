@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import importlib
 
+from finetune import console
 from finetune.config import ConfigError, RunConfig
 from finetune.parallel.topology import is_distributed_launch, requested_family
 
@@ -30,7 +31,7 @@ def make_accelerator(cfg: RunConfig):
     import os
 
     from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs
-    from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs
+    from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration
 
     from finetune.parallel.ddp import has_accelerator_device
 
@@ -50,17 +51,21 @@ def make_accelerator(cfg: RunConfig):
         timeout = datetime.timedelta(seconds=collective_timeout(t))
         handlers.append(InitProcessGroupKwargs(timeout=timeout, **({} if gpu else {"backend": "gloo"})))
     try:
-        return Accelerator(
-            gradient_accumulation_plugin=GradientAccumulationPlugin(
-                num_steps=t.gradient_accumulation_steps, sync_with_dataloader=False
-            ),
-            # Our sampler is already identical on every rank; accelerate only shards its batches.
-            dataloader_config=DataLoaderConfiguration(use_seedable_sampler=False, even_batches=True),
-            kwargs_handlers=handlers,
-            log_with=t.report_to or None,
-            project_dir=t.output_dir,
-            **family.accelerator_kwargs(cfg),
-        )
+        with console.printed_to_log():  # DeepSpeed prints "...op built successfully" at every start
+            return Accelerator(
+                gradient_accumulation_plugin=GradientAccumulationPlugin(
+                    num_steps=t.gradient_accumulation_steps, sync_with_dataloader=False
+                ),
+                # Our sampler is already identical on every rank; accelerate only shards its batches.
+                dataloader_config=DataLoaderConfiguration(use_seedable_sampler=False, even_batches=True),
+                kwargs_handlers=handlers,
+                log_with=t.report_to or None,
+                # TensorBoard (report_to) writes under output_dir/runs/<tracker_project>.
+                project_config=ProjectConfiguration(
+                    project_dir=t.output_dir, logging_dir=os.path.join(t.output_dir, "runs")
+                ),
+                **family.accelerator_kwargs(cfg),
+            )
     except ValueError as e:
         if "logging capability" in str(e) or "report_to" in str(e):  # an unknown tracker name
             first = str(e).splitlines()[0]
