@@ -56,6 +56,7 @@ class Run:
     watchdog: Any  # finetune.cluster.Watchdog: hang forensics
     extra: dict[str, Any] = field(default_factory=dict)  # constant facts added to every log row
     flops_per_token: float = 0.0  # model FLOPs per trained token (model.ModelFacts)
+    generation: Any | None = None  # finetune.generate.GenerationEval: scores what the model writes
     peak_flops: float | None = None  # all devices together; None: MFU not reported
 
 
@@ -277,6 +278,8 @@ def _log_train(run: Run, state: TrainState, win: _Window, grad_norm, bar) -> Non
 
 def _log_eval(run: Run, state: TrainState, bar) -> dict[str, float]:
     result = evaluate(run)
+    if run.generation is not None:
+        result.update(run.generation.evaluate(run, state.step))
     run.log.write({"step": state.step, **result})
     if run.args.report_to:
         run.accelerator.log(result, step=state.step)
