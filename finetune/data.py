@@ -546,14 +546,15 @@ def build_datasets(
                 ]
             )
     max_len = data.max_seq_length
-    fn, batched = {
-        "text": (_text(tokenizer, data, max_len), True),
-        "instruction": (_instruction(tokenizer, data, max_len), False),
-        "chat": (_chat(tokenizer, data, max_len), False),
-        "classification": (_classification(tokenizer, data, max_len, label_ids), True),
-    }[fmt]
     if task == "seq2seq":  # validate() and detect_format() leave only instruction or source_target here
         fn, batched = _seq2seq(tokenizer, data, max_len, fmt), False
+    else:
+        fn, batched = {
+            "text": (_text(tokenizer, data, max_len), True),
+            "instruction": (_instruction(tokenizer, data, max_len), False),
+            "chat": (_chat(tokenizer, data, max_len), False),
+            "classification": (_classification(tokenizer, data, max_len, label_ids), True),
+        }[fmt]
 
     def tokenize(ds, name: str):
         try:
