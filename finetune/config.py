@@ -484,8 +484,8 @@ def _task_problems(cfg: RunConfig, given: typing.Iterable[str]) -> list[tuple[st
         p.append(
             (
                 "format",
-                f"{d.format!r} has no input -> target pairs; task seq2seq needs format instruction (prompt -> "
-                "response) or source_target (source_column -> target_column)",
+                f"{d.format!r} has no input -> target pairs for task seq2seq; set format: instruction (prompt -> "
+                "response) or source_target (source_column -> target_column), or task: causal_lm",
             )
         )
     if m.task != "seq2seq" and d.format == "source_target":
@@ -542,8 +542,8 @@ def _task_problems(cfg: RunConfig, given: typing.Iterable[str]) -> list[tuple[st
             p.append(
                 (
                     "metrics",
-                    f"{name!r} scores generated text: list it in generation_metrics (with generation_max_new_tokens "
-                    "set), not in metrics",
+                    f"{name!r} scores generated text; remove it from metrics and set generation_max_new_tokens "
+                    f"(generation_metrics defaults to {', '.join(GENERATION_METRICS)})",
                 )
             )
     return p
