@@ -65,8 +65,8 @@ class GenerationEval:
         self.report = bool(cfg.train.report_to)
         special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
         # answers end with EOS (instruction, seq2seq) or the chat template's end-of-turn token
-        self.stop_ids = sorted({tokenizer.eos_token_id} | {t for e in examples for t in e.answer if t in special})
-        self.stop_ids = [t for t in self.stop_ids if t is not None and t != tokenizer.pad_token_id]
+        stop = {tokenizer.eos_token_id} | {t for e in examples for t in e.answer if t in special}
+        self.stop_ids = sorted(t for t in stop if t is not None)
 
     def evaluate(self, run, step: int) -> dict[str, float]:
         """Scores of this eval (every rank takes part); writes the samples row."""
