@@ -65,7 +65,11 @@ def computed_metrics(cfg: RunConfig) -> tuple[list[str], list[str]]:
     scopes = [""]
     if cfg.data.datasets and all(isinstance(e, dict) for e in cfg.data.datasets):
         scopes += [f"{s.name}_" for s in sources_of(cfg.data)]
-    return [f"eval_{s}{k}" for s in scopes for k in keys], [f"eval_{s}{k}" for s in scopes for k in prefixes]
+    keys = [f"eval_{s}{k}" for s in scopes for k in keys]
+    prefixes = [f"eval_{s}{k}" for s in scopes for k in prefixes]
+    if cfg.train.generation_max_new_tokens:  # scored on the whole eval set only: eval_exact_match, eval_rougeL, ...
+        prefixes += [f"eval_{m}" for m in cfg.train.generation_metrics]
+    return keys, prefixes
 
 
 def best_problems(cfg: RunConfig, has_eval: bool | None = None) -> list[tuple[str, str]]:

@@ -22,14 +22,15 @@ from typing import Any
 
 import yaml
 
-TASKS = ("causal_lm", "classification")
-FORMATS = ("auto", "text", "instruction", "chat", "classification")
+TASKS = ("causal_lm", "classification", "seq2seq")
+FORMATS = ("auto", "text", "instruction", "chat", "classification", "source_target")
+GENERATION_METRICS = ("exact_match", "rouge", "bleu")  # scored on generated text (generation_metrics)
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 PREEMPTION_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGTERM")
 DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 SHIPPED_METRICS = Path(__file__).parent / "metric_modules"  # evaluate modules that load offline
-DEFAULT_METRICS = {"causal_lm": [], "classification": ["accuracy", "f1"]}  # eval metrics by task
+DEFAULT_METRICS = {"causal_lm": [], "classification": ["accuracy", "f1"], "seq2seq": []}  # eval metrics by task
 # Files whose presence in output_dir means "a previous run lives here".
 RUN_MARKERS = ("metrics.jsonl", "checkpoints", "final", "run_config.yaml", "logs", "curves.png", "runs")
 
@@ -59,7 +60,11 @@ class ModelArgs:
     """Which model to fine-tune and how to load it."""
 
     model: str = _f("", "Hub id or local directory of the base model.")
-    task: str = _f("causal_lm", f"What to train: one of {', '.join(TASKS)}.")
+    task: str = _f(
+        "causal_lm",
+        f"What to train: one of {', '.join(TASKS)}. seq2seq: an encoder-decoder (T5, BART; AutoModelForSeq2SeqLM) "
+        "reads the prompt (or source) and learns to write the response (or target).",
+    )
     torch_dtype: str = _f(
         "float32",
         "dtype the weights are loaded in: float32 (recommended; mixed precision comes from the "
@@ -104,6 +109,8 @@ class DataArgs:
     )
     response_column: str = _f("response", "Instruction format: response column (alpaca's output also accepted).")
     messages_column: str = _f("messages", "Chat format: column of [{role, content}] lists.")
+    source_column: str = _f("source", "source_target format (task seq2seq): column the encoder reads.")
+    target_column: str = _f("target", "source_target format (task seq2seq): column the decoder learns to write.")
     label_column: str = _f("label", "Classification format: label column (int ids or strings).")
     max_seq_length: int = _f(512, "Tokens per example; longer examples are truncated, raw text is chunked to it.")
     packing: bool = _f(False, "Pack several short examples into each row (causal LM), attention kept per example.")
@@ -173,6 +180,20 @@ class TrainArgs:
     )
     metrics: list[str] | None = _f(
         None, "Eval metrics: names shipped with finetune (accuracy, f1) or any evaluate.load name; default by task."
+    )
+    generation_max_new_tokens: int | None = _f(
+        None,
+        "Generation eval: at every eval, greedily generate up to this many tokens for eval prompts (an eval "
+        "example without its answer) and score them against the answers with generation_metrics; null or 0: off.",
+    )
+    generation_num_examples: int | None = _f(
+        64, "Generation eval: how many eval examples to generate for (the first N of the eval set); null: all."
+    )
+    generation_metrics: list[str] = _f(
+        list(GENERATION_METRICS),
+        f"Generation eval: metrics of the generated text against the answers ({', '.join(GENERATION_METRICS)}, "
+        "shipped with finetune; or an evaluate module taking text predictions and references). Eval rows get "
+        "eval_exact_match, eval_rougeL, eval_bleu, ...; a few samples go to metrics.jsonl.",
     )
     preemption_signal: str = _f(
         "SIGUSR1",
@@ -468,8 +489,9 @@ def _check_data_path(problems: list, key: str, spec: str) -> None:
         problems.append((key, f"{empty[0]!r} is empty; give a file with examples (or leave it out)"))
 
 
-def _check_model_config(problems: list, model_dir: str, max_seq_length: int) -> None:
-    """What the model directory's config.json alone tells: that it is readable, and how many positions fit."""
+def _check_model_config(problems: list, model_dir: str, max_seq_length: int, task: str = "causal_lm") -> None:
+    """What the model directory's config.json alone tells: that it is readable, how many positions fit, and
+    whether it is an encoder-decoder (task seq2seq) or not."""
     import json
 
     path = os.path.join(model_dir, "config.json")
@@ -479,7 +501,12 @@ def _check_model_config(problems: list, model_dir: str, max_seq_length: int) -> 
     except (OSError, ValueError) as e:
         problems.append(("model", f"cannot read {path} ({e}); point at a directory saved with save_pretrained"))
         return
-    limit = (config.get("max_position_embeddings") or config.get("n_positions")) if isinstance(config, dict) else None
+    if not isinstance(config, dict):
+        config = {}
+    problems += encoder_decoder_problems(
+        task, bool(config.get("is_encoder_decoder")), model_dir, config.get("model_type")
+    )
+    limit = config.get("max_position_embeddings") or config.get("n_positions")
     if isinstance(limit, int) and not isinstance(limit, bool) and max_seq_length > limit:
         problems.append(
             (
@@ -490,13 +517,104 @@ def _check_model_config(problems: list, model_dir: str, max_seq_length: int) -> 
         )
 
 
+def encoder_decoder_problems(task: str, encoder_decoder: bool, model: str, model_type: str | None) -> list:
+    """task seq2seq needs an encoder-decoder model, and an encoder-decoder needs task seq2seq (also checked
+    at load for Hub models, whose config.json is not read here)."""
+    if task == "seq2seq" and not encoder_decoder:
+        return [
+            (
+                "task",
+                f"seq2seq needs an encoder-decoder model (T5, BART, ...; AutoModelForSeq2SeqLM) and {model!r} is a "
+                f"{model_type or 'decoder-only'} model (its config has no is_encoder_decoder: true); set task: "
+                "causal_lm, or point model at an encoder-decoder",
+            )
+        ]
+    if task == "causal_lm" and encoder_decoder:
+        return [("task", f"{model!r} is an encoder-decoder model ({model_type}); set task: seq2seq")]
+    return []
+
+
+def _task_problems(cfg: RunConfig, given: typing.Iterable[str]) -> list[tuple[str, str]]:
+    """Formats and generation eval that the task cannot use: seq2seq needs input -> target pairs, generation
+    needs eval examples whose answer is text."""
+    m, d, t = cfg.model, cfg.data, cfg.train
+    p: list[tuple[str, str]] = []
+    if m.task == "seq2seq" and d.format not in ("auto", "instruction", "source_target"):
+        p.append(
+            (
+                "format",
+                f"{d.format!r} has no input -> target pairs for task seq2seq; set format: instruction (prompt -> "
+                "response) or source_target (source_column -> target_column), or task: causal_lm",
+            )
+        )
+    if m.task != "seq2seq" and d.format == "source_target":
+        p.append(
+            (
+                "format",
+                "source_target is the encoder-decoder format; set task: seq2seq, or (causal LM) format: instruction "
+                "with prompt_column and response_column",
+            )
+        )
+    gen = t.generation_max_new_tokens
+    has_eval = bool(d.eval_dataset or d.eval_split or d.eval_fraction > 0)
+    if gen is not None and gen < 0:
+        p.append(("generation_max_new_tokens", f"must be >= 1, or null/0 (off); got {gen}"))
+    elif gen and m.task == "classification":
+        p.append(
+            (
+                "generation_max_new_tokens",
+                "a classifier predicts a label and generates no text; drop generation_max_new_tokens (eval reports "
+                "accuracy and f1), or use task causal_lm or seq2seq with text answers",
+            )
+        )
+    elif gen and d.format == "text":
+        p.append(
+            (
+                "generation_max_new_tokens",
+                "raw text data (format text) has no prompt/answer split to generate and score; use instruction, "
+                "chat (or source_target) data, or drop generation_max_new_tokens",
+            )
+        )
+    elif gen and not has_eval:
+        p.append(
+            (
+                "generation_max_new_tokens",
+                "is set but there is no eval data; give eval_dataset, eval_split or eval_fraction > 0",
+            )
+        )
+    if t.generation_num_examples is not None and t.generation_num_examples < 1:
+        p.append(("generation_num_examples", f"must be >= 1 or null (all), got {t.generation_num_examples}"))
+    if "generation_metrics" in given and not gen:
+        p.append(("generation_metrics", "is set but generation eval is off; set generation_max_new_tokens (e.g. 32)"))
+    elif gen and not t.generation_metrics:
+        p.append(("generation_metrics", f"must name at least one metric, e.g. [{', '.join(GENERATION_METRICS)}]"))
+    for name in t.metrics or []:
+        if name in GENERATION_METRICS and m.task == "classification":
+            p.append(
+                (
+                    "metrics",
+                    f"{name!r} scores generated text and a classifier generates none; use accuracy or f1 "
+                    "(or task causal_lm/seq2seq with generation_max_new_tokens)",
+                )
+            )
+        elif name in GENERATION_METRICS:
+            p.append(
+                (
+                    "metrics",
+                    f"{name!r} scores generated text; remove it from metrics and set generation_max_new_tokens "
+                    f"(generation_metrics defaults to {', '.join(GENERATION_METRICS)})",
+                )
+            )
+    return p
+
+
 def _hub_offline() -> bool:
     return any(
         os.environ.get(k, "").upper() in ("1", "ON", "YES", "TRUE") for k in ("HF_HUB_OFFLINE", "HF_EVALUATE_OFFLINE")
     )
 
 
-def _check_metrics(problems: list, names: list[str]) -> None:
+def _check_metrics(problems: list, names: list[str], key: str = "metrics") -> None:
     """Offline, only the metrics shipped with finetune and local metric directories can load."""
     if not _hub_offline():
         return
@@ -505,7 +623,7 @@ def _check_metrics(problems: list, names: list[str]) -> None:
     if missing:
         problems.append(
             (
-                "metrics",
+                key,
                 f"{', '.join(map(repr, missing))} not shipped with finetune and the Hub is offline (HF_HUB_OFFLINE); "
                 f"use {', '.join(shipped)} or the path of a local evaluate metric",
             )
@@ -534,7 +652,14 @@ SOURCE_FIELDS = (
 )
 SOURCE_KEYS = (*SOURCE_FIELDS, "weight", "name")
 # What each format tokenizes to: sources mix when their rows have the same schema for the task.
-ROW_SCHEMA = {"text": "tokens", "instruction": "tokens", "chat": "tokens", "classification": "label"}
+ROW_SCHEMA = {
+    "text": "tokens",
+    "instruction": "tokens",
+    "chat": "tokens",
+    "classification": "label",
+    "source_target": "tokens",
+}
+SEQ2SEQ_FORMATS = ("instruction", "source_target")  # the formats with input -> target pairs
 
 
 @dataclass(frozen=True)
@@ -662,6 +787,16 @@ def source_problems(d: DataArgs, task: str, *, check_filesystem: bool = True) ->
                 )
             elif task == "causal_lm" and schema == "label":
                 p.append((f"{at}.format", "classification data needs task classification: set task: classification"))
+            elif task == "seq2seq" and s.format not in SEQ2SEQ_FORMATS:
+                p.append(
+                    (
+                        f"{at}.format",
+                        f"{s.format!r} has no input -> target pairs for task seq2seq; use instruction or "
+                        "source_target sources",
+                    )
+                )
+            elif task != "seq2seq" and s.format == "source_target":
+                p.append((f"{at}.format", "source_target is the encoder-decoder format; set task: seq2seq"))
         if not 0 <= s.eval_fraction < 1:
             p.append((f"{at}.eval_fraction", f"must be in [0, 1), got {s.eval_fraction}"))
         if s.max_train_samples is not None and s.max_train_samples < 1:
@@ -748,6 +883,7 @@ def validate(
         )
     if m.task == "causal_lm" and d.format == "classification":
         p.append(("format", "classification data needs task classification: set task: classification"))
+    p += _task_problems(cfg, given)
     pe = cfg.peft
     _choice(p, "peft.method", pe.method, PEFT_METHODS)
     if pe.method != "none":
@@ -825,7 +961,7 @@ def validate(
     elif m.model and os.path.isdir(m.model) and not os.path.isfile(os.path.join(m.model, "config.json")):
         p.append(("model", f"{m.model!r} has no config.json; point at a directory saved with save_pretrained"))
     elif m.model and os.path.isdir(m.model):
-        _check_model_config(p, m.model, d.max_seq_length)
+        _check_model_config(p, m.model, d.max_seq_length, m.task)
     if (
         m.chat_template
         and len(m.chat_template) < 256
@@ -845,6 +981,8 @@ def validate(
         _check_data_path(p, "eval_dataset", d.eval_dataset)
     if t.metrics:
         _check_metrics(p, t.metrics)
+    if t.generation_max_new_tokens and t.generation_metrics:
+        _check_metrics(p, t.generation_metrics, "generation_metrics")
     resume = t.resume_from_checkpoint
     latest = os.path.join(t.output_dir, "checkpoints", "latest")
     auto_fresh = resume == "auto" and not os.path.exists(latest)  # auto: resume if there is a checkpoint

@@ -5,6 +5,9 @@ Formats and what the loss sees (labels = -100 are not supervised):
   instruction     prompt (through prompt_template) + response + EOS; only response and EOS
   chat            `messages` through the tokenizer's chat template; only assistant turns
   classification text (+ optional pair) and one label per example
+Task seq2seq (encoder-decoder): the encoder reads the prompt (instruction format; prompt_template is the
+causal LM's way of showing it and is not used) or the source column (source_target format); the labels are
+the response or target + EOS, every one supervised (no shift: decoder logits align with the labels).
 """
 
 from __future__ import annotations
@@ -120,15 +123,23 @@ def detect_format(columns: list[str], data: DataArgs, task: str) -> str:
         return data.format
     if task == "classification":
         return "classification"
-    if data.messages_column in columns:
+    if task == "seq2seq" and data.source_column in columns and data.target_column in columns:
+        return "source_target"
+    if data.messages_column in columns and task != "seq2seq":
         return "chat"
     if data.prompt_column in columns or "instruction" in columns:
         return "instruction"
-    if data.text_column in columns:
+    if data.text_column in columns and task != "seq2seq":
         return "text"
     raise ConfigError(
         [
             (
+                "format",
+                f"cannot find input -> target pairs for task seq2seq in columns {columns}; set source_column and "
+                "target_column (format source_target) or prompt_column and response_column (format instruction)",
+            )
+            if task == "seq2seq"
+            else (
                 "format",
                 f"cannot tell the format from columns {columns}; set format "
                 "(text/instruction/chat) and the matching *_column fields",
@@ -152,6 +163,8 @@ def required_columns(fmt: str, columns: list[str], data: DataArgs) -> list[tuple
         alpaca = "instruction" in columns and "output" in columns
         if not alpaca:
             need += [("prompt_column", data.prompt_column), ("response_column", data.response_column)]
+    if fmt == "source_target":
+        need += [("source_column", data.source_column), ("target_column", data.target_column)]
     return [
         (key, f"column {col!r} not in the data (columns: {columns}); set {key}, or a format that fits the data")
         for key, col in need
@@ -167,21 +180,43 @@ class BadExample(ValueError):
         self.key, self.message = key, message
 
 
+def _prompt_response(ex: dict, data: DataArgs) -> tuple:
+    """An instruction example's (prompt, response); alpaca's instruction + input is the prompt."""
+    if data.prompt_column in ex and ex[data.prompt_column] is not None:
+        return ex[data.prompt_column], ex[data.response_column]
+    return ex["instruction"] + (f"\n\n{ex['input']}" if ex.get("input") else ""), ex["output"]
+
+
 def _instruction(tokenizer, data: DataArgs, max_len: int) -> Callable:
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
     def fn(ex: dict) -> dict:
-        if data.prompt_column in ex and ex[data.prompt_column] is not None:
-            prompt, response = ex[data.prompt_column], ex[data.response_column]
-        else:  # alpaca: instruction / input / output
-            prompt = ex["instruction"] + (f"\n\n{ex['input']}" if ex.get("input") else "")
-            response = ex["output"]
+        prompt, response = _prompt_response(ex, data)
         if response is None or prompt is None:  # nothing to learn: dropped (and counted) by the filter
             return {"input_ids": [], "labels": []}
         p = tokenizer(data.prompt_template.format(prompt=prompt), add_special_tokens=True)["input_ids"]
         r = tokenizer(str(response), add_special_tokens=False)["input_ids"] + eos
         ids = (p + r)[:max_len]
         labels = ([IGNORE] * len(p) + r)[:max_len]
+        return {"input_ids": ids, "labels": labels}
+
+    return fn
+
+
+def _seq2seq(tokenizer, data: DataArgs, max_len: int, fmt: str) -> Callable:
+    """Encoder input: the prompt (or source) with the tokenizer's special tokens (T5 appends EOS, BART wraps in
+    BOS/EOS); labels: the response (or target) + EOS, each truncated to max_len on its own."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+    def fn(ex: dict) -> dict:
+        if fmt == "source_target":
+            source, target = ex[data.source_column], ex[data.target_column]
+        else:
+            source, target = _prompt_response(ex, data)
+        if source is None or target is None:  # nothing to learn: dropped (and counted) by the filter
+            return {"input_ids": [], "labels": []}
+        ids = tokenizer(str(source), add_special_tokens=True)["input_ids"][:max_len]
+        labels = (tokenizer(str(target), add_special_tokens=False)["input_ids"] + eos)[:max_len]
         return {"input_ids": ids, "labels": labels}
 
     return fn
@@ -276,9 +311,12 @@ def label_names_of(train, data: DataArgs) -> tuple[list[str], dict | None]:
 
 
 def supervised_count(labels: list[int], task: str) -> int:
-    """Tokens (causal LM: after the one-token shift) or examples the loss is taken over."""
+    """Tokens (causal LM: after the one-token shift; seq2seq: every target token) or examples the loss is taken
+    over."""
     if task == "classification":
         return 1
+    if task == "seq2seq":
+        return sum(1 for t in labels if t != IGNORE)
     return sum(1 for t in labels[1:] if t != IGNORE)
 
 
@@ -321,16 +359,22 @@ class Collator:
     """Pad a list of examples to the longest one (rounded up to a multiple of 8), plus batch facts.
 
     Padded labels are -100. Unpacked batches get an attention_mask; packed ones get position_ids
-    instead (padding becomes one more, unsupervised, segment).
+    instead (padding becomes one more, unsupervised, segment). Encoder-decoder batches pad the encoder
+    input and the labels each to their own longest (the model builds the decoder input from the labels).
     """
 
-    def __init__(self, pad_token_id: int, multiple_of: int = 8):
+    def __init__(self, pad_token_id: int, multiple_of: int = 8, encoder_decoder: bool = False):
         self.pad = pad_token_id
         self.multiple_of = multiple_of
+        self.encoder_decoder = encoder_decoder
+
+    def _width(self, rows: list) -> int:
+        return -(-max(len(r) for r in rows) // self.multiple_of) * self.multiple_of
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
-        longest = max(len(e["input_ids"]) for e in examples)
-        width = -(-longest // self.multiple_of) * self.multiple_of
+        if self.encoder_decoder:
+            return self._encoder_decoder(examples)
+        width = self._width([e["input_ids"] for e in examples])
         per_token = isinstance(examples[0]["labels"], list)  # causal LM; classification has one int
         packed = "position_ids" in examples[0]
         ids, labels, extra = [], [], []
@@ -354,6 +398,20 @@ class Collator:
             "num_tokens": torch.tensor(sum(len(e["input_ids"]) for e in examples)),
             "num_positions": torch.tensor(len(examples) * width),
             "num_supervised": (labels_t[:, 1:] != IGNORE).sum() if per_token else torch.tensor(len(examples)),
+        }
+
+    def _encoder_decoder(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        """Tokens and positions count both sides; the loss is over every target token (no shift)."""
+        enc, dec = [e["input_ids"] for e in examples], [e["labels"] for e in examples]
+        w_enc, w_dec = self._width(enc), self._width(dec)
+        labels = torch.tensor([list(x) + [IGNORE] * (w_dec - len(x)) for x in dec], dtype=torch.long)
+        return {
+            "input_ids": torch.tensor([list(x) + [self.pad] * (w_enc - len(x)) for x in enc], dtype=torch.long),
+            "attention_mask": torch.tensor([[1] * len(x) + [0] * (w_enc - len(x)) for x in enc], dtype=torch.long),
+            "labels": labels,
+            "num_tokens": torch.tensor(sum(len(x) for x in enc) + sum(len(x) for x in dec)),
+            "num_positions": torch.tensor(len(examples) * (w_enc + w_dec)),
+            "num_supervised": (labels != IGNORE).sum(),
         }
 
 
@@ -495,12 +553,15 @@ def build_datasets(
                 ]
             )
     max_len = data.max_seq_length
-    fn, batched = {
-        "text": (_text(tokenizer, data, max_len), True),
-        "instruction": (_instruction(tokenizer, data, max_len), False),
-        "chat": (_chat(tokenizer, data, max_len), False),
-        "classification": (_classification(tokenizer, data, max_len, label_ids), True),
-    }[fmt]
+    if task == "seq2seq":  # validate() and detect_format() leave only instruction or source_target here
+        fn, batched = _seq2seq(tokenizer, data, max_len, fmt), False
+    else:
+        fn, batched = {
+            "text": (_text(tokenizer, data, max_len), True),
+            "instruction": (_instruction(tokenizer, data, max_len), False),
+            "chat": (_chat(tokenizer, data, max_len), False),
+            "classification": (_classification(tokenizer, data, max_len, label_ids), True),
+        }[fmt]
 
     def tokenize(ds, name: str):
         try:

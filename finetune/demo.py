@@ -120,11 +120,20 @@ def build_tokenizer(path: str | os.PathLike, vocab_size: int = 600, chat_templat
 def build_model(arch: str, path: str | os.PathLike, tokenizer, seed: int = 0, **overrides):
     """A tiny randomly initialised base model of a real architecture, saved with its tokenizer.
 
-    arch: llama, gpt2 (causal LMs, also usable as classifiers) or bert (an encoder for classification).
-    Dropout is off unless asked (overrides), so runs are exactly comparable.
+    arch: llama, gpt2 (causal LMs, also usable as classifiers), bert (an encoder for classification), or t5,
+    bart (encoder-decoders, task seq2seq). Dropout is off unless asked (overrides), so runs are exactly comparable.
     """
     import torch
-    from transformers import AutoModel, AutoModelForCausalLM, BertConfig, GPT2Config, LlamaConfig
+    from transformers import (
+        AutoModel,
+        AutoModelForCausalLM,
+        AutoModelForSeq2SeqLM,
+        BartConfig,
+        BertConfig,
+        GPT2Config,
+        LlamaConfig,
+        T5Config,
+    )
 
     ids = {
         "vocab_size": len(tokenizer),
@@ -158,12 +167,45 @@ def build_model(arch: str, path: str | os.PathLike, tokenizer, seed: int = 0, **
             attention_probs_dropout_prob=0.0,
             **ids,
         )
+    elif arch == "t5":  # the decoder starts from the pad token, as in T5
+        config = T5Config(
+            d_model=64,
+            d_kv=16,
+            d_ff=128,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            dropout_rate=0.0,
+            decoder_start_token_id=tokenizer.pad_token_id,
+            **ids,
+        )
+    elif arch == "bart":  # the decoder starts from EOS, as in BART
+        config = BartConfig(
+            d_model=64,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=128,
+            decoder_ffn_dim=128,
+            max_position_embeddings=512,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            decoder_start_token_id=tokenizer.eos_token_id,
+            forced_eos_token_id=tokenizer.eos_token_id,
+            **ids,
+        )
     else:
-        raise ValueError(f"unknown arch {arch!r}; use llama, gpt2 or bert")
+        raise ValueError(f"unknown arch {arch!r}; use llama, gpt2, bert, t5 or bart")
     for k, v in overrides.items():
         setattr(config, k, v)
     torch.manual_seed(seed)
-    model = (AutoModel if arch == "bert" else AutoModelForCausalLM).from_config(config)
+    auto = {"bert": AutoModel, "t5": AutoModelForSeq2SeqLM, "bart": AutoModelForSeq2SeqLM}.get(
+        arch, AutoModelForCausalLM
+    )
+    model = auto.from_config(config)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)

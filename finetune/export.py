@@ -59,8 +59,9 @@ def export(
 def merge_adapter(adapter_dir: str, out_dir: str) -> str:
     """Base model + adapter -> one plain model directory (loads with from_pretrained), atomically.
 
-    A classifier adapter's classes come from its labels.json (the base model is rebuilt with that head)."""
-    from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification
+    A classifier adapter's classes come from its labels.json (the base model is rebuilt with that head); an
+    encoder-decoder's adapter says so in its task_type."""
+    from peft import AutoPeftModelForCausalLM, AutoPeftModelForSeq2SeqLM, AutoPeftModelForSequenceClassification
     from transformers import AutoTokenizer
 
     label_names = None
@@ -75,7 +76,9 @@ def merge_adapter(adapter_dir: str, out_dir: str) -> str:
             label2id={n: i for i, n in enumerate(label_names)},
         )
     else:
-        merged = AutoPeftModelForCausalLM.from_pretrained(adapter_dir)
+        with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+            seq2seq = json.load(f).get("task_type") == "SEQ_2_SEQ_LM"
+        merged = (AutoPeftModelForSeq2SeqLM if seq2seq else AutoPeftModelForCausalLM).from_pretrained(adapter_dir)
     merged = merged.merge_and_unload()
     tmp = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)

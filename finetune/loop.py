@@ -65,6 +65,7 @@ class Run:
     peak_flops: float | None = None  # all devices together; None: MFU not reported
     sources: list[str] | None = None  # a mixture's source names: eval is also reported per source
     best: Any = None  # finetune.best.BestRule: best checkpoint and early stopping (None: off)
+    generation: Any | None = None  # finetune.generate.GenerationEval: scores what the model writes
 
 
 def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: int):
@@ -298,6 +299,8 @@ def _log_train(run: Run, state: TrainState, win: _Window, grad_norm, bar) -> Non
 
 def _log_eval(run: Run, state: TrainState, bar) -> dict[str, float]:
     result = evaluate(run)
+    if run.generation is not None:
+        result.update(run.generation.evaluate(run, state.step))
     run.log.write({"step": state.step, **result})
     if run.log.enabled:  # the main process: curves.png so far
         write_curves(os.path.dirname(run.log.path), min_interval=CURVES_EVERY_S)

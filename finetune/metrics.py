@@ -14,7 +14,7 @@ import torch
 from finetune.config import DEFAULT_METRICS, SHIPPED_METRICS, ConfigError
 
 
-def load_metrics(names: list[str] | None, task: str) -> dict[str, Any]:
+def load_metrics(names: list[str] | None, task: str, key: str = "metrics") -> dict[str, Any]:
     """name -> evaluate module. Shipped names load from the package; others via evaluate.load.
     (`evaluate` takes about a second to import: only when a metric is asked for.)"""
     wanted = DEFAULT_METRICS[task] if names is None else names
@@ -31,7 +31,7 @@ def load_metrics(names: list[str] | None, task: str) -> dict[str, Any]:
             raise ConfigError(
                 [
                     (
-                        "metrics",
+                        key,
                         f"could not load metric {name!r} ({type(e).__name__}: "
                         f"{(str(e).splitlines() or [''])[0]}); use one of the metrics shipped for offline use: "
                         f"{', '.join(sorted(p.name for p in SHIPPED_METRICS.iterdir() if p.is_dir()))}, or a "
@@ -46,13 +46,14 @@ def per_example_stats(logits: torch.Tensor, labels: torch.Tensor, task: str) -> 
     """Per-example sums, so that `gather_for_metrics` can drop the duplicates of an uneven last batch.
 
     causal LM: summed next-token NLL and supervised-token count per row.
+    seq2seq: the same over the target tokens; decoder logits already align with the labels (no shift).
     classification: NLL, prediction and reference per example.
     """
     logits = logits.float()
     if task == "classification":
         nll = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
         return {"nll": nll, "count": torch.ones_like(nll), "pred": logits.argmax(-1), "ref": labels}
-    shift_logits, shift_labels = logits[:, :-1], labels[:, 1:]
+    shift_logits, shift_labels = (logits, labels) if task == "seq2seq" else (logits[:, :-1], labels[:, 1:])
     nll = torch.nn.functional.cross_entropy(
         shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1), ignore_index=-100, reduction="none"
     ).view(shift_labels.shape)

@@ -1,7 +1,7 @@
 """Model and tokenizer: from a Hub id or a local directory, through transformers' Auto classes.
 
-Nothing here is architecture-specific: any model that AutoModelForCausalLM or
-AutoModelForSequenceClassification loads can be fine-tuned.
+Nothing here is architecture-specific: any model that AutoModelForCausalLM,
+AutoModelForSequenceClassification or AutoModelForSeq2SeqLM (task seq2seq) loads can be fine-tuned.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def apply_peft(net, pe: PeftArgs, task: str):
         target_modules=targets,
         modules_to_save=pe.modules_to_save,
         use_dora=pe.method == "dora",
-        task_type=TaskType.SEQ_CLS if task == "classification" else TaskType.CAUSAL_LM,
+        task_type={"classification": TaskType.SEQ_CLS, "seq2seq": TaskType.SEQ_2_SEQ_LM}.get(task, TaskType.CAUSAL_LM),
     )
     try:
         return get_peft_model(net, config)
@@ -131,12 +131,19 @@ def build_model(
 ):
     """Load the model for the task; a classifier gets a head sized to the labels in the data; adapters on top.
     load_weights False: the architecture only, on the meta device (the backend brings its own weights)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSequenceClassification
+
+    from finetune.config import encoder_decoder_problems
 
     try:
         config = AutoConfig.from_pretrained(m.model, trust_remote_code=m.trust_remote_code)
     except (OSError, ValueError, KeyError) as e:
         raise _load_error("model config", m.model, e) from None
+    mismatch = encoder_decoder_problems(
+        m.task, bool(getattr(config, "is_encoder_decoder", False)), m.model, getattr(config, "model_type", None)
+    )
+    if mismatch:  # a Hub model: its config.json was not there to check before
+        raise ConfigError(mismatch)
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if limit and max_seq_length > limit:
         raise ConfigError(
@@ -166,7 +173,7 @@ def build_model(
             ignore_mismatched_sizes=True,
         )
     else:
-        cls = AutoModelForCausalLM
+        cls = AutoModelForSeq2SeqLM if m.task == "seq2seq" else AutoModelForCausalLM
     try:
         if load_weights:
             model = cls.from_pretrained(m.model, **kwargs, **(extra_kwargs or {}))
@@ -189,7 +196,7 @@ def build_model(
         model.config.use_cache = False
         if reentrant_checkpointing:  # reentrant checkpoints need an input that requires grad (frozen embeddings)
             model.enable_input_require_grads()
-    return apply_peft(model, pe, "classification" if label_names is not None else "causal_lm") if pe else model
+    return apply_peft(model, pe, "classification" if label_names is not None else m.task) if pe else model
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 run(cfg)
   start          the Accelerator (the parallelism comes from `accelerate launch`), its Topology and backend
-  data           tokenizer -> datasets -> Plan (all step arithmetic)
+  data           tokenizer -> datasets -> Plan (all step arithmetic) -> the generation eval (if asked)
   model          the model (from the checkpoint's full weights when resuming under another layout)
   optimization   AdamW + LR schedule, data loaders, backend.prepare
   restore        resume (exact, or converted from another layout) | a fresh output_dir
@@ -31,6 +31,7 @@ from finetune import (
     console,
     data,
     export,
+    generate,
     loop,
     metrics,
     mixture,
@@ -50,6 +51,7 @@ def run(cfg: RunConfig) -> dict:
     cluster.fetch_model(acc, cfg.model.model)
     tokenizer = model.load_tokenizer(cfg.model)
     ds, plan, eval_metrics = build_data(cfg, acc, backend.topology, tokenizer)
+    generation = generate.build_generation(cfg, ds, tokenizer)  # before the model: bad input fails fast
     layout = backend.layout(plan)
     resume = find_resume(cfg, acc, storage, layout)
     net, facts = build_model(cfg, backend, tokenizer, ds, resume)
@@ -61,7 +63,7 @@ def run(cfg: RunConfig) -> dict:
     ckpt = checkpoint.Checkpointer(
         acc, backend, parts.model, parts.optimizer, t.output_dir, run_config, layout, t.save_total_limit, storage.writes
     )
-    r = build_loop(cfg, acc, backend, parts, ds, plan, facts, ckpt, eval_metrics)
+    r = build_loop(cfg, acc, backend, parts, ds, plan, facts, ckpt, eval_metrics, generation)
     about = {
         "data_format": ds.format,
         "train_rows": len(ds.train),
@@ -199,7 +201,7 @@ def build_optimization(cfg: RunConfig, acc, backend, net, ds: data.Datasets, pla
     optimizer = optim.build_optimizer(net, t)
     warmup, length = plan.scheduler_steps
     scheduler = optim.build_scheduler(optimizer, t.lr_scheduler_type, warmup, length)
-    collate = data.Collator(tokenizer.pad_token_id)
+    collate = data.Collator(tokenizer.pad_token_id, encoder_decoder=cfg.model.task == "seq2seq")
     sampler = mixture.MixtureSampler.of(ds, t.seed)  # the epoch's order; one source: EpochSampler's
     if cfg.data.length_aware_batching:
         batches = {"batch_sampler": _length_aware_batches(ds.train, sampler, plan, net)}
@@ -269,7 +271,9 @@ def _clear_previous_run(output_dir: str) -> None:
             os.remove(path)
 
 
-def build_loop(cfg: RunConfig, acc, backend, p: Prepared, ds, plan, facts, ckpt, eval_metrics) -> loop.Run:
+def build_loop(
+    cfg: RunConfig, acc, backend, p: Prepared, ds, plan, facts, ckpt, eval_metrics, generation=None
+) -> loop.Run:
     """Everything the loop needs, with the facts every metrics row repeats (how the run is really spread)."""
     t = cfg.train
     if t.report_to:
@@ -304,6 +308,7 @@ def build_loop(cfg: RunConfig, acc, backend, p: Prepared, ds, plan, facts, ckpt,
         peak_flops=peak,
         sources=ds.mixture.names if ds.mixture and ds.mixture.per_source_eval else None,
         best=best.BestRule.of(t),
+        generation=generation,
     )
 
 

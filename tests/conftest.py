@@ -45,6 +45,8 @@ class Assets:
     llama: str
     gpt2: str
     bert: str
+    t5: str  # encoder-decoders (task seq2seq)
+    bart: str
     text: str
     instruction: str
     alpaca: str
@@ -70,6 +72,8 @@ def assets(tmp_path_factory) -> Assets:
         llama=demo.build_model("llama", root / "llama", tok),
         gpt2=demo.build_model("gpt2", root / "gpt2", tok),
         bert=demo.build_model("bert", root / "bert", tok),
+        t5=demo.build_model("t5", root / "t5", tok),
+        bart=demo.build_model("bart", root / "bart", tok),
         text=demo.write_jsonl(text_rows, root / "text.jsonl"),
         instruction=demo.write_jsonl(demo.instruction_examples(400, seed=3), root / "instruction.jsonl"),
         alpaca=demo.write_jsonl(alpaca, root / "alpaca.jsonl"),

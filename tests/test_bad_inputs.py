@@ -520,6 +520,69 @@ CASES = [
         "step_5",
         overwrite=False,
     ),
+    # ---- encoder-decoders (task seq2seq) and generation eval
+    Case("seq2seq_decoder_only_model", lambda c: c.yaml(task="seq2seq"), "task", "needs an encoder-decoder model"),
+    Case("causal_lm_encoder_decoder", lambda c: c.yaml(model=c.assets.t5), "task", "set task: seq2seq"),
+    Case(
+        "seq2seq_chat_format",
+        lambda c: c.yaml(model=c.assets.t5, task="seq2seq", dataset=c.assets.chat, format="chat"),
+        "format",
+        "no input -> target pairs",
+    ),
+    Case(
+        "seq2seq_no_pair_columns",
+        lambda c: c.yaml(model=c.assets.t5, task="seq2seq", dataset=c.assets.text),
+        "format",
+        "set source_column and target_column",
+        stage=DATA,
+    ),
+    Case(
+        "seq2seq_under_fsdp2",
+        lambda c: (c.env.update(ACCELERATE_USE_FSDP="true"), c.yaml(model=c.assets.t5, task="seq2seq"))[1],
+        "task",
+        "zero3.yaml",
+        stage=DATA,
+    ),
+    Case(
+        "generation_metric_on_classification",
+        lambda c: cls_data(c, ["a", "b"] * 4, metrics=["rouge"]),
+        "metrics",
+        "a classifier generates none",
+    ),
+    Case(
+        "generation_on_classification",
+        lambda c: cls_data(c, ["a", "b"] * 4, generation_max_new_tokens=8),
+        "generation_max_new_tokens",
+        "generates no text",
+    ),
+    Case(
+        "generation_metric_in_metrics", lambda c: c.yaml(metrics=["bleu"]), "metrics", "set generation_max_new_tokens"
+    ),
+    Case(
+        "generation_on_raw_text",
+        lambda c: c.yaml(dataset=c.assets.text, generation_max_new_tokens=8),
+        "generation_max_new_tokens",
+        "no prompt/answer split",
+        stage=DATA,
+    ),
+    Case(
+        "generation_without_eval_data",
+        lambda c: c.yaml(generation_max_new_tokens=8, eval_fraction=0.0),
+        "generation_max_new_tokens",
+        "no eval data",
+    ),
+    Case(
+        "generation_metrics_while_off",
+        lambda c: c.yaml(generation_metrics=["rouge"]),
+        "generation_metrics",
+        "set generation_max_new_tokens",
+    ),
+    Case(
+        "generation_metric_not_shipped_offline",
+        lambda c: c.yaml(generation_max_new_tokens=8, generation_metrics=["meteor"]),
+        "generation_metrics",
+        "'meteor' not shipped",
+    ),
 ]
 
 

@@ -12,7 +12,7 @@ checkpoints and export are written once for all of them:
     topology                 the Topology: dp / tp / pp sizes, ZeRO stage, FSDP, offload, processes, machines
     model_kwargs, reentrant_checkpointing, numel, set_weights_by_name     building the model
     prepare, observed        accelerate.prepare, and what the prepared objects show (logged, in metrics rows)
-    forward_loss, clip_grad_norm, eval_logits, gather_for_metrics          the step and eval
+    forward_loss, clip_grad_norm, eval_stats, gather_for_metrics, generate the step and eval
     full_state_dict, full_optimizer_state, set_full_optimizer_state, hf_model   by parameter name
     keep_checkpoints_per_machine   output_dir not shared between machines: complete copies, or a refusal
 

@@ -135,7 +135,15 @@ class Backend:
         """Per-example eval statistics of one batch (metrics.per_example_stats)."""
         from finetune.metrics import per_example_stats
 
-        return per_example_stats(model(**batch).logits, labels, task)
+        inputs = {**batch, "labels": labels} if task == "seq2seq" else batch  # the decoder reads the shifted labels
+        return per_example_stats(model(**inputs).logits, labels, task)
+
+    def generate(self, model, **kwargs) -> torch.Tensor:
+        """transformers' generate on the (PEFT or) transformers model. Where the parameters are sharded (ZeRO-3,
+        FSDP, TP) every forward is a collective: synced_gpus keeps every rank stepping until all are done (the
+        caller gives every rank the same number of calls)."""
+        synced = self.topology.shards_parameters and self.topology.num_processes > 1
+        return self.hf_model(model).generate(**kwargs, synced_gpus=synced)
 
     def gather_for_metrics(self, stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Eval statistics of the whole eval set: accelerate's gather (which drops the duplicates of an uneven

@@ -47,7 +47,19 @@ def come_up_on_cpu(timeout: datetime.timedelta) -> None:
 
 def problems(cfg: RunConfig) -> list[tuple[str, str]]:
     tp = env_tp_size()
-    return tensor.model_problems(cfg, tp) if tp > 1 else []
+    p = tensor.model_problems(cfg, tp) if tp > 1 else []
+    if cfg.model.task == "seq2seq":
+        p.append(
+            (
+                "task",
+                "seq2seq models do not run under FSDP2 here: T5 and BART share one embedding between the encoder, "
+                "the decoder and the head, accelerate 1.15's fully_shard wrapping puts its copies in two FSDP groups, "
+                "and torch refuses that ('shared with a parameter already managed by another FSDP group'); use "
+                "accelerate_configs/zero3.yaml (parameters, gradients and optimizer states sharded the same way) "
+                "or ddp.yaml",
+            )
+        )
+    return p
 
 
 def accelerator_kwargs(cfg: RunConfig) -> dict:

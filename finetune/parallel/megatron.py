@@ -214,6 +214,14 @@ def megatron_problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> li
                 "converted checkpoint); set peft.method: none, or use a DDP/DeepSpeed config for adapters",
             )
         )
+    if cfg.train.generation_max_new_tokens:
+        p.append(
+            (
+                "generation_max_new_tokens",
+                "generation eval does not run under Megatron-LM (the model is Megatron's GPT, which has no "
+                "transformers generate); drop generation_max_new_tokens, or use a DDP/DeepSpeed/FSDP2 config",
+            )
+        )
     if cfg.data.packing:
         p.append(
             (

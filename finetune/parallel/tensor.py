@@ -60,8 +60,9 @@ def model_problems(cfg: RunConfig, tp: int) -> list[tuple[str, str]]:
         p.append(
             (
                 "task",
-                f"{cfg.model.task} is not supported with tensor parallelism (a classifier head has no tensor-parallel "
-                "plan); use task: causal_lm, or a DDP/DeepSpeed/FSDP2 config",
+                f"{cfg.model.task} is not supported with tensor parallelism (transformers has no tensor-parallel plan "
+                "for a classifier head, nor for encoder-decoders such as T5 and BART); use task: causal_lm, or a "
+                "DDP/DeepSpeed config",
             )
         )
     config = model_config(cfg.model)
