@@ -209,7 +209,7 @@ CASES = [
     Case("list_given_mapping", lambda c: c.yaml(report_to={"tensorboard": True}), "report_to", "list of str"),
     Case("required_value_null", lambda c: c.yaml(learning_rate=None), "learning_rate", "must not be empty"),
     Case("choice_typo", lambda c: c.yaml(lr_scheduler_type="cosin"), "lr_scheduler_type", "did you mean 'cosine'"),
-    Case("unknown_task", lambda c: c.yaml(task="seq2seq"), "task", "causal_lm, classification"),
+    Case("unknown_task", lambda c: c.yaml(task="regression"), "task", "causal_lm, classification, seq2seq"),
     Case("unknown_dtype", lambda c: c.yaml(torch_dtype="fp16"), "torch_dtype", "float16"),
     Case("unknown_peft_method", lambda c: c.yaml(peft={"method": "qlora"}), "peft.method", "did you mean 'lora'"),
     # ---- zero, negative and out-of-range sizes
