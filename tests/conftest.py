@@ -155,10 +155,28 @@ def run_killing_the_group(cmd: list[str], env: dict, timeout: int) -> subprocess
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_job(proc)
         out, err = proc.communicate()
         raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{(out + err)[-6000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """Kill a launch: the launcher and every process it started. torchrun starts each rank in a session of its
+    own (torch.distributed.elastic's subprocess handler: start_new_session=True), so killing the launcher's
+    process group alone leaves the ranks running, holding the output pipe open (the test then never returns)
+    and waiting up to 30 minutes for a rendezvous that is gone: the descendants are collected first."""
+    import psutil
+
+    try:
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        ranks = []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for p in ranks:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
 
 
 def free_port() -> int:
@@ -218,9 +236,8 @@ def two_machines(
             results.append((p.returncode, output))
         return results
     finally:
-        for p in procs:  # the launcher and the ranks it started
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
+        for p in procs:
+            kill_job(p)
 
 
 def classification_args(model: str, assets) -> list[str]:
