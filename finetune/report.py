@@ -23,14 +23,22 @@ from typing import Any
 import yaml
 
 from finetune.checkpoint import CONFIG_FILE, write_atomic
-from finetune.config import RunConfig, TrainArgs, hub_repo_id, looks_local
+from finetune.config import RunConfig, TrainArgs, hub_repo_id, looks_local, sources_of
 
 logger = logging.getLogger("finetune")
 CURVES = "curves.png"
 CARD = "README.md"
-PIPELINE_TAGS = {"causal_lm": "text-generation", "classification": "text-classification"}
+PIPELINE_TAGS = {
+    "causal_lm": "text-generation",
+    "classification": "text-classification",
+    "seq2seq": "text2text-generation",
+}
 ADAPTER_NAMES = {"lora": "LoRA", "dora": "DoRA"}
-AUTO_CLASSES = {"causal_lm": "AutoModelForCausalLM", "classification": "AutoModelForSequenceClassification"}
+AUTO_CLASSES = {
+    "causal_lm": "AutoModelForCausalLM",
+    "classification": "AutoModelForSequenceClassification",
+    "seq2seq": "AutoModelForSeq2SeqLM",
+}
 
 
 # ---------------------------------------------------------------- trackers
@@ -345,10 +353,30 @@ def card_metadata(cfg: RunConfig) -> dict[str, Any]:
         meta["base_model"] = m.model
     if base.get("license"):
         meta["license"] = base["license"]
-    datasets = [s for s in (d.dataset, d.eval_dataset) if s and not looks_local(s)]
+    named = [x for src in sources_of(d) for x in (src.args.dataset, src.args.eval_dataset)]
+    datasets = [s for s in named if s and not looks_local(s)]
     if datasets:
         meta["datasets"] = list(dict.fromkeys(datasets))
     return meta
+
+
+def _data_lines(d, about: dict[str, Any]) -> list[str]:
+    """Where the training and eval rows came from: one dataset, or a mixture's sources and weights."""
+    rows = f"{about.get('train_rows', '?')} train rows, {about.get('eval_rows', 0)} eval rows"
+    if d.datasets:
+        sources = sources_of(d)
+        total = sum(src.weight for src in sources)
+        lines = [f"- a mixture of {len(sources)} sources ({rows}; eval also reported per source):"]
+        return lines + [f"  - `{src.name}`: `{src.args.dataset}`, weight {src.weight / total:.2f}" for src in sources]
+    held_out = f", split `{d.eval_split}`" if d.eval_split else f", {d.eval_fraction:g} of train held out"
+    return [
+        f"- train: `{d.dataset}`"
+        + (f" (config `{d.dataset_config}`)" if d.dataset_config else "")
+        + f", split `{d.train_split}`, {about.get('train_rows', '?')} rows",
+        f"- eval: `{d.eval_dataset or d.dataset}`"
+        + (held_out if not d.eval_dataset or d.eval_split else "")
+        + f", {about.get('eval_rows', 0)} rows",
+    ]
 
 
 def card_text(cfg: RunConfig, rows: list[dict[str, Any]], about: dict[str, Any]) -> str:
@@ -364,7 +392,7 @@ def card_text(cfg: RunConfig, rows: list[dict[str, Any]], about: dict[str, Any])
     repo = hub_repo_id(t) if t.push_to_hub else about.get("final_dir", "path/to/final")
     if peft_on:
         load = (
-            f"from peft import {'AutoPeftModelForSequenceClassification' if m.task == 'classification' else 'AutoPeftModelForCausalLM'}"
+            f"from peft import {AUTO_CLASSES[m.task].replace('AutoModel', 'AutoPeftModel')}"
             f" as Auto\n\nmodel = Auto.from_pretrained({repo!r})  # loads the base model {m.model!r}, then the adapter"
         )
         if pe.merge:
@@ -399,7 +427,8 @@ def card_text(cfg: RunConfig, rows: list[dict[str, Any]], about: dict[str, Any])
     lines += [
         f"{'A ' + ADAPTER_NAMES.get(pe.method, pe.method) + ' adapter for' if peft_on else 'A fine-tuned version of'} "
         f"`{m.model}` "
-        f"({m.task.replace('_', ' ')}), trained with finetune on `{d.dataset}`.",
+        f"({m.task.replace('_', ' ')}), trained with finetune on "
+        + (f"`{d.dataset}`." if d.dataset else f"a mixture of {len(d.datasets)} datasets."),
         "",
         "## How to load it",
         "",
@@ -409,16 +438,7 @@ def card_text(cfg: RunConfig, rows: list[dict[str, Any]], about: dict[str, Any])
         "",
         "## Training data",
         "",
-        f"- train: `{d.dataset}`"
-        + (f" (config `{d.dataset_config}`)" if d.dataset_config else "")
-        + f", split `{d.train_split}`, {about.get('train_rows', '?')} rows",
-        f"- eval: `{d.eval_dataset or d.dataset}`"
-        + (
-            f", split `{d.eval_split}`"
-            if d.eval_split
-            else (f", {d.eval_fraction:g} of train held out" if not d.eval_dataset else "")
-        )
-        + f", {about.get('eval_rows', 0)} rows",
+        *_data_lines(d, about),
         f"- format: {about.get('data_format', d.format)}"
         + (
             " (loss on the responses / assistant turns only)"
