@@ -25,7 +25,7 @@ import torch
 import yaml
 from accelerate.utils import set_seed
 
-from finetune import checkpoint, cluster, data, export, loop, metrics, model, optim, parallel
+from finetune import checkpoint, cluster, data, export, loop, memory, metrics, model, optim, parallel
 from finetune.config import RUN_MARKERS, ConfigError, RunConfig
 
 logger = logging.getLogger("finetune")
@@ -40,6 +40,7 @@ def run(cfg: RunConfig) -> dict:
     layout = backend.layout(plan)
     resume = find_resume(cfg, acc, storage, layout)
     net, facts = build_model(cfg, backend, tokenizer, ds, resume)
+    estimate = memory.run_estimate(cfg, acc, backend.topology, net, backend.numel)  # logged; compared at the end
     parts = build_optimization(cfg, acc, backend, net, ds, plan, tokenizer)
     state = restore_or_start(cfg, acc, backend, parts, plan, resume, storage)
     run_config = cfg.to_flat()
@@ -48,7 +49,7 @@ def run(cfg: RunConfig) -> dict:
         acc, backend, parts.model, parts.optimizer, t.output_dir, run_config, layout, t.save_total_limit, storage.writes
     )
     r = build_loop(cfg, acc, backend, parts, ds, plan, facts, ckpt, eval_metrics)
-    return train_and_export(cfg, r, state, tokenizer, run_config)
+    return train_and_export(cfg, r, state, tokenizer, run_config, memory.train_peak_estimate(estimate, acc.device))
 
 
 def start(cfg: RunConfig):
@@ -277,8 +278,10 @@ def build_loop(cfg: RunConfig, acc, backend, p: Prepared, ds, plan, facts, ckpt,
     )
 
 
-def train_and_export(cfg: RunConfig, r: loop.Run, state: loop.TrainState, tokenizer, run_config: dict) -> dict:
-    """The loop, the end-of-run checkpoint, final/ (and merged/), and the memory report."""
+def train_and_export(
+    cfg: RunConfig, r: loop.Run, state: loop.TrainState, tokenizer, run_config: dict, estimate: dict
+) -> dict:
+    """The loop, the end-of-run checkpoint, final/ (and merged/), and the memory report (next to the estimate)."""
     acc, backend = r.accelerator, r.backend
     startup = metrics.peak_memory(acc.device)  # loading and preparing
     metrics.reset_peak_memory(acc.device)
@@ -299,7 +302,7 @@ def train_and_export(cfg: RunConfig, r: loop.Run, state: loop.TrainState, tokeni
                 merged = export.merge_adapter(final, os.path.join(final, "merged"))
             logger.info("merged model saved to %s", os.path.abspath(merged))
         acc.wait_for_everyone()
-    metrics.report_memory(acc, r.log, state.step, startup, training)
+    metrics.report_memory(acc, r.log, state.step, startup, training, estimate)
     if final_eval:
         logger.info("final eval: %s", "  ".join(f"{k} {v:.4f}" for k, v in final_eval.items()))
     how = "PeftModel.from_pretrained on the base model" if cfg.peft.method != "none" else "from_pretrained"
