@@ -202,6 +202,25 @@ def llama_config(hidden: int, layers: int, vocab: int = 32000, head_dim: int = 6
     )
 
 
+def with_layers(one: ModelShape, two: ModelShape, layers: int) -> ModelShape:
+    """The shape of the same model with `layers` decoder layers, from its 1- and 2-layer shapes (everything but the
+    root grows by one layer's worth per layer): no need to build a deep model to size it."""
+    from collections import Counter
+
+    per_layer = Counter(two.tensor_sizes) - Counter(one.tensor_sizes)
+    root = Counter(one.tensor_sizes) - per_layer
+    sizes = sorted(root.elements()) + sorted(n for n in per_layer.elements() for _ in range(layers))
+    grow = layers - 1
+    return dataclasses.replace(
+        one,
+        total=one.total + grow * one.layer_params,
+        trainable=one.trainable + grow * (two.trainable - one.trainable),
+        layers=layers,
+        tp_splittable=one.tp_splittable + grow * (two.tp_splittable - one.tp_splittable),
+        tensor_sizes=tuple(sorted(sizes)),
+    )
+
+
 def largest_llama(
     hidden: int,
     budget_gb: float,
@@ -215,10 +234,11 @@ def largest_llama(
     GPUs, resident memory on CPUs) under this Accelerate config; None when even one layer does not fit. For
     capacity benchmarks: the peak memory grows with the layers, so a bisection finds the boundary."""
 
+    one, two = (shape_from_config(cfg, config=llama_config(hidden, n, vocab)) for n in (1, 2))
+
     def trial(layers: int) -> tuple[ModelShape, Estimate]:
-        shape = shape_from_config(cfg, config=llama_config(hidden, layers, vocab))
-        est = plan_config(shape, cfg, accelerate_config, machines)
-        return shape, est
+        shape = with_layers(one, two, layers)
+        return shape, plan_config(shape, cfg, accelerate_config, machines)
 
     def within(est: Estimate) -> bool:
         return est.topology is not None and (est.device_gb if machines.on_gpu else est.host_gb) <= budget_gb

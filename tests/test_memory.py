@@ -268,6 +268,8 @@ def test_largest_llama_in_a_budget():
         path = ROOT / "accelerate_configs" / f"{name}.yaml"
         layers, shape, est = memory.largest_llama(1024, 6.0, cfg, path, machines)
         assert est.host_gb <= 6.0 and shape.layers == layers
+        exact = memory.shape_from_config(cfg, config=memory.llama_config(1024, layers))  # built, not extrapolated
+        assert exact == shape
         bigger = memory.shape_from_config(cfg, config=memory.llama_config(1024, layers + 1))
         assert memory.plan_config(bigger, cfg, path, machines).host_gb > 6.0
         found[name] = shape.total
