@@ -35,6 +35,7 @@ can be overridden on the command line. The parallelism is chosen by the Accelera
   finetune parity --config examples/sft.yaml --steps 10                    # same losses under every backend?
   finetune merge outputs/sft/final                                         # adapter + base -> one model
   finetune check --config examples/sft.yaml                                # preflight: launch it like the run
+  finetune plan --config examples/sft.yaml --num_gpus 8 --gpu_memory 80GB  # memory per rank, which config fits
   finetune plot outputs/ddp outputs/zero3 -o parity.png                    # several runs' curves in one PNG
   accelerate launch --config_file accelerate_configs/ddp.yaml finetune --config examples/sft.yaml --max_steps 50
 """
@@ -76,16 +77,7 @@ def parse(argv: list[str]):
     """argv -> RunConfig. Raises ConfigError listing every problem (file, unknown flags, values)."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
-    problems: list[tuple[str, str]] = []
-    flags = [f"--{name}" for name in all_fields()]
-    for i, token in enumerate(unknown):
-        if token.startswith("-"):
-            close = difflib.get_close_matches(token.split("=")[0], flags, n=1, cutoff=0.6)
-            problems.append(
-                (token, "unknown option" + (f"; did you mean {close[0]}?" if close else "; see finetune --help"))
-            )
-        elif not (i and unknown[i - 1].startswith("-")):  # not the value of an unknown option
-            problems.append((token, "unexpected argument; options take the form --field value"))
+    problems = unknown_option_problems(unknown)
     values = {}
     if args.config:
         values = load_yaml(args.config)
@@ -105,6 +97,21 @@ def parse(argv: list[str]):
     return cfg
 
 
+def unknown_option_problems(unknown: list[str], extra_flags: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """What argparse left over: unknown options (with the closest known one) and stray arguments."""
+    problems: list[tuple[str, str]] = []
+    flags = [f"--{name}" for name in all_fields()] + list(extra_flags)
+    for i, token in enumerate(unknown):
+        if token.startswith("-"):
+            close = difflib.get_close_matches(token.split("=")[0], flags, n=1, cutoff=0.6)
+            problems.append(
+                (token, "unknown option" + (f"; did you mean {close[0]}?" if close else "; see finetune --help"))
+            )
+        elif not (i and unknown[i - 1].startswith("-")):  # not the value of an unknown option
+            problems.append((token, "unexpected argument; options take the form --field value"))
+    return problems
+
+
 def _is_main_rank() -> bool:
     return os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
 
@@ -122,6 +129,10 @@ def run_cli(argv: list[str] | None = None) -> int:
         return parity(argv[1:])
     if argv[:1] == ["merge"]:
         return merge(argv[1:])
+    if argv[:1] == ["plan"]:
+        from finetune.memory import main as plan
+
+        return plan(argv[1:])
     if argv[:1] == ["plot"]:
         from finetune.report import plot_main
 

@@ -33,6 +33,7 @@ from finetune import (
     export,
     generate,
     loop,
+    memory,
     metrics,
     mixture,
     model,
@@ -55,6 +56,7 @@ def run(cfg: RunConfig) -> dict:
     layout = backend.layout(plan)
     resume = find_resume(cfg, acc, storage, layout)
     net, facts = build_model(cfg, backend, tokenizer, ds, resume)
+    estimate = memory.run_estimate(cfg, acc, backend.topology, net, backend.numel)  # logged; compared at the end
     parts = build_optimization(cfg, acc, backend, net, ds, plan, tokenizer)
     state = restore_or_start(cfg, acc, backend, parts, plan, resume, storage)
     console.attach(cfg.train.output_dir)  # output_dir is this run's now: the rank's log goes there
@@ -69,6 +71,7 @@ def run(cfg: RunConfig) -> dict:
         "train_rows": len(ds.train),
         "eval_rows": len(ds.eval) if ds.eval is not None else 0,
         "label_names": ds.label_names,
+        "estimate": memory.train_peak_estimate(estimate, acc.device),
     }
     return train_and_export(cfg, r, state, tokenizer, run_config, about)
 
@@ -316,7 +319,8 @@ def train_and_export(
     cfg: RunConfig, r: loop.Run, state: loop.TrainState, tokenizer, run_config: dict, about: dict
 ) -> dict:
     """The loop, the end-of-run checkpoint, final/ (and merged/; the best checkpoint's weights with
-    load_best_model_at_end), the memory report, and report.finish: curves, model card, Hub, summary."""
+    load_best_model_at_end), the memory report (next to the run's estimate), and report.finish: curves, model
+    card, Hub, summary."""
     acc, backend = r.accelerator, r.backend
     startup = metrics.peak_memory(acc.device)  # loading and preparing
     metrics.reset_peak_memory(acc.device)
@@ -343,7 +347,7 @@ def train_and_export(
                 merged = export.merge_adapter(final, os.path.join(final, "merged"))
             logger.info("merged model saved to %s", os.path.abspath(merged))
         acc.wait_for_everyone()
-    metrics.report_memory(acc, r.log, state.step, startup, training)
+    metrics.report_memory(acc, r.log, state.step, startup, training, about["estimate"])
     topo = backend.topology
     about |= {"parallelism": topo.summary(), "world_size": topo.num_processes, "wall_time_s": console.wall_time()}
     about |= {"distributed_type": topo.distributed_type, "mixed_precision": acc.mixed_precision}

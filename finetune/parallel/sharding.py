@@ -1,0 +1,340 @@
+"""Memory facts of each backend: how a rank holds its share of the model states, and the buffers the backend adds.
+
+`finetune plan` (finetune/memory.py) asks this module, and only this module, what differs between DDP, the
+ZeRO stages, FSDP2, tensor parallelism and Megatron-LM. It works from an Accelerate config file without
+launching anything (`read_config_file`), or from a running job's Topology (`from_topology`).
+
+`model_states(topology, shape, precision, buckets)` lists a rank's parts in bytes, each placed on the device
+or on the host (CPU offload). Per parameter, with P trainable and T total parameters, N ranks sharding them,
+w the bytes of the weights a backend trains (the model's dtype; 2 when DeepSpeed runs bf16/fp16):
+
+  DDP (torch AdamW)   weights T*w, gradients P*w (views of DDP's 25 MB buckets: gradient_as_bucket_view),
+                      moments 2*P*w (torch keeps them in the parameter's dtype)
+  ZeRO-1              weights T*w, full gradients P*w, fp32 master partition 4P/N (DeepSpeed clones it even
+                      in fp32: stage_1_and_2.py), moments 8P/N, the flat fp32 gradient partition 4P/N
+  ZeRO-2              as ZeRO-1, but gradients reduced during backward into a partition 4P/N through one
+                      reduce bucket (reduce_bucket_size; "auto" = hidden^2, accelerate fills it)
+  ZeRO-3              weights T*w/N, master 4P/N (none in fp32 without offload: stage3.py reuses the
+                      partition), moments 8P/N, gradient partition 4P/N (allocated once); gathered: a parameter
+                      d parameters from the model's end stays gathered from its forward to its backward when
+                      2d is within stage3_max_reuse_distance (partitioned_param_coordinator releases only the
+                      others), up to stage3_max_live_parameters (both 1e9 in ds_configs/); at least the module
+                      computing now and the prefetch bucket; and one module's full gradient before it is reduced
+  all                 AdamW's multi-tensor step allocates one temporary the size of its moments' half
+                      (torch._foreach_sqrt of exp_avg_sq); DeepSpeedCPUAdam (offload) steps in place
+Each part also says when it exists (`Part.phase`): always; during forward and backward only; or from the end
+of backward through the optimizer step (gradients the backend frees after every step: DeepSpeed ZeRO-1/2 and
+FSDP2, while DDP keeps its buckets). With gradient accumulation the gradients live across micro batches.
+  FSDP2               weights T*w/N, gradients P*w/N, moments 2P*w/N; gathered: the root module (embeddings,
+                      head) for the whole step, the layer computing now and the one prefetched, and one
+                      layer's full gradient before its reduce-scatter
+  TP (tp ranks)       the model's tp_plan layers (decoder linears, head) split tp ways, the rest replicated
+  Megatron-LM         layers split tp x pp ways; fp32 main gradients; distributed optimizer: moments and master
+                      sharded over data parallel
+Mixed precision through accelerate (autocast) keeps fp32 weights and adds their 16-bit casts (autocast's
+cache: 2 bytes per weight for the forward and backward).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from finetune.parallel.topology import Topology
+
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default; with gradient_as_bucket_view no extra copy
+DS_ALLGATHER_DEFAULT = 5e8
+
+
+ALWAYS, BACKWARD, STEP = "always", "backward", "step"
+
+
+@dataclass(frozen=True)
+class Part:
+    """One component of a rank's memory, and when it exists: always (between steps too), during forward and
+    backward only (activations, gathered parameters), or from the end of backward through the optimizer step
+    (gradients a backend frees after every step, the optimizer's temporaries)."""
+
+    name: str
+    bytes: float
+    on_host: bool = False  # offloaded to the CPU (on a CPU-only machine device and host are the same memory)
+    note: str = ""
+    phase: str = ALWAYS
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """Communication buffer sizes, in elements (DeepSpeed JSON's "auto" as accelerate fills it from hidden_size)."""
+
+    reduce: float = 0.0
+    prefetch: float = 0.0
+    persistence_threshold: float = 0.0
+    max_live: float = 0.0  # ZeRO-3: parameters gathered at most at once
+    max_reuse: float = 0.0  # ZeRO-3: a gathered parameter used again within this many parameters stays gathered
+    megatron_distributed_optimizer: bool = False
+
+    @classmethod
+    def read(cls, topology: Topology, ds_config: Mapping | None, hidden: int, env: Mapping[str, str] = os.environ):
+        zero = (ds_config or {}).get("zero_optimization", {})
+
+        def value(key: str, auto: float) -> float:
+            v = zero.get(key, auto)
+            return auto if v == "auto" else float(v)
+
+        # accelerate.Accelerator._prepare_deepspeed fills these "auto" values from the model's hidden size
+        return cls(
+            reduce=value("reduce_bucket_size", hidden * hidden) if topology.zero_stage else 0.0,
+            prefetch=value("stage3_prefetch_bucket_size", 0.9 * hidden * hidden) if topology.zero_stage == 3 else 0.0,
+            persistence_threshold=value("stage3_param_persistence_threshold", 10 * hidden)
+            if topology.zero_stage == 3
+            else 0.0,
+            max_live=value("stage3_max_live_parameters", 1e9),  # DeepSpeed's defaults
+            max_reuse=value("stage3_max_reuse_distance", 1e9),
+            megatron_distributed_optimizer=str(env.get("MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER", "")).lower()
+            in ("1", "true", "yes"),
+        )
+
+
+def model_states(topology: Topology, shape: Any, mixed_precision: str, buckets: Buckets) -> list[Part]:
+    """A rank's parameters, gradients, optimizer states, master copies and backend buffers, in bytes.
+
+    `shape` is a finetune.memory.ModelShape (parameter counts by kind, from the model's config alone)."""
+    half = mixed_precision in ("bf16", "fp16")
+    t = topology
+    if t.family == "deepspeed":
+        return _deepspeed(t, shape, half, buckets)
+    if t.family == "fsdp":
+        return _fsdp(t, shape, half)
+    if t.family == "megatron":
+        return _megatron(t, shape, half, buckets)
+    return _ddp(t, shape, half)
+
+
+def _split(shape, tp: int, pp: int = 1) -> tuple[float, float]:
+    """(total, trainable) parameters a rank holds when the tp_plan layers are split tp ways, the layers pp ways."""
+    total = (shape.tp_splittable / tp + (shape.total - shape.tp_splittable)) / pp
+    trainable = shape.trainable * total / max(shape.total, 1)
+    return total, trainable
+
+
+def _ddp(t: Topology, shape, half: bool) -> list[Part]:
+    w = shape.weight_bytes
+    total, trainable = _split(shape, t.tp)
+    parts = [
+        Part("parameters", total * w),
+        Part("gradients", trainable * w, note="views of DDP's 25 MB buckets, kept between steps"),
+        Part("optimizer", 2 * trainable * w, note="AdamW exp_avg + exp_avg_sq"),
+        Part("buffers", trainable * w, note="AdamW's foreach temporary (sqrt of exp_avg_sq)", phase=STEP),
+    ]
+    if half and w == 4:
+        parts.append(Part("buffers", 2 * total, note="autocast's 16-bit weight casts", phase=BACKWARD))
+    return parts
+
+
+def _deepspeed(t: Topology, shape, half: bool, b: Buckets) -> list[Part]:
+    n = t.num_processes
+    w = 2 if half else shape.weight_bytes  # DeepSpeed casts the model to bf16/fp16 under mixed precision
+    total, trainable = shape.total, shape.trainable
+    host_opt = t.offload_optimizer
+    states = [Part("optimizer", 8 * trainable / n, host_opt, "fp32 AdamW moments, partitioned")]
+    if not host_opt:  # torch AdamW over the flat fp32 partition; DeepSpeedCPUAdam (offload) steps in place
+        states.append(Part("buffers", 4 * trainable / n, note="AdamW's foreach temporary", phase=STEP))
+    if t.zero_stage < 3:
+        master = Part("master copy", 4 * trainable / n, host_opt, "fp32 partition cloned by DeepSpeed")
+        if t.zero_stage == 1:  # gradients accumulate whole in .grad, are reduced at the boundary, freed after
+            grads = [
+                Part("gradients", trainable * w, note="full, in .grad until the step", phase=STEP),
+                Part("gradients", 4 * trainable / n, host_opt, "flat fp32 partition for the step", phase=STEP),
+            ]
+        else:  # reduced bucket by bucket during backward into the partition, freed after the step
+            grads = [Part("gradients", 4 * trainable / n, host_opt, "reduced partition", phase=STEP)]
+        buffers = [Part("buffers", b.reduce * w, note="reduce bucket", phase=BACKWARD)]
+        if host_opt:  # the 16-bit copy of the partition the CPU optimizer writes back through
+            buffers.append(Part("buffers", w * trainable / n, True, "offload write-back buffer"))
+        return [Part("parameters", total * w), *grads, master, *states, *buffers]
+    persistent = shape.small_params(b.persistence_threshold)  # kept whole on every rank
+    params = Part("parameters", (total - persistent) * w / n + persistent * w, t.offload_params, "partitioned")
+    parts = [params, Part("gradients", 4 * trainable / n, host_opt, "partition buffer, allocated once")]
+    if w != 4 or host_opt:
+        parts.append(Part("master copy", 4 * trainable / n, host_opt, "fp32 partition"))
+    parts += states
+    # A parameter d parameters from the model's end is used again in backward ~2d parameters after its forward use:
+    # DeepSpeed keeps it gathered when that is within max_reuse_distance, up to max_live_parameters in all.
+    kept = min(shape.total, b.max_reuse / 2, b.max_live)
+    gathered = max(kept, shape.largest_module + b.prefetch)
+    how = "gathered in forward, kept for backward (max_reuse_distance)" if kept else "gathered module + prefetch"
+    parts.append(Part("buffers", gathered * w, note=how, phase=BACKWARD))
+    parts.append(
+        Part(
+            "buffers",
+            (shape.largest_module + b.reduce) * w,
+            note="one module's full gradient + reduce bucket",
+            phase=BACKWARD,
+        )
+    )
+    return parts
+
+
+def _fsdp(t: Topology, shape, half: bool) -> list[Part]:
+    n = t.num_processes
+    w = shape.weight_bytes
+    host = t.offload_params
+    gw = 2 if half else w  # FSDP2's MixedPrecisionPolicy gathers in the 16-bit dtype
+    parts = [
+        Part("parameters", shape.total * w / n, host, "sharded"),
+        Part("gradients", shape.trainable * w / n, host, "sharded, freed after the step", phase=STEP),
+        Part("optimizer", 2 * shape.trainable * w / n, host, "AdamW moments, sharded"),
+        Part("buffers", shape.trainable * w / n, host, "AdamW's foreach temporary", phase=STEP),
+    ]
+    layer = shape.layer_params / t.tp
+    parts.append(
+        Part("buffers", (shape.root_params + 2 * layer) * gw, note="root module + 2 layers gathered", phase=BACKWARD)
+    )
+    parts.append(
+        Part(
+            "buffers",
+            (shape.root_params + layer) * gw,
+            note="unsharded gradients before reduce-scatter",
+            phase=BACKWARD,
+        )
+    )
+    return parts
+
+
+def _megatron(t: Topology, shape, half: bool, b: Buckets) -> list[Part]:
+    w = 2 if half else shape.weight_bytes
+    total, trainable = _split(shape, t.tp, t.pp)
+    total += shape.root_params / t.tp * (1 - 1 / t.pp)  # the first and last stages hold the embeddings/head
+    trainable = shape.trainable * total / max(shape.total, 1)
+    shard = t.dp if b.megatron_distributed_optimizer else 1
+    parts = [
+        Part("parameters", total * w),
+        Part("gradients", 4 * trainable, note="fp32 main_grad buffer"),
+        Part(
+            "optimizer", 8 * trainable / shard, note="fp32 moments" + (", distributed optimizer" if shard > 1 else "")
+        ),
+    ]
+    if half:
+        parts.append(Part("master copy", 4 * trainable / shard, note="fp32 master weights"))
+    return parts
+
+
+def activation_split(topology: Topology) -> tuple[int, int]:
+    """(ways each layer's inner activations are split, micro batches a pipeline stage holds at once)."""
+    in_flight = min(topology.pp, topology.num_micro_batches) if topology.pp > 1 else 1  # 1F1B: the first stage
+    return topology.tp, in_flight
+
+
+def layers_per_rank(topology: Topology, layers: int) -> float:
+    return layers / topology.pp
+
+
+# ---------------------------------------------------------------- Accelerate config files, without launching
+
+
+def read_config_file(
+    path: str | os.PathLike, num_processes: int | None = None, num_machines: int | None = None
+) -> tuple[Topology, dict, str]:
+    """(Topology, DeepSpeed JSON or {}, mixed precision) an Accelerate config file asks for, read like
+    `accelerate launch` would (num_processes/num_machines as its flags override the file's)."""
+    p = Path(path)
+    raw = yaml.safe_load(p.read_text()) or {}
+    n = int(num_processes or raw.get("num_processes", 1) or 1)
+    machines = int(num_machines or raw.get("num_machines", 1) or 1)
+    kind = str(raw.get("distributed_type", "NO"))
+    mixed = str(raw.get("mixed_precision", "no"))
+    ds: dict = {}
+    kw: dict = {}
+    family = "ddp"
+    if kind == "DEEPSPEED":
+        family = "deepspeed"
+        dcfg = raw.get("deepspeed_config") or {}
+        file = dcfg.get("deepspeed_config_file")
+        if file:
+            file_path = Path(file) if Path(file).is_absolute() else p.resolve().parents[1] / file
+            ds = json.loads(file_path.read_text())
+        else:  # inline keys of `accelerate config`
+            ds = {
+                "zero_optimization": {
+                    "stage": dcfg.get("zero_stage", 2),
+                    "offload_optimizer": {"device": dcfg.get("offload_optimizer_device", "none")},
+                    "offload_param": {"device": dcfg.get("offload_param_device", "none")},
+                }
+            }
+        zero = ds.get("zero_optimization", {})
+        kw.update(
+            zero_stage=int(zero.get("stage", 0)),
+            offload_optimizer=zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None),
+            offload_params=zero.get("offload_param", {}).get("device", "none") not in ("none", None),
+        )
+        for key in ("bf16", "fp16"):
+            if mixed == "no" and str((ds.get(key) or {}).get("enabled")).lower() == "true":
+                mixed = key
+    elif kind == "FSDP":
+        family = "fsdp"
+        fcfg = raw.get("fsdp_config") or {}
+        offload = str(fcfg.get("fsdp_offload_params", False)).lower() == "true"
+        kw.update(fsdp_version=int(fcfg.get("fsdp_version", 1)), offload_params=offload, offload_optimizer=offload)
+    elif kind == "MEGATRON_LM":
+        family = "megatron"
+        mcfg = raw.get("megatron_lm_config") or {}
+        tp, pp = int(mcfg.get("megatron_lm_tp_degree", 1)), int(mcfg.get("megatron_lm_pp_degree", 1))
+        kw.update(tp=tp, pp=pp, num_micro_batches=int(mcfg.get("megatron_lm_num_micro_batches", 1)))
+        ds = {"megatron_distributed_optimizer": bool(mcfg.get("megatron_lm_use_distributed_optimizer", False))}
+    tp_size = int((raw.get("parallelism_config") or {}).get("parallelism_config_tp_size", 1))
+    if family in ("ddp", "fsdp") and tp_size > 1:
+        family = family if family == "fsdp" else "tensor"
+        kw["tp"] = tp_size
+    tp = kw.get("tp", 1) * kw.get("pp", 1)
+    topo = Topology(
+        family=family,
+        distributed_type=kind,
+        num_processes=n,
+        num_machines=machines,
+        process_index=0,
+        dp=max(1, n // tp),
+        **kw,
+    )
+    return topo, ds, mixed
+
+
+def launch_size(path: str | os.PathLike, wanted: int) -> tuple[int, str]:
+    """How many processes to launch an Accelerate config with on `wanted` devices, and why when it is not all of
+    them; (0, why) when it cannot run there. TP alone needs exactly tp_size; TP x FSDP2 and Megatron-LM need a
+    multiple of their model-parallel size; one process stays one."""
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    if int(raw.get("num_processes", 1) or 1) == 1 and str(raw.get("distributed_type", "NO")) == "NO":
+        return 1, "1 process"
+    pc = raw.get("parallelism_config") or {}
+    mcfg = raw.get("megatron_lm_config") or {}
+    tp = int(pc.get("parallelism_config_tp_size", 1)) * int(mcfg.get("megatron_lm_tp_degree", 1))
+    group = tp * int(mcfg.get("megatron_lm_pp_degree", 1)) * int(pc.get("parallelism_config_dp_shard_size", 1))
+    if tp > 1 and not pc.get("parallelism_config_dp_shard_size") and not mcfg:
+        return (tp, f"{tp} processes (TP alone)") if wanted >= tp else (0, f"needs {tp} processes")
+    if wanted < group or wanted % (group // int(pc.get("parallelism_config_dp_shard_size", 1))):
+        return 0, f"needs a multiple of {group} processes"
+    return wanted, ""
+
+
+def buckets_for(topology: Topology, ds_config: Mapping, hidden: int) -> Buckets:
+    """Buckets of a config read from a file (read_config_file) for a model of this hidden size."""
+    env = {"MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER": str(ds_config.get("megatron_distributed_optimizer", ""))}
+    return Buckets.read(topology, ds_config, hidden, env)
+
+
+def from_topology(topology: Topology, hidden: int, env: Mapping[str, str] = os.environ) -> Buckets:
+    """Buckets of a running job: its DeepSpeed JSON is the file the launcher named."""
+    ds: dict = {}
+    path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if topology.zero_stage and path:
+        try:
+            ds = json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            ds = {}
+    return Buckets.read(topology, ds, hidden, env)
