@@ -57,7 +57,7 @@ def llama(hidden: int, layers: int, heads: int, inter: int) -> dict:
 # micro batch to stay near 4 GB (Trainer, seq 512, estimate: weights+grads+AdamW 16 B x 136M = 2.2 GB,
 # activations ~1 GB, logits 2 x 512 x 32000 x 4 B = 0.13 GB per copy, ~0.6 GB of libraries).
 SIZES = {
-    "5M": (llama(128, 4, 4, 352), 2048, 8),
+    "5M": (llama(128, 4, 4, 352), 2048, 6),
     "34M": (llama(512, 6, 8, 1376), 2048, 4),
     "135M": (llama(768, 16, 12, 2048), 1024, 3),
 }
