@@ -18,7 +18,7 @@ softmax, as with a real Llama-2-sized vocabulary. finetune cuts the text into fu
 the baselines train on the same blocks in the same order.
 
     .venv/bin/python bench/grid.py --quick                       # smoke run: two tiny sizes, 1 repeat
-    .venv/bin/python bench/grid.py                               # the full grid (~25 min on 2 idle cores)
+    .venv/bin/python bench/grid.py                               # all parts (~27 min on 2 idle cores, estimated; --parts grid ~21)
     .venv/bin/python bench/grid.py --parts eval,launch --repeats 5
 """
 
