@@ -18,7 +18,7 @@ softmax, as with a real Llama-2-sized vocabulary. finetune cuts the text into fu
 the baselines train on the same blocks in the same order.
 
     .venv/bin/python bench/grid.py --quick                       # smoke run: two tiny sizes, 1 repeat
-    .venv/bin/python bench/grid.py                               # all parts (~27 min on 2 idle cores, estimated; --parts grid ~21)
+    .venv/bin/python bench/grid.py                               # all parts (~25 min on 2 idle cores, estimated; --parts grid ~19)
     .venv/bin/python bench/grid.py --parts eval,launch --repeats 5
 """
 
@@ -65,7 +65,7 @@ QUICK_SIZES = {
     "q1M": (llama(32, 2, 2, 64), 512, 3),
     "q3M": (llama(64, 2, 2, 128), 512, 3),
 }
-REPEATS = 3  # the default here (the suite's is 4): the grid part stays near 21 minutes on 2 idle cores
+REPEATS = 3  # the default here (the suite's is 4): the grid part stays near 19 minutes on 2 idle cores
 REFERENCE = "34M"  # the size of the eval, launch and ddp parts (QUICK: the larger quick one)
 
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/perf.py                                  # the six below (~15 min on 2 idle CPU cores)
     .venv/bin/python bench/perf.py --only throughput,packing        # some of them
-    .venv/bin/python bench/perf.py --only grid                      # the issue-18 grid (~27 min; bench/grid.py)
+    .venv/bin/python bench/perf.py --only grid                      # the issue-18 grid (~25 min; bench/grid.py)
     .venv/bin/python bench/perf.py --quick                          # smoke run: small models, 1 repeat
 
 Each benchmark is its own file and also runs alone (`python bench/throughput.py --quick`); all of them launch,
