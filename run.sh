@@ -3,7 +3,7 @@
 #
 #   ./run.sh demo [finetune args]   fine-tune the offline demo under DDP (2 CPU processes, or every GPU)
 #   ./run.sh test [pytest args]     the whole test suite (CPU only, offline)
-#   ./run.sh bench [perf.py args]   the benchmark table (bench/README.md); bench/zero_memory.py for ZeRO memory
+#   ./run.sh bench [perf.py args]   the benchmark table (bench/README.md); --only grid: issue 18, zero_memory: ZeRO
 #   ./run.sh setup                  only create/refresh .venv
 #
 # Environment: FINETUNE_TORCH overrides the torch requirement installed into a new .venv (default:

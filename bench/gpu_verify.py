@@ -23,16 +23,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import harness
+
+from finetune import parity
+
+ROOT = harness.ROOT
 
 
 @dataclass
@@ -42,21 +42,16 @@ class Row:
     gpus: int
     micro: int
     ga: int
-    hf_export: bool = True  # Megatron's checkpoint is not an HF model
     status: str = "ok"
-    distributed_type: str = "?"
-    world_size: int = 0
-    losses: list[float] = field(default_factory=list)
-    weights: dict | None = None
-    step_time_s: float = float("nan")
+    outcome: parity.Outcome | None = None
 
 
 # Global batch 8 everywhere: rows per data-parallel rank per step x data-parallel size.
 ROWS = [
     Row("ddp", "ddp", 2, micro=4, ga=1),  # 2 replicas x 4
     Row("tp2", "tp2", 2, micro=4, ga=2),  # 1 replica (TP 2) x 4 x GA 2
-    Row("megatron_tp2", "megatron_tp2", 2, micro=8, ga=1, hf_export=False),  # 1 replica x 8 x 1 micro batch
-    Row("megatron_tp2_pp2", "megatron_tp2_pp2", 4, micro=2, ga=1, hf_export=False),  # 1 replica x 2 x 4 micro
+    Row("megatron_tp2", "megatron_tp2", 2, micro=8, ga=1),  # 1 replica x 8 x 1 micro batch (no HF export)
+    Row("megatron_tp2_pp2", "megatron_tp2_pp2", 4, micro=2, ga=1),  # 1 replica x 2 x 4 micro batches
 ]
 
 
@@ -103,74 +98,14 @@ def megatron_skip_reason(model: str) -> str | None:
     return None
 
 
-def train(row: Row, run: Path, steps: int, out: Path, timeout: int) -> Row:
-    from safetensors.torch import load_file
-
-    from finetune.metrics import read_metrics
-
-    target = out / row.name
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "accelerate_configs" / f"{row.config}.yaml"),
-        "-m",
-        "finetune",
-        "--config",
-        str(run),
-        "--max_steps",
-        str(steps),
-        "--per_device_train_batch_size",
-        str(row.micro),
-        "--per_device_eval_batch_size",
-        str(row.micro),
-        "--gradient_accumulation_steps",
-        str(row.ga),
-        "--logging_steps",
-        "1",
-        "--save_steps",
-        "null",
-        "--disable_tqdm",
-        "true",
-        "--output_dir",
-        str(target),
-        "--overwrite_output_dir",
-        "true",
-    ]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        (out / f"{row.name}.log").write_text(proc.stdout + proc.stderr)
-        if proc.returncode != 0:
-            tail = " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-2:])[:300]
-            row.status = f"exit {proc.returncode} after {time.perf_counter() - t0:.0f} s: {tail}"
-    except subprocess.TimeoutExpired:
-        row.status = f"timed out after {timeout} s"
-    try:
-        train_rows = [r for r in read_metrics(str(target)) if "loss" in r]
-    except OSError:
-        return row
-    if train_rows:
-        row.losses = [r["loss"] for r in train_rows]
-        row.distributed_type, row.world_size = train_rows[0]["distributed_type"], train_rows[0]["world_size"]
-        times = [r["step_time_s"] for r in train_rows[1:]] or [r["step_time_s"] for r in train_rows]
-        row.step_time_s = statistics.median(times)
-    weights = target / "final" / "model.safetensors"
-    if row.hf_export and weights.exists():
-        row.weights = load_file(str(weights))
+def train(row: Row, args: argparse.Namespace, out: Path) -> Row:
+    """The run under the row's layout, through `finetune parity`'s runner (same launch, metrics and weights)."""
+    micro = ["--per_device_train_batch_size", str(row.micro), "--per_device_eval_batch_size", str(row.micro)]
+    path = parity.accelerate_config_path(row.config)
+    row.outcome = parity.run_one(row.name, path, row.ga, args, micro, out)
+    if not row.outcome.ok:
+        row.status = row.outcome.error
     return row
-
-
-def compare(ref: Row, row: Row) -> tuple[float, float | None]:
-    if not ref.losses or len(ref.losses) != len(row.losses):
-        return float("inf"), None
-    loss = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref.losses, row.losses))
-    if ref.weights is None or row.weights is None:
-        return loss, None
-    if set(ref.weights) != set(row.weights):
-        return loss, float("inf")
-    return loss, max(float((ref.weights[k].float() - row.weights[k].float()).abs().max()) for k in ref.weights)
 
 
 def main() -> int:
@@ -194,6 +129,7 @@ def main() -> int:
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     run = build(work)
+    args.config = str(run)
     model = json.loads(run.read_text())["model"]
     skip_megatron = megatron_skip_reason(model)
     if skip_megatron:
@@ -212,7 +148,7 @@ def main() -> int:
             row.status = f"SKIPPED: {skip_megatron}"
         else:
             print(f"[gpu_verify] {row.name}: {row.gpus} GPUs, micro {row.micro} x GA {row.ga} ...", flush=True)
-            row = train(row, run, args.steps, work, args.timeout)
+            row = train(row, args, work)
         rows.append(row)
 
     ref = rows[0]
@@ -223,16 +159,17 @@ def main() -> int:
     print("\n" + head + "\n" + "-" * len(head))
     failed = False
     for row in rows:
-        skipped = row.status.startswith("SKIPPED")
-        loss, weight = compare(ref, row) if row.losses else (float("nan"), None)
-        bad = not skipped and (
+        o = row.outcome if row.outcome and row.outcome.ok else parity.Outcome(row.name, False)
+        ok_ref = ref.outcome if ref.outcome and ref.outcome.ok else None
+        loss, weight = parity.compare(ok_ref, o) if ok_ref and o.ok else (float("nan"), None)
+        bad = not row.status.startswith("SKIPPED") and (
             row.status != "ok" or not loss <= args.loss_rtol or (weight is not None and weight > args.weight_atol)
         )
         failed |= bad
         weight_text = f"{weight:.2e}" if weight is not None else "n/a"
         print(
-            f"{row.name:<18} {row.distributed_type:<12} {row.world_size:>5} {f'{row.micro} x {row.ga}':>10} "
-            f"{loss:>17.2e} {weight_text:>19} {row.step_time_s:>7.3f}  {row.status}{'  <-- FAIL' if bad else ''}"
+            f"{row.name:<18} {o.distributed_type:<12} {o.world_size:>5} {f'{row.micro} x {row.ga}':>10} "
+            f"{loss:>17.2e} {weight_text:>19} {o.step_time_s:>7.3f}  {row.status}{'  <-- FAIL' if bad else ''}"
         )
     print(
         f"\nreference: ddp; tolerances: loss {args.loss_rtol:g} relative, weights {args.weight_atol:g} absolute; "

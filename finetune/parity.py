@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
+from finetune import launching
 from finetune.config import ConfigError, build_config, load_yaml, parse_cli_value
 from finetune.parallel.topology import describe_observed
 
@@ -63,20 +62,13 @@ def data_parallel_size(path: Path) -> int:
 
 
 def run_one(name: str, path: Path, ga: int, args: argparse.Namespace, overrides: list[str], out: Path) -> Outcome:
+    """One run of the config under the Accelerate config at `path`, K steps, GA `ga`; its log goes to out/NAME.log.
+    An Outcome with weights None when the run exported no Hugging Face weights (a Megatron-LM checkpoint)."""
     from safetensors.torch import load_file
 
     from finetune.metrics import read_metrics
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(path),
-        "--main_process_port",
-        "0",  # a free port: no clash with another job on this machine
-        "-m",
-        "finetune",
+    run_args = [
         "--config",
         args.config,
         *overrides,
@@ -96,25 +88,18 @@ def run_one(name: str, path: Path, ga: int, args: argparse.Namespace, overrides:
         "true",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return Outcome(name, False, error=f"timed out after {args.timeout} s")
-    (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
-        return Outcome(
-            name,
-            False,
-            error=f"exit {proc.returncode} after {time.perf_counter() - t0:.0f} s: "
-            + " | ".join(tail)
-            + f" (log: {out / f'{name}.log'})",
-        )
+    log = out / f"{name}.log"
+    r = launching.launch(launching.finetune_command(run_args, path), timeout=args.timeout, env=env, log=log)
+    if r.timed_out:
+        return Outcome(name, False, error=f"timed out after {args.timeout} s (log: {log})")
+    if r.rc != 0:
+        tail = r.output.strip().splitlines()[-3:]
+        return Outcome(name, False, error=f"exit {r.rc} after {r.wall_s:.0f} s: " + " | ".join(tail) + f" (log: {log})")
     rows = read_metrics(str(out / name))
     train = [r for r in rows if "loss" in r]
     memory = next((r["peak_memory"] for r in rows if "peak_memory" in r), [])
     times = [r["step_time_s"] for r in train[1:]] or [r["step_time_s"] for r in train]
+    weights = exported_weights(out / name / "final")
     return Outcome(
         name,
         True,
@@ -123,7 +108,7 @@ def run_one(name: str, path: Path, ga: int, args: argparse.Namespace, overrides:
         sharding=describe_observed(train[-1]),
         gradient_accumulation_steps=ga,
         losses=[r["loss"] for r in train],
-        weights=load_file(str(exported_weights(out / name / "final"))),
+        weights=load_file(str(weights)) if weights.exists() else None,
         step_time_s=statistics.median(times),
         peak_rss_gb=[m["train_peak_rss_gb"] for m in memory],
     )
@@ -135,11 +120,14 @@ def exported_weights(final: Path) -> Path:
     return full if full.exists() else final / "adapter_model.safetensors"
 
 
-def compare(ref: Outcome, o: Outcome) -> tuple[float, float]:
-    """(max relative per-step loss difference, max absolute exported-weight difference) to ref."""
-    if len(ref.losses) != len(o.losses):
+def compare(ref: Outcome, o: Outcome) -> tuple[float, float | None]:
+    """(max relative per-step loss difference, max absolute exported-weight difference) to ref; the weight
+    difference is None when either run exported no Hugging Face weights."""
+    if not ref.losses or len(ref.losses) != len(o.losses):
         return float("inf"), float("inf")
     loss = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref.losses, o.losses))
+    if ref.weights is None or o.weights is None:
+        return loss, None
     if set(ref.weights) != set(o.weights):
         return loss, float("inf")
     weight = max(float((ref.weights[k].float() - o.weights[k].float()).abs().max()) for k in ref.weights)
@@ -217,6 +205,7 @@ def report(outcomes: list[Outcome], args: argparse.Namespace) -> int:
             print(f"{o.name:<15} FAILED: {o.error}")
             continue
         loss, weight = compare(ref, o)
+        weight = float("inf") if weight is None else weight  # parity compares exported models: none is a failure
         flag = "" if loss <= args.loss_rtol and weight <= args.weight_atol else "  <-- above tolerance"
         failed |= bool(flag)
         print(
