@@ -2,9 +2,9 @@
 
 Shared by `finetune parity` and the benchmarks under bench/. A run under `accelerate launch` is a
 launcher plus one process per rank; a plain `subprocess.run(timeout=...)` kills only the launcher
-and leaves the ranks running (and holding their memory). Here every run gets its own session, and
-the whole group is killed when it times out, when the caller has seen enough of it (`stop_at`), or
-when it ends (leftover ranks).
+and leaves the ranks running (and holding their memory). Here every run gets its own session, and the launcher
+and every process it started are killed when it times out, when the caller has seen enough of it
+(`stop_at`), or when it ends (leftovers of its group).
 """
 
 from __future__ import annotations
@@ -29,6 +29,25 @@ def finetune_command(args: list[str], accelerate_config: str | os.PathLike | Non
         return [sys.executable, "-m", "finetune", *args]
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config)]
     return [*launcher, "--main_process_port", "0", "-m", "finetune", *args]
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """Kill a launch: the launcher's process group and every process it started. torchrun starts each rank in
+    a session of its own (torch.distributed.elastic's subprocess handler: start_new_session=True), so the
+    launcher's group alone misses the ranks, which then keep their memory, hold the output pipe open (a reader
+    never sees its end) and wait up to 30 minutes for a rendezvous that is gone: its descendants are collected
+    first, while the launcher is alive to name them."""
+    import psutil
+
+    try:
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        ranks = []
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for p in ranks:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
 
 
 @dataclass
@@ -62,8 +81,7 @@ def launch(
     )
 
     def kill() -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_job(proc)
 
     fired = threading.Event()
 

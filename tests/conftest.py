@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from finetune.launching import kill_job
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -161,24 +162,6 @@ def run_killing_the_group(cmd: list[str], env: dict, timeout: int) -> subprocess
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def kill_job(proc: subprocess.Popen) -> None:
-    """Kill a launch: the launcher and every process it started. torchrun starts each rank in a session of its
-    own (torch.distributed.elastic's subprocess handler: start_new_session=True), so killing the launcher's
-    process group alone leaves the ranks running, holding the output pipe open (the test then never returns)
-    and waiting up to 30 minutes for a rendezvous that is gone: the descendants are collected first."""
-    import psutil
-
-    try:
-        ranks = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        ranks = []
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    for p in ranks:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-
-
 def free_port() -> int:
     """A port nobody listens on now (tests run side by side under pytest -n: never the default 29500)."""
     with socket.socket() as s:
@@ -286,7 +269,6 @@ def reevaluate(
     eval_dataset: str | None = None,
 ) -> dict[str, float]:
     """Eval metrics of a reloaded model, in this process, through the same data pipeline as a run."""
-    import contextlib
 
     import torch
 

@@ -10,10 +10,11 @@ import time
 
 from finetune import launching
 
-# A "launcher" that starts a "rank" (a grandchild in the same process group) and then waits on it.
+# A "launcher" that starts a "rank" and then waits on it; the rank in a session of its own, as torchrun starts
+# them (so the launcher's process group does not hold it).
 LAUNCHER = """
 import subprocess, sys, time
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
 print("rank", child.pid, flush=True)
 time.sleep(0.3)
 print("step 1/2 done", flush=True)
@@ -34,7 +35,7 @@ def rank_pid(output: str) -> int:
     return int(next(line for line in output.splitlines() if line.startswith("rank")).split()[1])
 
 
-def test_timeout_kills_the_whole_group(tmp_path):
+def test_timeout_kills_the_launcher_and_its_ranks(tmp_path):
     t0 = time.perf_counter()
     r = launching.launch([sys.executable, "-c", LAUNCHER], timeout=3, log=tmp_path / "run.log")
     assert r.timed_out and not r.stopped and r.rc != 0
