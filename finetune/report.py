@@ -277,7 +277,9 @@ def outcome(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "world_size": train[-1].get("world_size") if train else None,
         "distributed_type": train[-1].get("distributed_type") if train else None,
         "peak_memory": {m["rank"]: {k: v for k, v in m.items() if k != "rank"} for m in memory},
-        "estimates": {k: v for r in rows for k, v in r.items() if k.startswith("estimate_")},
+        "estimates": {
+            k: v for m in memory[:1] for k, v in m.items() if k.startswith("estimate_")
+        },  # per rank: the same
     }
 
 
@@ -287,6 +289,8 @@ def peak_per_rank(memory: dict[int, dict[str, float]]) -> dict[int, dict[str, fl
     for rank, phases in sorted(memory.items()):
         peaks: dict[str, float] = {}
         for key, value in phases.items():
+            if key.startswith("estimate_"):  # the planner's (summary: its own line)
+                continue
             kind = key.split("_peak_")[-1].removesuffix("_gb")  # rss, gpu_allocated, gpu_reserved
             peaks[kind] = max(peaks.get(kind, 0.0), value)
         out[rank] = peaks
@@ -592,7 +596,11 @@ def summary(cfg, rows, about, final_dir, card, curves, url) -> list[str]:
         lines.append(f"peak memory  {_memory_text(res['peak_memory'])}")
     if res["estimates"]:
         lines.append(
-            "planner      " + ", ".join(f"{k.removeprefix('estimate_')} {v}" for k, v in res["estimates"].items())
+            "planner      "
+            + ", ".join(
+                f"{k.removeprefix('estimate_').removesuffix('_gb')} {v:.2f} GB" for k, v in res["estimates"].items()
+            )
+            + " per rank (finetune plan)"
         )
     lines.append(f"logs         {os.path.abspath(os.path.join(cfg.train.output_dir, 'logs'))} (every rank)")
     if cfg.train.report_to:

@@ -182,7 +182,7 @@ def wait_listening(port: int, proc: subprocess.Popen, limit_s: float = 60) -> No
 
 
 def two_machines(
-    config: str, args_of: Callable[[int], list[str]], env_of: Callable[[int], dict] = dict, timeout: int = 300
+    config: str, args_of: Callable[[int], list[str]], env_of: Callable[[int], dict] | None = None, timeout: int = 300
 ) -> list[tuple[int, str]]:
     """Machine 0 and machine 1 of accelerate_configs/<config>.yaml, one process each, rendezvous (c10d) on
     127.0.0.1 only: `accelerate launch ... --machine_rank m -m finetune <args_of(m)>`, environment `env_of(m)`
@@ -198,7 +198,7 @@ def two_machines(
                 "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--rdzv_backend", "c10d",
                 "-m", "finetune", *args_of(machine),
             ]  # fmt: skip
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **env_of(machine)}
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env_of(machine) if env_of else {})}
             procs.append(
                 subprocess.Popen(
                     cmd,
