@@ -196,8 +196,22 @@ def _attempt(fn, *args, **kwargs) -> OSError | None:
     """Run a step of writing a checkpoint; the OSError it raised, if any (collected from every rank)."""
     try:
         fn(*args, **kwargs)
-    except OSError as e:
+    except Exception as e:
+        io = as_os_error(e)
+        if io is None:
+            raise
+        return io
+    return None
+
+
+def as_os_error(e: BaseException) -> OSError | None:
+    """The OSError behind a failed write. safetensors' Rust writer raises its own SafetensorError for one
+    ("Error while serializing: I/O error: No space left on device (os error 28)"), not an OSError: read back."""
+    if isinstance(e, OSError):
         return e
+    found = re.search(r"I/O error: (.*) \(os error (\d+)\)", str(e))
+    if type(e).__name__ == "SafetensorError" and found:
+        return OSError(int(found.group(2)), found.group(1))
     return None
 
 

@@ -260,3 +260,24 @@ def test_a_dead_model_is_reported(assets, tmp_path):
     norms = [r["grad_norm"] for r in res.train_rows]
     assert norms[-3:] == [0.0, 0.0, 0.0], norms
     assert res.output.count("the gradient norm has been exactly 0 for 3 steps in a row") == 1, res.output[-2000:]
+
+
+def test_a_full_disk_under_safetensors_is_a_write_error():
+    """safetensors' writer reports a full disk as its own SafetensorError, not an OSError: the checkpointer must
+    still see a write error (one message, `latest` kept), not crash with a traceback (seen on a 369M-parameter
+    ZeRO-3 run that filled the disk)."""
+    from safetensors import SafetensorError
+
+    from finetune import checkpoint
+
+    def full(*_):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    error = checkpoint._attempt(full)
+    assert isinstance(error, OSError) and error.errno == 28 and "No space left" in error.strerror
+
+    def bug(*_):
+        raise SafetensorError("Error while serializing: a tensor is not contiguous")
+
+    with pytest.raises(SafetensorError):  # not a write error: surfaces as itself
+        checkpoint._attempt(bug)
