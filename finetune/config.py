@@ -556,7 +556,7 @@ def _task_problems(cfg: RunConfig, given: typing.Iterable[str]) -> list[tuple[st
             )
         )
     gen = t.generation_max_new_tokens
-    has_eval = bool(d.eval_dataset or d.eval_split or d.eval_fraction > 0)
+    has_eval = has_eval_data(d)  # a mixture's sources too
     if gen is not None and gen < 0:
         p.append(("generation_max_new_tokens", f"must be >= 1, or null/0 (off); got {gen}"))
     elif gen and m.task == "classification":

@@ -62,6 +62,31 @@ def test_sources_inherit_the_top_level_and_get_names(files):
     assert [(s.name, s.weight) for s in one] == [("chat", 1.0)]
 
 
+def test_eval_data_of_a_source_counts_for_generation_and_eval_steps(files):
+    """Eval data given only inside a source (top-level eval_fraction 0) is eval data for every check."""
+    cfg = build_config(
+        {
+            "model": files["model"],
+            "output_dir": files["output_dir"],
+            "eval_fraction": 0,
+            "eval_steps": 5,
+            "generation_max_new_tokens": 8,
+            "datasets": [{"dataset": files["alpaca"], "format": "instruction", "eval_fraction": 0.1}],
+        }
+    )
+    assert cfg.train.generation_max_new_tokens == 8
+    no_eval = problems_of(
+        {
+            "model": files["model"],
+            "output_dir": files["output_dir"],
+            "eval_fraction": 0,
+            "generation_max_new_tokens": 8,
+            "datasets": [{"dataset": files["alpaca"], "format": "instruction"}],
+        }
+    )
+    assert "no eval data" in no_eval["generation_max_new_tokens"]
+
+
 def test_every_bad_source_is_reported_with_its_key(files):
     found = problems_of(
         {
