@@ -164,17 +164,7 @@ def run_cli(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         return 128 + signal.Signals[e.signame].value
-    except Diverged as e:
-        if _is_main_rank():
-            print(f"finetune: {e}", file=sys.stderr, flush=True)
-        launcher_error_file(str(e))
-        return 1
-    except PushFailed as e:
-        if _is_main_rank():
-            print(f"finetune: {e}", file=sys.stderr, flush=True)
-        launcher_error_file(str(e))
-        return 1
-    except CheckpointWriteError as e:
+    except (Diverged, PushFailed, CheckpointWriteError) as e:  # the run failed for a reason it can name
         if _is_main_rank():
             print(f"finetune: {e}", file=sys.stderr, flush=True)
         launcher_error_file(str(e))

@@ -46,11 +46,7 @@ from typing import Any
 
 import yaml
 
-from finetune.parallel.topology import Topology
-
-DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default; with gradient_as_bucket_view no extra copy
-DS_ALLGATHER_DEFAULT = 5e8
-
+from finetune.parallel.topology import Topology, _true, deepspeed_offloads
 
 ALWAYS, BACKWARD, STEP = "always", "backward", "step"
 
@@ -96,8 +92,7 @@ class Buckets:
             else 0.0,
             max_live=value("stage3_max_live_parameters", 1e9),  # DeepSpeed's defaults
             max_reuse=value("stage3_max_reuse_distance", 1e9),
-            megatron_distributed_optimizer=str(env.get("MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER", "")).lower()
-            in ("1", "true", "yes"),
+            megatron_distributed_optimizer=_true(env.get("MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER")),
         )
 
 
@@ -268,11 +263,8 @@ def read_config_file(
                 }
             }
         zero = ds.get("zero_optimization", {})
-        kw.update(
-            zero_stage=int(zero.get("stage", 0)),
-            offload_optimizer=zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None),
-            offload_params=zero.get("offload_param", {}).get("device", "none") not in ("none", None),
-        )
+        optimizer, params = deepspeed_offloads(zero)
+        kw.update(zero_stage=int(zero.get("stage", 0)), offload_optimizer=optimizer, offload_params=params)
         for key in ("bf16", "fp16"):
             if mixed == "no" and str((ds.get(key) or {}).get("enabled")).lower() == "true":
                 mixed = key

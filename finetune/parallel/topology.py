@@ -20,6 +20,13 @@ def _true(value: str | None) -> bool:
     return str(value).lower() in ("1", "true", "yes")
 
 
+def deepspeed_offloads(zero: Mapping) -> tuple[bool, bool]:
+    """(optimizer states, parameters) offloaded, from a DeepSpeed config's zero_optimization section."""
+    return tuple(
+        zero.get(key, {}).get("device", "none") not in ("none", None) for key in ("offload_optimizer", "offload_param")
+    )
+
+
 def env_world_size(env: Mapping[str, str] = os.environ) -> int:
     """Processes in the job, as the launcher says (torchrun, deepspeed, MPI); 1 without a launcher."""
     for key in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
@@ -115,12 +122,8 @@ class Topology:
         kw: dict = {}
         if family == "deepspeed":
             plugin = state.deepspeed_plugin
-            zero = plugin.deepspeed_config.get("zero_optimization", {})
-            kw.update(
-                zero_stage=int(plugin.zero_stage),
-                offload_optimizer=zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None),
-                offload_params=zero.get("offload_param", {}).get("device", "none") not in ("none", None),
-            )
+            optimizer, params = deepspeed_offloads(plugin.deepspeed_config.get("zero_optimization", {}))
+            kw.update(zero_stage=int(plugin.zero_stage), offload_optimizer=optimizer, offload_params=params)
         elif family == "fsdp":
             from finetune.parallel.fsdp import offloads
 
