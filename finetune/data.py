@@ -372,8 +372,12 @@ class Collator:
         return -(-max(len(r) for r in rows) // self.multiple_of) * self.multiple_of
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
-        if self.encoder_decoder:
-            return self._encoder_decoder(examples)
+        batch = self._encoder_decoder(examples) if self.encoder_decoder else self._padded(examples)
+        if "source" in examples[0]:  # a mixture's eval rows name their source (finetune.mixture): eval per source
+            batch["source"] = torch.tensor([e["source"] for e in examples])
+        return batch
+
+    def _padded(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         width = self._width([e["input_ids"] for e in examples])
         per_token = isinstance(examples[0]["labels"], list)  # causal LM; classification has one int
         packed = "position_ids" in examples[0]
@@ -385,10 +389,7 @@ class Collator:
             labels.append(list(e["labels"]) + [IGNORE] * gap if per_token else e["labels"])
             extra.append(list(e["position_ids"]) + list(range(gap)) if packed else [1] * n + [0] * gap)
         labels_t = torch.tensor(labels, dtype=torch.long)
-        # a mixture's eval rows name their source (finetune.mixture): passed on for eval per source
-        source = {"source": torch.tensor([e["source"] for e in examples])} if "source" in examples[0] else {}
         return {
-            **source,
             "input_ids": torch.tensor(ids, dtype=torch.long),
             "labels": labels_t,
             ("position_ids" if packed else "attention_mask"): torch.tensor(extra, dtype=torch.long),

@@ -68,6 +68,9 @@ def test_seq2seq_collation_and_loss_normalisation(assets, arch):
     stats = per_example_stats(out.logits, batch["labels"], "seq2seq")
     assert stats["count"].tolist() == [3, 6]
     assert stats["nll"].sum().item() == pytest.approx(out.loss.item() * 9, rel=1e-5)
+    # a mixture's eval rows keep their source through the encoder-decoder collation too (eval per source)
+    mixed = Collator(0, encoder_decoder=True)([{**e, "source": i} for i, e in enumerate(examples)])
+    assert mixed["source"].tolist() == [0, 1]
 
 
 @pytest.mark.slow
