@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.config import DEFAULT_METRICS, SHIPPED_METRICS, RunConfig, TrainArgs, has_eval_data, sources_of
+from finetune.config import DEFAULT_METRICS, RunConfig, TrainArgs, has_eval_data, shipped_metrics, sources_of
 
 logger = logging.getLogger("finetune")
 LOSS_LIKE = ("loss", "perplexity")
@@ -58,9 +58,9 @@ def computed_metrics(cfg: RunConfig) -> tuple[list[str], list[str]]:
     """(the eval keys this run reports, prefixes of the keys of metric modules whose keys only they know).
     Per source too (eval_<name>_...) for a mixture."""
     names = cfg.train.metrics if cfg.train.metrics is not None else DEFAULT_METRICS[cfg.model.task]
-    shipped = {p.name for p in SHIPPED_METRICS.iterdir() if p.is_dir()}
+    shipped = set(shipped_metrics())
     keys = ["loss"] + (["perplexity"] if cfg.model.task != "classification" else [])
-    keys += [n for n in names if n in shipped]  # shipped modules report their own name
+    keys += [n for n in names if n in shipped]  # accuracy, f1, exact_match report their own name
     prefixes = [os.path.basename(n.rstrip("/")) for n in names if n not in shipped]  # e.g. rouge -> rougeL
     scopes = [""]
     if cfg.data.datasets and all(isinstance(e, dict) for e in cfg.data.datasets):

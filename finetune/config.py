@@ -35,6 +35,11 @@ DEFAULT_METRICS = {"causal_lm": [], "classification": ["accuracy", "f1"], "seq2s
 RUN_MARKERS = ("metrics.jsonl", "checkpoints", "final", "run_config.yaml", "logs", "curves.png", "runs")
 
 
+def shipped_metrics() -> list[str]:
+    """The names of the evaluate modules shipped in SHIPPED_METRICS (they load offline)."""
+    return sorted(p.name for p in SHIPPED_METRICS.iterdir() if p.is_dir())
+
+
 class ConfigError(Exception):
     """One or more problems with the user's input. Each is (key, message) and names the fix."""
 
@@ -618,7 +623,7 @@ def _check_metrics(problems: list, names: list[str], key: str = "metrics") -> No
     """Offline, only the metrics shipped with finetune and local metric directories can load."""
     if not _hub_offline():
         return
-    shipped = sorted(p.name for p in SHIPPED_METRICS.iterdir() if p.is_dir())
+    shipped = shipped_metrics()
     missing = [n for n in names if n not in shipped and not os.path.exists(n)]
     if missing:
         problems.append(

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from finetune.config import DEFAULT_METRICS, SHIPPED_METRICS, ConfigError
+from finetune.config import DEFAULT_METRICS, SHIPPED_METRICS, ConfigError, shipped_metrics
 
 
 def load_metrics(names: list[str] | None, task: str, key: str = "metrics") -> dict[str, Any]:
@@ -34,7 +34,7 @@ def load_metrics(names: list[str] | None, task: str, key: str = "metrics") -> di
                         key,
                         f"could not load metric {name!r} ({type(e).__name__}: "
                         f"{(str(e).splitlines() or [''])[0]}); use one of the metrics shipped for offline use: "
-                        f"{', '.join(sorted(p.name for p in SHIPPED_METRICS.iterdir() if p.is_dir()))}, or a "
+                        f"{', '.join(shipped_metrics())}, or a "
                         "local evaluate module directory",
                     )
                 ]

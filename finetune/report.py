@@ -204,15 +204,15 @@ CURVES_EVERY_S = 30.0  # during training, curves.png is redrawn at an eval at mo
 _last_drawn: dict[str, float] = {}
 
 
-def write_curves(output_dir: str, min_interval: float = 0.0) -> str | None:
-    """output_dir/curves.png from its metrics.jsonl (main process): at evals, if the last picture is older than
-    min_interval seconds, and at the end."""
+def write_curves(output_dir: str, min_interval: float = 0.0, rows: list[dict[str, Any]] | None = None) -> str | None:
+    """output_dir/curves.png from its metrics.jsonl (main process; rows: already read): at evals, if the last
+    picture is older than min_interval seconds, and at the end."""
     import time
 
     now = time.monotonic()
     if now - _last_drawn.get(output_dir, -math.inf) < min_interval:
         return None
-    rows = read_rows(output_dir)
+    rows = read_rows(output_dir) if rows is None else rows
     if not rows:
         return None
     _last_drawn[output_dir] = now
@@ -566,7 +566,7 @@ def finish(accelerator, cfg: RunConfig, final_dir: str, about: dict[str, Any]) -
         return
     out = cfg.train.output_dir
     rows = read_rows(out)
-    curves = write_curves(out)
+    curves = write_curves(out, rows=rows)
     card = write_card(final_dir, cfg, rows, {**about, "final_dir": os.path.abspath(final_dir)})
     url = push(cfg, final_dir) if cfg.train.push_to_hub else None
     for line in summary(cfg, rows, about, final_dir, card, curves, url):
