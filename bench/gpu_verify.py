@@ -68,6 +68,7 @@ def build(work: Path) -> Path:
         num_hidden_layers=4,
         num_attention_heads=8,
         num_key_value_heads=8,
+        head_dim=32,  # given: demo.build_model sets attributes after the config derived head_dim
     )
     rows = [{"text": " ".join(e["text"] for e in demo.topic_examples(40, seed=i))} for i in range(200)]
     data = demo.write_jsonl(rows, work / "text.jsonl")

@@ -27,6 +27,7 @@ LLAMA_110M = dict(
     num_hidden_layers=12,
     num_attention_heads=12,
     num_key_value_heads=12,
+    head_dim=64,  # given: demo.build_model sets attributes after the config derived head_dim (64 // 4 = 16)
     vocab_size=16000,
 )
 
@@ -44,13 +45,13 @@ def build(ctx: harness.Context) -> str:
     a = harness.assets(ctx)
     if ctx.quick:
         model = a["small_model"]
-    elif (ctx.work / "llama110m" / "config.json").exists():
-        model = str(ctx.work / "llama110m")
+    elif (ctx.work / "llama110m_hd64" / "config.json").exists():
+        model = str(ctx.work / "llama110m_hd64")
     else:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(ctx.work / "tokenizer")
-        model = demo.build_model("llama", ctx.work / "llama110m", tok, **LLAMA_110M)
+        model = demo.build_model("llama", ctx.work / "llama110m_hd64", tok, **LLAMA_110M)
     text = [{"text": " ".join(e["text"] for e in demo.topic_examples(40, seed=i))} for i in range(300)]
     return harness.write_run_config(
         ctx,
