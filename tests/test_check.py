@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
 
-from conftest import free_port, two_machines
+from conftest import free_port, run_killing_the_group, two_machines
 
 from finetune import check
 
@@ -204,13 +204,12 @@ def test_bad_config_exits_2_naming_the_file():
 # ---------------------------------------------------------------- real launches
 
 
-def launch_cmd(*args: str, launch_args: tuple[str, ...] = ()) -> list[str]:
-    """accelerate launch of `finetune check` on ddp.yaml; one node gets its own free port (a test suite
-    running beside this one may hold the default 29500)."""
+def launch_cmd(*args: str) -> list[str]:
+    """accelerate launch of `finetune check` on ddp.yaml, on a free port (a test suite running beside this one
+    may hold the default 29500)."""
     config = str(ROOT / "accelerate_configs" / "ddp.yaml")
-    launch_args = launch_args or ("--main_process_port", str(free_port()))
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, *launch_args]
-    return [*launcher, "-m", "finetune", "check", *args]
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
+    return [*launcher, "--main_process_port", str(free_port()), "-m", "finetune", "check", *args]
 
 
 def env_with(**extra: str) -> dict:
@@ -219,14 +218,7 @@ def env_with(**extra: str) -> dict:
 
 def test_two_ranks_pass(tmp_path):
     out_dir = tmp_path / "out"
-    proc = subprocess.run(
-        launch_cmd("--output_dir", str(out_dir), "--timeout", "30"),
-        cwd=ROOT,
-        env=env_with(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_killing_the_group(launch_cmd("--output_dir", str(out_dir), "--timeout", "30"), env_with(), 120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "finetune check: 2 ranks on 1 node(s), gloo" in out, out[-4000:]
@@ -263,13 +255,10 @@ def test_version_mismatch_between_two_machines(tmp_path):
 
 def test_rank_that_never_arrives_is_named(tmp_path):
     start = time.monotonic()
-    proc = subprocess.run(
+    proc = run_killing_the_group(
         launch_cmd("--output_dir", str(tmp_path / "out"), "--timeout", "8"),
-        cwd=ROOT,
-        env=env_with(FINETUNE_FAULT="hang-check:0:1"),
-        capture_output=True,
-        text=True,
-        timeout=90,
+        env_with(FINETUNE_FAULT="hang-check:0:1"),
+        90,
     )
     elapsed = time.monotonic() - start
     out = proc.stdout + proc.stderr

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import ROOT, base_args, finetune
+from conftest import ROOT, base_args, finetune, run_killing_the_group
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -61,13 +60,10 @@ def test_parity_over_every_single_node_backend(assets, tmp_path):
         )
     )
     out = tmp_path / "parity"
-    proc = subprocess.run(
+    proc = run_killing_the_group(
         [sys.executable, "-m", "finetune", "parity", "--config", str(run), "--steps", "10", "--output_dir", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1500,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        {**os.environ, "OMP_NUM_THREADS": "1"},
+        1500,
     )
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
     print(proc.stdout)

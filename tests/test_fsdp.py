@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, base_args, crash_after, finetune, free_port, max_rel_diff, max_weight_diff
+from conftest import (
+    base_args,
+    crash_after,
+    finetune,
+    free_port,
+    max_rel_diff,
+    max_weight_diff,
+    run_killing_the_group,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fsdp")]  # one worker: the module fixture runs once
 
@@ -31,7 +38,7 @@ def launch_probe(tmp_path, mode: str) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
     cmd += ["--master_port", str(free_port()), str(script), mode]
     env = {**os.environ, "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = run_killing_the_group(cmd, env, 120)
     return proc.stdout + proc.stderr
 
 
