@@ -22,7 +22,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; }
 
 setup() {
-  if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt constraints.txt ]; then return; fi
+  if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt setup.py ] && [ "$STAMP" -nt constraints.txt ]; then return; fi
   echo "[run.sh] setting up $VENV (once)"
   [ -x "$PY" ] || python3 -m venv "$VENV"
   if ! "$PY" -c "import torch" >/dev/null 2>&1; then

@@ -25,6 +25,7 @@ from finetune.config import (
     load_yaml,
     parse_cli_value,
 )
+from finetune.launcher_report import write_error_file
 from finetune.report import PushFailed
 
 DESCRIPTION = """\
@@ -153,21 +154,21 @@ def run_cli(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         if _is_main_rank():
             print(e.render(), file=sys.stderr)
-        launcher_error_file(e.render())
+        write_error_file(e.render())
         return 2
     except Preempted as e:
+        message = (
+            f"finetune: stopped by {e.signame} (preemption) after step {e.step}; checkpoint saved: {e.checkpoint}. "
+            "Continue with the same command plus --resume_from_checkpoint auto."
+        )
         if _is_main_rank():
-            print(
-                f"finetune: stopped by {e.signame} (preemption) after step {e.step}; checkpoint saved: {e.checkpoint}. "
-                "Continue with the same command plus --resume_from_checkpoint auto.",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(message, file=sys.stderr, flush=True)
+        write_error_file(message)
         return 128 + signal.Signals[e.signame].value
     except (Diverged, PushFailed, CheckpointWriteError) as e:  # the run failed for a reason it can name
         if _is_main_rank():
             print(f"finetune: {e}", file=sys.stderr, flush=True)
-        launcher_error_file(str(e))
+        write_error_file(f"finetune: {e}")
         return 1
     except KeyboardInterrupt:
         print("finetune: interrupted", file=sys.stderr)
@@ -188,35 +189,14 @@ def run_cli(argv: list[str] | None = None) -> int:
         from finetune.cluster import explain_hang
 
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        print(
+        message = (
             f"finetune rank {rank}: a collective failed because another rank died or did not answer within "
-            f"ddp_timeout ({type(e).__name__}: {first}). {explain_hang()} {_hint(cfg)}",
-            file=sys.stderr,
-            flush=True,
+            f"ddp_timeout ({type(e).__name__}: {first}). {explain_hang()} {_hint(cfg)}"
         )
+        print(message, file=sys.stderr, flush=True)
+        write_error_file(message)
         return 1
     return 0
-
-
-def launcher_error_file(message: str) -> None:
-    """Under torchrun (accelerate launch), its error file: the launcher's failure report then shows this message
-    instead of "To enable traceback see ..."."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    import json
-    import time
-
-    with open(path, "w") as f:
-        json.dump(
-            {
-                "message": {
-                    "message": message,
-                    "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))},
-                }
-            },
-            f,
-        )
 
 
 def _hint(cfg) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -694,3 +695,38 @@ def test_bad_input_exits_2_with_one_clear_message(case: Case, assets, no_chat_mo
         f"took {elapsed:.1f} s ({cpu:.1f} s CPU, load {os.getloadavg()[0]:.1f})\n{shown}"
     )
     assert snapshot(tmp_path) == before, f"files under {tmp_path} changed\n{shown}"
+
+
+# The refusal as users meet it: through `accelerate launch`, 2 ranks. One case per stage where a problem is
+# found (each launch costs seconds, the in-process corpus above covers every case).
+LAUNCHED = [next(c for c in CASES if c.stage == stage) for stage in (CONFIG, DATA, MODEL)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.marks) for c in LAUNCHED])
+def test_bad_input_under_accelerate_launch(case: Case, assets, no_chat_model, tmp_path):
+    """Exit 2 and no traceback from the ranks or the launcher (finetune.launcher_report); on stderr the message
+    comes first and last, the launcher's report between."""
+    from conftest import run_killing_the_group
+
+    from finetune.launching import finetune_command
+
+    out = tmp_path / "out"
+    make_previous_run(out)
+    ctx = Ctx(assets=assets, no_chat_model=no_chat_model, tmp=tmp_path, out=out, output_dir=out)
+    args = case.build(ctx) + ["--output_dir", str(ctx.output_dir), "--overwrite_output_dir", "true"]
+    before = snapshot(tmp_path)
+    cmd = finetune_command(args, ROOT / "accelerate_configs" / "ddp.yaml")
+    proc = run_killing_the_group(cmd, {**os.environ, **ctx.env, "OMP_NUM_THREADS": "1"}, 180)
+    output = proc.stdout + proc.stderr
+    shown = f"argv: {args}\n--- stdout:\n{proc.stdout[-3000:]}\n--- stderr:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 2 and "Traceback" not in output, shown
+    progress = re.compile(r"examples/s\]|it/s\]|\d+%\|")  # the data's progress bars (stderr, main process)
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and not progress.search(line)]
+    assert lines[0].startswith("finetune: 1 problem in the run config:"), shown
+    assert lines[-1].startswith(f"  - {case.key}: ") and case.text in lines[-1], shown
+    assert lines.count(lines[-1]) == 2, shown  # said by rank 0, then named by the launcher's report
+    assert any(line.startswith("[launcher] finetune failed: rank") for line in lines), shown
+    if case.stage != CONFIG:  # the ranks had started (no silent single process)
+        assert "world size 2" in proc.stdout, shown
+    assert snapshot(tmp_path) == before, shown

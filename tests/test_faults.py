@@ -7,6 +7,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -120,7 +121,7 @@ def test_killed_rank_stops_everyone_and_resume_finishes_the_run(assets, tmp_path
     assert elapsed < 60, f"survivors took {elapsed:.0f} s to exit"
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
     assert "finetune rank 0:" in output and "Last complete checkpoint" in output, output[-3000:]
-    assert "rank      : 1" in output  # the launcher names the rank that died
+    assert "rank 1 exit code -9" in output and "Traceback" not in output, output[-3000:]  # named by the launcher
     assert_resume_finishes(out, launcher, straight(launcher), assets)
 
 
@@ -139,6 +140,8 @@ def test_sigterm_to_the_launcher_checkpoints_the_step_reached(assets, tmp_path, 
     assert match, output[-3000:]
     step = int(match.group(1))
     assert 6 <= step < 30 and match.group(2).endswith(f"step_{step}")
+    assert "Traceback" not in output and "[launcher] stopped by SIGTERM" in output, output[-3000:]
+    assert proc.returncode == 128 + signal.SIGTERM  # the launcher's code for the signal (launcher_report)
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{step}"
     assert not (out / "final").exists()
     assert_resume_finishes(out, launcher, straight(launcher), assets)
