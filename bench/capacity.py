@@ -113,6 +113,7 @@ def measure(ctx: harness.Context, tag: str, model: str, config: str, steps: int)
         format="text",
         max_seq_length=ctx.opts.seq,
         per_device_train_batch_size=ctx.opts.batch,
+        cpu_allocator="system",  # glibc's own thresholds, or --malloc's (the environment wins over it)
     )
     out = ctx.runs / tag
     cmd = harness.finetune_cmd(run_config, out, config, "--max_steps", str(steps))

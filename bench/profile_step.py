@@ -1,11 +1,12 @@
-"""Where a training step's time goes (issue 18): finetune, HF Trainer and the bare loop under py-spy, same shape.
+"""Where a training step's time goes (issue 18): finetune and HF Trainer under py-spy, on the same shape.
 
 Each system trains the grid's model (bench/grid.py: 32k vocabulary, fixed-length text, fp32, 1 process x 2
-threads) for --steps optimizer steps under `py-spy record` (--rate samples/s of the main thread, native frames
-off). Only the samples inside the training loop count (finetune.loop._train, Trainer._inner_training_loop,
-the bare loop's worker), so start-up is left out; the first step is in, and more steps dilute it. Each sample
-goes to the first phase its stack passes through, from the loop inwards:
+threads) for --steps optimizer steps under `py-spy record --nonblocking` (--rate samples/s of the main thread;
+sampling without stopping the process, so the step is not slowed). Only the samples inside the training loop
+count (finetune.loop._train, Trainer._inner_training_loop), so start-up is left out; the first step is in, and
+more steps dilute it. Each sample goes to the first phase its stack passes through, from the loop inwards:
 
+  setup       Trainer's preparation inside its loop function (accelerate's prepare, free_memory): not per step
   forward     the model's forward (and the loss in it)
   backward    autograd's backward
   optimizer   torch.optim (AdamW's kernel) and the LR scheduler's step
@@ -41,11 +42,11 @@ PY_SPY = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
 LOOPS = {  # the frame under which a sample is in the training loop
     "finetune": "_train (finetune/loop.py)",
     "hf_trainer": "_inner_training_loop (transformers/trainer.py)",
-    "bare_loop": "worker_bare (",
 }
 # (phase, substrings of a frame "function (path)"), tried from the loop's frame inwards: the first frame
 # that matches one of them names the phase.
 PHASES = [
+    ("setup", ("free_memory (accelerate/", "_prepare_for_training (transformers/", "prepare (accelerate/accelerator.py)")),
     (
         "forward",
         (
@@ -90,13 +91,13 @@ PHASES = [
         ),
     ),
 ]
-ORDER = ["forward", "backward", "optimizer", "clip", "zero_grad", "data", "log", "other"]
+ORDER = ["setup", "forward", "backward", "optimizer", "clip", "zero_grad", "data", "log", "other"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default="5M,34M", help="grid sizes (bench/grid.py)")
     parser.add_argument("--seqs", default="128", help="sequence lengths")
-    parser.add_argument("--rate", type=int, default=500, help="py-spy samples per second")
+    parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
 
 
 def classify(stack: list[str], loop: str) -> str | None:
@@ -142,26 +143,21 @@ def _short(frame: str) -> str:
 
 def profile(ctx: harness.Context, tag: str, system: str, config: str, steps: int, rate: int) -> dict:
     raw = ctx.runs / f"{tag}.txt"
-    spy = [PY_SPY, "record", "--rate", str(rate), "--nolineno", "--format", "raw", "--output", str(raw), "--"]
+    spy = [PY_SPY, "record", "--rate", str(rate), "--nonblocking", "--nolineno", "--format", "raw", "--output", str(raw), "--"]
     if system == "finetune":
         cmd = harness.finetune_cmd(config, ctx.runs / tag, None, "--max_steps", str(steps))
         cmd += ["--logging_steps", str(steps)]  # as a user would log: not every step
     else:
         spec = {"config": config, "steps": steps, "threads": 2, "collator": "default", "warmup": 1}
         result = ctx.runs / f"{tag}.json"
-        cmd = [
-            harness.PY,
-            str(harness.BENCH / "baselines.py"),
-            "--worker",
-            system.replace("hf_trainer", "trainer").replace("bare_loop", "bare"),
-        ]
+        cmd = [harness.PY, str(harness.BENCH / "baselines.py"), "--worker", "trainer"]
         cmd += ["--spec", json.dumps(spec), "--result", str(result)]
     harness.launch(ctx, tag, [*spy, *cmd], 2)
     phases, other = read_profile(raw, LOOPS[system])
     per_step = {p: 1000 * phases[p] / rate / steps for p in ORDER}
     return {
         "ms_per_step": per_step,
-        "total_ms_per_step": sum(per_step.values()),
+        "total_ms_per_step": sum(v for p, v in per_step.items() if p != "setup"),
         "samples": sum(phases.values()),
         "other_top": [(k, round(1000 * v / rate / steps, 2)) for k, v in other.most_common(8)],
     }

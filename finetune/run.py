@@ -99,6 +99,8 @@ def start(cfg: RunConfig):
     )
     topo = backend.topology
     logger.info("parallelism: %s", topo.summary())
+    if acc.device.type == "cpu":
+        logger.info("CPU allocator: %s (cpu_allocator)", parallel.set_cpu_allocator(cfg.train.cpu_allocator))
     if topo.num_machines > 1:
         logger.info(cluster.describe(acc, topo.num_machines))
     storage = cluster.probe_storage(acc, cfg.train.output_dir, topo.num_machines)

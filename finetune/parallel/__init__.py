@@ -36,6 +36,7 @@ from finetune.parallel.environment import (
     family_module,
     is_peer_failure,
     make_accelerator,
+    set_cpu_allocator,
 )
 from finetune.parallel.plan import Plan, global_batch_index, make_plan
 from finetune.parallel.topology import Topology
@@ -50,6 +51,7 @@ __all__ = [
     "make_accelerator",
     "make_backend",
     "make_plan",
+    "set_cpu_allocator",
 ]
 
 
