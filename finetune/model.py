@@ -193,7 +193,6 @@ def build_model(
     model.config.pad_token_id = tokenizer.pad_token_id
     if m.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant_checkpointing})
-        model.config.use_cache = False
         if reentrant_checkpointing:  # reentrant checkpoints need an input that requires grad (frozen embeddings)
             model.enable_input_require_grads()
     return apply_peft(model, pe, "classification" if label_names is not None else m.task) if pe else model

@@ -297,6 +297,16 @@ def peak_per_rank(memory: dict[int, dict[str, float]]) -> dict[int, dict[str, fl
     return out
 
 
+def _allocator_note(cfg, memory: dict[int, dict[str, float]]) -> str:
+    """On a CPU the estimate is the live set (cpu_allocator: release); keep and glibc's defaults peak higher."""
+    on_cpu = not any("gpu" in k for peaks in peak_per_rank(memory).values() for k in peaks)
+    return (
+        f"; on a CPU it assumes cpu_allocator release (this run: {cfg.train.cpu_allocator})"
+        if on_cpu and cfg.train.cpu_allocator != "release"
+        else ""
+    )
+
+
 def _memory_text(memory: dict[int, dict[str, float]]) -> str:
     names = {"rss": "host RSS", "gpu_allocated": "GPU allocated", "gpu_reserved": "GPU reserved"}
     return "; ".join(
@@ -601,6 +611,7 @@ def summary(cfg, rows, about, final_dir, card, curves, url) -> list[str]:
                 f"{k.removeprefix('estimate_').removesuffix('_gb')} {v:.2f} GB" for k, v in res["estimates"].items()
             )
             + " per rank (finetune plan)"
+            + _allocator_note(cfg, res["peak_memory"])
         )
     lines.append(f"logs         {os.path.abspath(os.path.join(cfg.train.output_dir, 'logs'))} (every rank)")
     if cfg.train.report_to:

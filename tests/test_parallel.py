@@ -260,3 +260,28 @@ def test_cpu_allocator_keep_reuses_freed_buffers_without_page_faults():
         env={**env, "MALLOC_TRIM_THRESHOLD_": "0"},
     )
     assert given.stdout.splitlines()[0] == "system (the environment sets MALLOC_TRIM_THRESHOLD_)", given
+
+
+def test_training_and_eval_forwards_build_no_kv_cache(assets):
+    """use_cache=False reaches the model's forward in training and eval (Backend.no_kv_cache), directly and
+    through PEFT, while the model's config keeps the base model's setting (what final/ exports for generation)."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from finetune.parallel import ddp
+
+    ids = torch.tensor([[5, 6, 7, 8]])
+    for wrap in (lambda m: m, lambda m: get_peft_model(m, LoraConfig(r=2, target_modules=["q_proj"]))):
+        model = AutoModelForCausalLM.from_pretrained(assets.llama)
+        assert model.config.use_cache
+        caches = []
+        model.model.register_forward_hook(lambda module, args, out, seen=caches: seen.append(out.past_key_values))
+        net = wrap(model)
+        backend = ddp.Backend(SimpleNamespace(unwrap_model=lambda m: m), topology=None, cfg=None)
+        backend.forward_loss(net, {"input_ids": ids, "labels": ids}).backward()
+        backend.eval_stats(net, {"input_ids": ids}, ids, "causal_lm")
+        assert caches == [None, None] and model.config.use_cache
+        net(input_ids=ids)  # the model's own default is untouched: a plain forward still builds one
+        assert caches[-1] is not None

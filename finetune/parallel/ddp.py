@@ -123,7 +123,20 @@ class Backend:
 
     # -- the step
     def forward_loss(self, model, batch: dict) -> torch.Tensor:
-        return model(**batch).loss
+        return model(**batch, **self.no_kv_cache(model)).loss
+
+    def no_kv_cache(self, model) -> dict:
+        """use_cache=False where the model's forward takes it (as Trainer sets it): a training or eval forward needs
+        no KV cache, and one built per forward keeps every layer's keys and values until the output is dropped.
+        The model's config is left alone, so the exported model keeps the base model's setting for generation."""
+        if getattr(self, "_no_kv_cache", None) is None:
+            import inspect
+
+            net = self.hf_model(model)
+            net = net.get_base_model() if hasattr(net, "get_base_model") else net  # PEFT passes it on
+            takes = "use_cache" in inspect.signature(net.forward).parameters
+            self._no_kv_cache = {"use_cache": False} if takes else {}
+        return self._no_kv_cache
 
     def clip_grad_norm(self, model, max_norm: float | None):
         return self.acc.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
@@ -136,7 +149,7 @@ class Backend:
         from finetune.metrics import per_example_stats
 
         inputs = {**batch, "labels": labels} if task == "seq2seq" else batch  # the decoder reads the shifted labels
-        return per_example_stats(model(**inputs).logits, labels, task)
+        return per_example_stats(model(**inputs, **self.no_kv_cache(model)).logits, labels, task)
 
     def generate(self, model, **kwargs) -> torch.Tensor:
         """transformers' generate on the (PEFT or) transformers model. Where the parameters are sharded (ZeRO-3,
