@@ -18,7 +18,7 @@ w the bytes of the weights a backend trains (the model's dtype; 2 when DeepSpeed
                       partition), moments 8P/N, gradient partition 4P/N (allocated once); gathered: a parameter
                       d parameters from the model's end stays gathered from its forward to its backward when
                       2d is within stage3_max_reuse_distance (partitioned_param_coordinator releases only the
-                      others), up to stage3_max_live_parameters (both 1e9 in ds_configs/); at least the module
+                      others), up to stage3_max_live_parameters (both 3e7 in ds_configs/); at least the module
                       computing now and the prefetch bucket; and one module's full gradient before it is reduced
   all                 AdamW's multi-tensor step allocates one temporary the size of its moments' half
                       (torch._foreach_sqrt of exp_avg_sq); DeepSpeedCPUAdam (offload) steps in place
