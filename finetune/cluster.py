@@ -192,9 +192,11 @@ def from_writer(acc, storage: Storage, compute):
 # ---------------------------------------------------------------- preemption
 
 
-class Stopped(Exception):
+class Stopped(BaseException):
     """A stop signal before training started (or after it ended): the launcher ends the survivors when a rank
-    dies, or the job was cancelled."""
+    dies, or the job was cancelled. A BaseException, as KeyboardInterrupt is: it arrives anywhere (in the middle of
+    reading the data, say), and no `except Exception` on the way may take it for that code's own failure (a
+    damaged data file was reported once)."""
 
 
 class Preempted(Exception):

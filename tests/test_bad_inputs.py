@@ -1,6 +1,6 @@
 """Bad input: a corpus of broken inputs, each run through the entry point of `python -m finetune`
-(cli.run_cli), in this process (tests/test_train.py, test_deepspeed.py and test_megatron.py show the same
-refusals through `accelerate launch` subprocesses).
+(cli.run_cli), in this process, and then again through `accelerate launch` with 2 ranks, as users start runs
+(test_bad_input_under_accelerate_launch: no traceback from the ranks or the launcher either).
 
 Every case must end with exit code 2 and one clear message: the key (or file) that is wrong, what is
 wrong and the fix; no traceback; in under 10 s (wall time; CPU time when others overload the
@@ -698,13 +698,11 @@ def test_bad_input_exits_2_with_one_clear_message(case: Case, assets, no_chat_mo
     assert snapshot(tmp_path) == before, f"files under {tmp_path} changed\n{shown}"
 
 
-# The refusal as users meet it: through `accelerate launch`, 2 ranks. One case per stage where a problem is
-# found (each launch costs seconds, the in-process corpus above covers every case).
-LAUNCHED = [next(c for c in CASES if c.stage == stage) for stage in (CONFIG, DATA, MODEL)]
+# The refusal as users meet it: every case again through `accelerate launch`, 2 ranks (about 2 s of CPU each).
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.marks) for c in LAUNCHED])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.marks) for c in CASES])
 def test_bad_input_under_accelerate_launch(case: Case, assets, no_chat_model, tmp_path):
     """Exit 2 and no traceback from the ranks or the launcher (finetune.launcher_report); on stderr the message
     comes first and last, the launcher's report between."""
@@ -715,7 +713,9 @@ def test_bad_input_under_accelerate_launch(case: Case, assets, no_chat_model, tm
     out = tmp_path / "out"
     make_previous_run(out)
     ctx = Ctx(assets=assets, no_chat_model=no_chat_model, tmp=tmp_path, out=out, output_dir=out)
-    args = case.build(ctx) + ["--output_dir", str(ctx.output_dir), "--overwrite_output_dir", "true"]
+    args = case.build(ctx) + ["--output_dir", str(ctx.output_dir)]
+    if case.overwrite:
+        args += ["--overwrite_output_dir", "true"]
     before = snapshot(tmp_path)
     cmd = finetune_command(args, ROOT / "accelerate_configs" / "ddp.yaml")
     proc = run_killing_the_group(cmd, {**os.environ, **ctx.env, "OMP_NUM_THREADS": "1"}, 180)
@@ -723,15 +723,16 @@ def test_bad_input_under_accelerate_launch(case: Case, assets, no_chat_model, tm
     shown = f"argv: {args}\n--- stdout:\n{proc.stdout[-3000:]}\n--- stderr:\n{proc.stderr[-3000:]}"
     assert proc.returncode == 2 and "Traceback" not in output, shown
     # Besides the message: the data's progress bars, torchrun's one-line log records ("W1123 ... closing signal
-    # SIGTERM") and, when another rank failed first, rank 0's "stopped by the launcher" line.
-    noise = re.compile(r"examples/s\]|it/s\]|\d+%\||^[IWE]\d{4} |^finetune rank 0: stopped by the launcher")
+    # SIGTERM") and, from ranks stopped because another failed first, "stopped by the launcher" lines.
+    noise = re.compile(r"examples/s\]|it/s\]|\d+%\||^[IWE]\d{4} |^finetune rank \d+: stopped by the launcher")
     lines = [line for line in proc.stderr.splitlines() if line.strip() and not noise.search(line)]
-    message = lines[-2:]  # "finetune: 1 problem in the run config:", "  - <key>: ..."
-    assert message[0] == "finetune: 1 problem in the run config:", shown
-    assert message[1].startswith(f"  - {case.key}: ") and case.text in message[1], shown
     report = next(i for i, line in enumerate(lines) if line.startswith("[launcher] finetune failed: rank"))
-    assert report == len(lines) - 3, shown  # the launcher's report ends with the message
+    message = lines[report + 1 :]  # the launcher's report ends with the message
+    n = case.problems
+    assert message[0] == f"finetune: {n} problem{'s' if n > 1 else ''} in the run config:", shown
+    named = problem_lines("\n".join(message), case.key)
+    assert len(named) == 1 and case.text in named[0], shown
     assert lines[:report] in ([], message), shown  # before it: the message as rank 0 said it, or nothing
-    if case.stage != CONFIG:  # the ranks had started (no silent single process)
+    if "] distributed:" in proc.stdout:  # the ranks had started: no silent single process
         assert "world size 2" in proc.stdout, shown
     assert snapshot(tmp_path) == before, shown
