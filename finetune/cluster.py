@@ -361,5 +361,7 @@ def explain_hang() -> str:
         return ""
     try:
         return _active.describe(_active.not_answering())
+    except Stopped:  # the launcher ends the survivors while this rank waits for their answers
+        return "(the launcher stopped this rank while it asked the other ranks)"
     except Exception as e:  # the store may be gone with the launcher
         return f"(could not ask the other ranks: {type(e).__name__})"
