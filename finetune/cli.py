@@ -152,23 +152,17 @@ def run_cli(argv: list[str] | None = None) -> int:
 
         run(cfg)
     except ConfigError as e:
-        if _is_main_rank():
-            print(e.render(), file=sys.stderr)
-        write_error_file(e.render())
+        _stop_with(e.render())
         return 2
     except Preempted as e:
         message = (
             f"finetune: stopped by {e.signame} (preemption) after step {e.step}; checkpoint saved: {e.checkpoint}. "
             "Continue with the same command plus --resume_from_checkpoint auto."
         )
-        if _is_main_rank():
-            print(message, file=sys.stderr, flush=True)
-        write_error_file(message)
+        _stop_with(message)
         return 128 + signal.Signals[e.signame].value
     except (Diverged, PushFailed, CheckpointWriteError) as e:  # the run failed for a reason it can name
-        if _is_main_rank():
-            print(f"finetune: {e}", file=sys.stderr, flush=True)
-        write_error_file(f"finetune: {e}")
+        _stop_with(f"finetune: {e}")
         return 1
     except KeyboardInterrupt:
         print("finetune: interrupted", file=sys.stderr)
@@ -193,10 +187,17 @@ def run_cli(argv: list[str] | None = None) -> int:
             f"finetune rank {rank}: a collective failed because another rank died or did not answer within "
             f"ddp_timeout ({type(e).__name__}: {first}). {explain_hang()} {_hint(cfg)}"
         )
-        print(message, file=sys.stderr, flush=True)
-        write_error_file(message)
+        _stop_with(message, every_rank=True)  # each rank says what it saw
         return 1
     return 0
+
+
+def _stop_with(message: str, every_rank: bool = False) -> None:
+    """A run that stops for a reason it names: the message on the screen (the main rank's, unless each rank
+    says its own) and in torchrun's error file, for the launcher's report (finetune.launcher_report)."""
+    if every_rank or _is_main_rank():
+        print(message, file=sys.stderr, flush=True)
+    write_error_file(message)
 
 
 def _hint(cfg) -> str:
