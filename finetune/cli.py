@@ -145,6 +145,7 @@ def run_cli(argv: list[str] | None = None) -> int:
     cfg = None
     rank = os.environ.get("RANK", "0")
     STOP.install()
+    stop_in_callbacks(lambda: _stopped_message(rank, cfg))
     try:
         cfg = parse(argv)
         STOP.install(cfg.train.preemption_signal)
@@ -168,12 +169,7 @@ def run_cli(argv: list[str] | None = None) -> int:
         print("finetune: interrupted", file=sys.stderr)
         return 130
     except Stopped:
-        print(
-            f"finetune rank {rank}: stopped by the launcher (another rank failed, see the launcher's report of "
-            f"which, or the job was cancelled). {_hint(cfg)}",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(_stopped_message(rank, cfg), file=sys.stderr, flush=True)
         return 143
     except Exception as e:
         from finetune.parallel import is_peer_failure
@@ -190,6 +186,30 @@ def run_cli(argv: list[str] | None = None) -> int:
         _stop_with(message, every_rank=True)  # each rank says what it saw
         return 1
     return 0
+
+
+def _stopped_message(rank: str, cfg) -> str:
+    return (
+        f"finetune rank {rank}: stopped by the launcher (another rank failed, see the launcher's report of "
+        f"which, or the job was cancelled). {_hint(cfg)}"
+    )
+
+
+def stop_in_callbacks(message) -> None:
+    """The stop signal raises Stopped wherever the main thread is. When that is a callback Python cannot raise out
+    of (a weakref callback of the import system, a __del__), Python only prints "Exception ignored in ...", a
+    traceback, and goes on: the rank would not stop. Stop there too, with the same line and exit code as the
+    `except Stopped` of run_cli (tests/test_faults.py::test_stop_signal_inside_a_callback_still_stops)."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if isinstance(unraisable.exc_value, Stopped):
+            print(message(), file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(143)
+        previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def _stop_with(message: str, every_rank: bool = False) -> None:

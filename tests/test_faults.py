@@ -284,3 +284,29 @@ def test_a_full_disk_under_safetensors_is_a_write_error():
 
     with pytest.raises(SafetensorError):  # not a write error: surfaces as itself
         checkpoint._attempt(bug)
+
+
+def test_stop_signal_inside_a_callback_still_stops(tmp_path):
+    """The launcher's SIGTERM landing while the main thread runs a weakref callback (seen once in the import
+    system's module-lock callback): Stopped cannot be raised out of it, and Python would only print "Exception
+    ignored ... Traceback" and go on. The rank must stop there with its one line and exit 143."""
+    script = tmp_path / "stop_in_callback.py"
+    script.write_text(
+        "import os, signal, sys, time, weakref\n"
+        "import finetune.cli as cli\n"
+        "def parse(argv):\n"
+        "    class Thing: pass\n"
+        "    def callback(_):\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        for _ in range(100): time.sleep(0.001)  # the handler runs here, inside the callback\n"
+        "    thing = Thing(); ref = weakref.ref(thing, callback); del thing\n"
+        "    print('went on after the stop signal', flush=True)\n"
+        "    raise SystemExit(0)\n"
+        "cli.parse = parse\n"
+        "sys.exit(cli.run_cli(['--config', 'unused.yaml']))\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    shown = f"exit {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr}"
+    assert proc.returncode == 143, shown
+    assert "went on" not in proc.stdout and "Traceback" not in proc.stderr, shown
+    assert proc.stderr.strip().splitlines()[-1].startswith("finetune rank 0: stopped by the launcher"), shown
