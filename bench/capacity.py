@@ -9,8 +9,9 @@ capacity  for a memory budget per rank, the most layers (at a fixed width) each 
 
 Both parts ask the planner first and never start a run it says will not fit, or whose two ranks together
 would not fit in the memory this machine has available now: an out-of-memory kill on a shared machine takes
-other processes with it. `--malloc` runs everything with glibc's allocator told to return freed memory at once
-(MALLOC_MMAP_THRESHOLD_=65536, MALLOC_TRIM_THRESHOLD_=0), `--plan_only` prints the planner's numbers only.
+other processes with it. `--malloc` runs everything with `cpu_allocator: release` (glibc told to return freed
+memory at once; without it, glibc's own thresholds: `cpu_allocator: system`); `--plan_only` prints the planner's
+numbers only.
 
     .venv/bin/python bench/capacity.py [--parts savings,capacity] [--budget_gb 6] [--malloc] [--plan_only]
 """
@@ -28,7 +29,6 @@ TITLE = "ZeRO: memory per rank vs DDP, and the largest model in a budget"
 CONFIGS = ("ddp", "zero2", "zero3")
 TARGETS = {"zero2": 0.8, "zero3": 0.6}  # savings: peak per rank / DDP's
 CAPACITY_TARGET = 1.8  # ZeRO-3's largest model / DDP's, parameters
-MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=int, default=128, help="tokens per row (default 128)")
     parser.add_argument("--batch", type=int, default=1, help="micro batch per rank (default 1)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="savings: which of ddp,zero2,zero3 to run")
-    parser.add_argument("--malloc", action="store_true", help="glibc: return freed memory at once (see above)")
+    parser.add_argument("--malloc", action="store_true", help="cpu_allocator: release (see above)")
     parser.add_argument("--plan_only", action="store_true", help="the planner's numbers, no runs")
 
 
@@ -113,11 +113,11 @@ def measure(ctx: harness.Context, tag: str, model: str, config: str, steps: int)
         format="text",
         max_seq_length=ctx.opts.seq,
         per_device_train_batch_size=ctx.opts.batch,
-        cpu_allocator="system",  # glibc's own thresholds, or --malloc's (the environment wins over it)
+        cpu_allocator="release" if ctx.opts.malloc else "system",
     )
     out = ctx.runs / tag
     cmd = harness.finetune_cmd(run_config, out, config, "--max_steps", str(steps))
-    r = harness.launch(ctx, tag, cmd, 1, **(MALLOC if ctx.opts.malloc else {}))
+    r = harness.launch(ctx, tag, cmd, 1)
     rows = harness.read_rows(out)
     shutil.rmtree(out)  # checkpoint and export of a model this size: several GB each
     peaks = next(row["peak_memory"] for row in rows if "peak_memory" in row)

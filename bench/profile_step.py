@@ -46,7 +46,10 @@ LOOPS = {  # the frame under which a sample is in the training loop
 # (phase, substrings of a frame "function (path)"), tried from the loop's frame inwards: the first frame
 # that matches one of them names the phase.
 PHASES = [
-    ("setup", ("free_memory (accelerate/", "_prepare_for_training (transformers/", "prepare (accelerate/accelerator.py)")),
+    (
+        "setup",
+        ("free_memory (accelerate/", "_prepare_for_training (transformers/", "prepare (accelerate/accelerator.py)"),
+    ),
     (
         "forward",
         (
@@ -143,7 +146,19 @@ def _short(frame: str) -> str:
 
 def profile(ctx: harness.Context, tag: str, system: str, config: str, steps: int, rate: int) -> dict:
     raw = ctx.runs / f"{tag}.txt"
-    spy = [PY_SPY, "record", "--rate", str(rate), "--nonblocking", "--nolineno", "--format", "raw", "--output", str(raw), "--"]
+    spy = [
+        PY_SPY,
+        "record",
+        "--rate",
+        str(rate),
+        "--nonblocking",
+        "--nolineno",
+        "--format",
+        "raw",
+        "--output",
+        str(raw),
+        "--",
+    ]
     if system == "finetune":
         cmd = harness.finetune_cmd(config, ctx.runs / tag, None, "--max_steps", str(steps))
         cmd += ["--logging_steps", str(steps)]  # as a user would log: not every step

@@ -41,6 +41,8 @@ def environment(cfg: RunConfig) -> None:
     os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(cfg.train.max_grad_norm)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(project_cache() / "torch_extensions"))
     announce_op_builds()
+    if not ddp.has_accelerator_device():
+        gloo_collectives_by_all_reduce()
     # DeepSpeed runs on the CPU through its own init path (gloo, see environment.make_accelerator); forcing
     # accelerate's CPU mode (ACCELERATE_USE_CPU) would silently turn a DeepSpeed config into plain MULTI_CPU.
 
@@ -167,16 +169,20 @@ class Backend(ddp.Backend):
         plugin = self.acc.state.deepspeed_plugin
         if plugin.is_auto("train_micro_batch_size_per_gpu"):
             plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = plan.micro_batch_size
-        return ddp.prepare_all(self.acc, model, optimizer, train_loader, eval_loader, scheduler)
+        prepared = ddp.prepare_all(self.acc, model, optimizer, train_loader, eval_loader, scheduler)
+        share_fp32_master_weights(prepared[1].optimizer)
+        return prepared
 
     def observed(self, model) -> dict:
-        """From the engine itself, not from the config files: the stage and offload DeepSpeed really runs."""
+        """From the engine itself, not from the config files: the stage and offload DeepSpeed really runs, and
+        whether its fp32 master weights are a second copy of the rank's partition (share_fp32_master_weights)."""
         engine = model
         return {
             "zero_stage": int(engine.zero_optimization_stage()),
             "offload_optimizer": bool(engine.zero_cpu_offload()),
             "offload_params": bool(engine.zero_offload_param()),
             "parameter_shard": ddp.local_fraction(engine.module.parameters(), self.numel),
+            "fp32_master_copy": any(a.data_ptr() != b.data_ptr() for a, b in _master_and_weights(engine.optimizer)),
         }
 
     def full_optimizer_state(self, model, optimizer):
@@ -218,6 +224,114 @@ class Backend(ddp.Backend):
                     safe_set_full_fp32_param(p, value)
                 else:
                     safe_set_full_optimizer_state(p, value, key)
+
+
+def _master_and_weights(zero) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(fp32 master partition, the weights' own partition) of each group or ZeRO-3 sub-group, on this rank."""
+    from deepspeed import comm
+
+    if hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO-3: one flat partition per sub-group
+        return list(zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat))
+    return [
+        (master, zero.parallel_partitioned_bit16_groups[i][comm.get_rank(group=zero.real_dp_process_group[i])])
+        for i, master in enumerate(zero.single_partition_of_fp32_groups)
+    ]
+
+
+def share_fp32_master_weights(zero) -> int:
+    """Workaround (DeepSpeed 0.19.8): with fp32 weights and no offload, DeepSpeed keeps its fp32 "master" copy of
+    a rank's partition as a second copy of the same numbers: 4 bytes per parameter / N ranks, as much as the
+    partitioned weights themselves (at 2 ranks, ZeRO-3's states are 8 bytes per parameter with the copy shared,
+    10 without; DDP's 16).
+    - ZeRO-3 means not to keep it: stage3.py `_create_fp32_partitions` reuses the partition when its dtype and
+      device are the master's, but compares the tensor's torch.device with the device's *name* (a str), which is
+      never equal, so the branch never runs.
+    - ZeRO-1/2 (stage_1_and_2.py) always clone the partition.
+    Here each fp32 master partition is pointed at the weights' own partition: the optimizer updates the weights
+    in place, and DeepSpeed's copy from master to weights after each step is a copy onto itself (torch skips it).
+    ZeRO-1/2 also: their per-parameter views of the master (safe_get_full_fp32_param) are linked again, and a
+    checkpoint writes a copy of the master partition (a view of the whole model's weights, which torch.save would
+    write whole). tests/test_deepspeed.py::test_deepspeed_still_copies_fp32_master_weights fails once DeepSpeed
+    shares them itself. Returns the elements no longer held twice on this rank."""
+    if getattr(zero, "cpu_offload", False) or getattr(zero, "offload_optimizer", False):
+        return 0  # the master lives on the CPU, the weights on the device
+    shared = 0
+    for master, weights in _master_and_weights(zero):
+        if (master.dtype, master.device, master.numel()) != (weights.dtype, weights.device, weights.numel()):
+            continue  # 16-bit weights: the master is a different thing
+        if master.data_ptr() != weights.data_ptr():
+            weights.data.copy_(master.data)  # equal already (no step yet); the master is the truth either way
+            master.data = weights.data
+            shared += master.numel()
+    if shared and hasattr(zero, "single_partition_of_fp32_groups"):
+        zero._link_all_hp_params()
+        zero._hp_optimizer_states_linked = False
+        state_dict = zero.state_dict
+
+        def state_dict_with_own_master():
+            out = state_dict()
+            key = "single_partition_of_fp32_groups"
+            out[key] = [t.clone() for t in out[key]]
+            return out
+
+        zero.state_dict = state_dict_with_own_master
+    return shared
+
+
+def gloo_collectives_by_all_reduce() -> None:
+    """Workaround (torch 2.13's gloo, CPU runs): ZeRO-3 gathers every parameter with all_gather_into_tensor and
+    reduce-scatters every gradient with reduce_scatter_tensor, and gloo runs both through temporaries as large as
+    the whole buffer or larger. Measured on 2 ranks with 50M fp32 elements per buffer: the gather +202 MB (its
+    output is 200 MB) in 0.29 s, the reduce-scatter +304 MB in 0.34 s; one in-place all_reduce doing the same work
+    +5 MB in 0.20 s. At 369M parameters that temporary (the 131 MB embedding and head, gathered and reduced)
+    was the top of ZeRO-3's training peak. So on gloo both become an in-place all_reduce, as DeepSpeed itself
+    reduces its contiguous gradient buckets (stage3.py __avg_scatter_contiguous_grads):
+    - gather: this rank's partition in its slot of the output, zeros elsewhere, summed over the ranks (x + 0 is
+      exactly x, so the gathered weights are bit for bit the partitions);
+    - reduce-scatter: DeepSpeed hands over a scratch buffer whose chunk for this rank is the output; sum it in
+      place (bitwise the same sums on 2 ranks; on more, summation order may differ in the last bit, as between
+      gloo's own algorithms).
+    tests/test_deepspeed.py::test_gloo_collectives_still_copy fails once gloo stops copying."""
+    import torch.distributed as dist
+    from deepspeed.runtime.comm import coalesced_collectives
+    from deepspeed.runtime.zero import partition_parameters
+
+    gather, scatter = partition_parameters._dist_allgather_fn, coalesced_collectives._torch_reduce_scatter_fn
+    if getattr(gather, "finetune_workaround", False):
+        return
+
+    def on_gloo(group, inputs: torch.Tensor, output: torch.Tensor) -> int:
+        """This rank's place when the call is on gloo and the sizes are a plain partitioning; else -1."""
+        if dist.get_backend(group) != "gloo" or output.numel() != inputs.numel() * dist.get_world_size(group):
+            return -1
+        return dist.get_rank(group)
+
+    def all_gather(input_tensor, output_tensor, group=None):
+        rank = on_gloo(group, input_tensor, output_tensor)
+        if rank < 0 or not output_tensor.is_contiguous():
+            return gather(input_tensor, output_tensor, group)
+        n = input_tensor.numel()
+        flat = output_tensor.view(-1)
+        mine = flat.narrow(0, rank * n, n)
+        if mine.data_ptr() != input_tensor.data_ptr():
+            mine.copy_(input_tensor.view(-1))
+        flat[: rank * n].zero_()
+        flat[(rank + 1) * n :].zero_()
+        return dist.all_reduce(output_tensor, group=group, async_op=True)  # DeepSpeed waits on the handle
+
+    def reduce_scatter(input_tensor, output_tensor, group=None, async_op=False, prof=False):
+        rank = on_gloo(group, output_tensor, input_tensor)
+        if rank < 0:
+            return scatter(input_tensor, output_tensor, group=group, async_op=async_op, prof=prof)
+        dist.all_reduce(input_tensor, group=group)
+        mine = input_tensor.view(-1).narrow(0, rank * output_tensor.numel(), output_tensor.numel())
+        if mine.data_ptr() != output_tensor.data_ptr():
+            output_tensor.view(-1).copy_(mine)
+        return None
+
+    all_gather.finetune_workaround = True
+    partition_parameters._dist_allgather_fn = all_gather
+    coalesced_collectives._torch_reduce_scatter_fn = reduce_scatter
 
 
 def _create_adam_state(zero, step: int) -> None:

@@ -10,18 +10,21 @@ w the bytes of the weights a backend trains (the model's dtype; 2 when DeepSpeed
 
   DDP (torch AdamW)   weights T*w, gradients P*w (views of DDP's 25 MB buckets: gradient_as_bucket_view),
                       moments 2*P*w (torch keeps them in the parameter's dtype)
-  ZeRO-1              weights T*w, full gradients P*w, fp32 master partition 4P/N (DeepSpeed clones it even
-                      in fp32: stage_1_and_2.py), moments 8P/N, the flat fp32 gradient partition 4P/N
+  ZeRO-1              weights T*w, full gradients P*w, fp32 master partition 4P/N (only with 16-bit weights or
+                      offload: in fp32 finetune.parallel.deepspeed.share_fp32_master_weights makes the weights'
+                      own partition the master), moments 8P/N, the flat fp32 gradient partition 4P/N
   ZeRO-2              as ZeRO-1, but gradients reduced during backward into a partition 4P/N through one
-                      reduce bucket (reduce_bucket_size; "auto" = hidden^2, accelerate fills it)
-  ZeRO-3              weights T*w/N, master 4P/N (none in fp32 without offload: stage3.py reuses the
-                      partition), moments 8P/N, gradient partition 4P/N (allocated once); gathered: a parameter
+                      reduce bucket (reduce_bucket_size; "auto" = hidden^2, accelerate fills it), and copied
+                      into one flat fp32 tensor for the step (another 4P/N)
+  ZeRO-3              weights T*w/N, master 4P/N (only with 16-bit weights or offload, as above), moments
+                      8P/N, gradient partition 4P/N (allocated once), copied sub-group by sub-group into a flat
+                      tensor for the step (sub_group_size elements at most; 2e7 in ds_configs/); gathered: a parameter
                       d parameters from the model's end stays gathered from its forward to its backward when
                       2d is within stage3_max_reuse_distance (partitioned_param_coordinator releases only the
                       others), up to stage3_max_live_parameters (both 3e7 in ds_configs/); at least the module
                       computing now and the prefetch bucket; and one module's full gradient before it is reduced
-  all                 AdamW's multi-tensor step allocates one temporary the size of its moments' half
-                      (torch._foreach_sqrt of exp_avg_sq); DeepSpeedCPUAdam (offload) steps in place
+  all                 AdamW steps in place: finetune.optim builds torch's fused kernel, which allocates no
+                      temporary (the multi-tensor one would: the size of exp_avg_sq); so does DeepSpeedCPUAdam
 Each part also says when it exists (`Part.phase`): always; during forward and backward only; or from the end
 of backward through the optimizer step (gradients the backend frees after every step: DeepSpeed ZeRO-1/2 and
 FSDP2, while DDP keeps its buckets). With gradient accumulation the gradients live across micro batches.
@@ -73,6 +76,7 @@ class Buckets:
     persistence_threshold: float = 0.0
     max_live: float = 0.0  # ZeRO-3: parameters gathered at most at once
     max_reuse: float = 0.0  # ZeRO-3: a gathered parameter used again within this many parameters stays gathered
+    sub_group: float = 0.0  # ZeRO-3: the optimizer steps over sub-groups of at most this many elements
     megatron_distributed_optimizer: bool = False
 
     @classmethod
@@ -92,6 +96,7 @@ class Buckets:
             else 0.0,
             max_live=value("stage3_max_live_parameters", 1e9),  # DeepSpeed's defaults
             max_reuse=value("stage3_max_reuse_distance", 1e9),
+            sub_group=value("sub_group_size", 1e9),
             megatron_distributed_optimizer=_true(env.get("MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER")),
         )
 
@@ -125,7 +130,6 @@ def _ddp(t: Topology, shape, half: bool) -> list[Part]:
         Part("parameters", total * w),
         Part("gradients", trainable * w, note="views of DDP's 25 MB buckets, kept between steps"),
         Part("optimizer", 2 * trainable * w, note="AdamW exp_avg + exp_avg_sq"),
-        Part("buffers", trainable * w, note="AdamW's foreach temporary (sqrt of exp_avg_sq)", phase=STEP),
     ]
     if half and w == 4:
         parts.append(Part("buffers", 2 * total, note="autocast's 16-bit weight casts", phase=BACKWARD))
@@ -138,10 +142,9 @@ def _deepspeed(t: Topology, shape, half: bool, b: Buckets) -> list[Part]:
     total, trainable = shape.total, shape.trainable
     host_opt = t.offload_optimizer
     states = [Part("optimizer", 8 * trainable / n, host_opt, "fp32 AdamW moments, partitioned")]
-    if not host_opt:  # torch AdamW over the flat fp32 partition; DeepSpeedCPUAdam (offload) steps in place
-        states.append(Part("buffers", 4 * trainable / n, note="AdamW's foreach temporary", phase=STEP))
+    # the fp32 master: the weights' own partition in fp32 without offload (share_fp32_master_weights)
+    master = [Part("master copy", 4 * trainable / n, host_opt, "fp32 partition")] if w != 4 or host_opt else []
     if t.zero_stage < 3:
-        master = Part("master copy", 4 * trainable / n, host_opt, "fp32 partition cloned by DeepSpeed")
         if t.zero_stage == 1:  # gradients accumulate whole in .grad, are reduced at the boundary, freed after
             grads = [
                 Part("gradients", trainable * w, note="full, in .grad until the step", phase=STEP),
@@ -149,16 +152,21 @@ def _deepspeed(t: Topology, shape, half: bool, b: Buckets) -> list[Part]:
             ]
         else:  # reduced bucket by bucket during backward into the partition, freed after the step
             grads = [Part("gradients", 4 * trainable / n, host_opt, "reduced partition", phase=STEP)]
+            if not host_opt:
+                grads.append(
+                    Part("buffers", 4 * trainable / n, note="the gradients' flat copy for the step", phase=STEP)
+                )
         buffers = [Part("buffers", b.reduce * w, note="reduce bucket", phase=BACKWARD)]
         if host_opt:  # the 16-bit copy of the partition the CPU optimizer writes back through
             buffers.append(Part("buffers", w * trainable / n, True, "offload write-back buffer"))
-        return [Part("parameters", total * w), *grads, master, *states, *buffers]
+        return [Part("parameters", total * w), *grads, *master, *states, *buffers]
     persistent = shape.small_params(b.persistence_threshold)  # kept whole on every rank
     params = Part("parameters", (total - persistent) * w / n + persistent * w, t.offload_params, "partitioned")
     parts = [params, Part("gradients", 4 * trainable / n, host_opt, "partition buffer, allocated once")]
-    if w != 4 or host_opt:
-        parts.append(Part("master copy", 4 * trainable / n, host_opt, "fp32 partition"))
-    parts += states
+    if not host_opt:
+        step_copy = min(trainable / n, b.sub_group + shape.largest_module / n)  # a sub-group ends past the limit
+        parts.append(Part("buffers", 4 * step_copy, note="one sub-group's flat gradient copy for the step", phase=STEP))
+    parts += master + states
     # A parameter d parameters from the model's end is used again in backward ~2d parameters after its forward use:
     # DeepSpeed keeps it gathered when that is within max_reuse_distance, up to max_live_parameters in all.
     kept = min(shape.total, b.max_reuse / 2, b.max_live)
@@ -185,7 +193,6 @@ def _fsdp(t: Topology, shape, half: bool) -> list[Part]:
         Part("parameters", shape.total * w / n, host, "sharded"),
         Part("gradients", shape.trainable * w / n, host, "sharded, freed after the step", phase=STEP),
         Part("optimizer", 2 * shape.trainable * w / n, host, "AdamW moments, sharded"),
-        Part("buffers", shape.trainable * w / n, host, "AdamW's foreach temporary", phase=STEP),
     ]
     layer = shape.layer_params / t.tp
     parts.append(
