@@ -757,7 +757,7 @@ def render(shape: ModelShape, cfg: RunConfig, machines: Machines, rows: list[Est
     lines.append("")
     lines.append(
         "(per rank, GB; total = the parts that always exist + the larger of the forward/backward parts (activations,"
-        " logits, gathers) and the optimizer-step parts (gradients freed after each step, optimizer temporaries))"
+        " logits, gathers) and the optimizer-step parts (gradients freed after each step, their flat copies))"
     )
     if rec.config:
         launch = f"accelerate launch --config_file accelerate_configs/{rec.config}.yaml"

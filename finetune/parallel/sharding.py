@@ -58,7 +58,7 @@ ALWAYS, BACKWARD, STEP = "always", "backward", "step"
 class Part:
     """One component of a rank's memory, and when it exists: always (between steps too), during forward and
     backward only (activations, gathered parameters), or from the end of backward through the optimizer step
-    (gradients a backend frees after every step, the optimizer's temporaries)."""
+    (gradients a backend frees after every step, their flat copies for the step)."""
 
     name: str
     bytes: float
