@@ -231,7 +231,8 @@ def _master_and_weights(zero) -> list[tuple[torch.Tensor, torch.Tensor]]:
     from deepspeed import comm
 
     if hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO-3: one flat partition per sub-group
-        return list(zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat))
+        pairs = zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat)
+        return [(master, weights) for master, weights in pairs if weights is not None]  # None: swapped to NVMe
     return [
         (master, zero.parallel_partitioned_bit16_groups[i][comm.get_rank(group=zero.real_dp_process_group[i])])
         for i, master in enumerate(zero.single_partition_of_fp32_groups)
@@ -314,7 +315,7 @@ def gloo_collectives_by_all_reduce() -> None:
         flat = output_tensor.view(-1)
         mine = flat.narrow(0, rank * n, n)
         if mine.data_ptr() != input_tensor.data_ptr():
-            mine.copy_(input_tensor.view(-1))
+            mine.copy_(input_tensor.reshape(-1))
         flat[: rank * n].zero_()
         flat[(rank + 1) * n :].zero_()
         return dist.all_reduce(output_tensor, group=group, async_op=True)  # DeepSpeed waits on the handle
