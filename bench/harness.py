@@ -518,7 +518,8 @@ def main(module) -> None:
     if hasattr(module, "add_arguments"):
         module.add_arguments(parser)
     opts = parser.parse_args()
-    stem = module.NAME + ("_quick" if opts.quick else "")
+    # --quick and --plan_only (capacity.py) numbers are written beside the real ones, never over them
+    stem = module.NAME + ("_quick" if opts.quick else "") + ("_plan" if getattr(opts, "plan_only", False) else "")
     run_suite([module], opts, stem)
 
 
