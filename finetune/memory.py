@@ -49,10 +49,10 @@ GB = 1e9
 # A CPU rank's resident size in the training phase besides its model states, activations and buffers: the Python
 # interpreter with torch, transformers, accelerate, datasets, the model code, the tokenized data and the process
 # group (gloo). Measured on the development machine (2 ranks, a 2.9M-parameter Llama whose states are 0.05 GB;
-# README "Plan memory"): 0.56 GB per DDP rank; a DeepSpeed rank 0.08 GB more (deepspeed's import, its engine
-# and its shared-memory communication op).
+# README "Plan memory"): 0.56 GB per DDP rank; a DeepSpeed rank 0.03 GB more (deepspeed's import and its engine;
+# it was 0.08 until finetune.parallel.deepspeed.compile_on_first_call kept torch's compiler from loading).
 FRAMEWORK_GB = 0.56
-DEEPSPEED_EXTRA_GB = 0.08
+DEEPSPEED_EXTRA_GB = 0.03
 CUDA_CONTEXT_GB = 0.75  # the CUDA context and kernels of torch on one GPU (0.5-1 GB depending on the GPU)
 GPU_HEADROOM = 0.9  # a GPU config fits when its device estimate is under 90% of the GPU's memory
 HOST_HEADROOM = 0.9  # and the host estimate of all ranks of a machine under 90% of its memory

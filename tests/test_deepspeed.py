@@ -180,6 +180,52 @@ def test_deepspeed_still_copies_fp32_master_weights(tmp_path):
         assert shared >= 16 * 32 + 32 + 32 * 4 + 4, proc.stdout  # every trainable element (ZeRO pads, never less)
 
 
+COMPILE_SCRIPT = """
+import os, sys, torch, deepspeed
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+if sys.argv[2] == "finetune":
+    from finetune.parallel.deepspeed import compile_on_first_call
+    compile_on_first_call()
+deepspeed.init_distributed(dist_backend="gloo")
+before = set(sys.modules)
+net = torch.nn.Linear(8, 8)
+config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(net.parameters()), config=config)
+new = set(sys.modules) - before
+print("muon imported", "deepspeed.runtime.zero.muon.muon_optimizer" in new)
+print("compiler loaded", "torch._functorch.aot_autograd" in new)  # what torch.compile(fn) loads
+if sys.argv[2] == "finetune":  # the decorated function still works, compiled at its first call only
+    from deepspeed.runtime.zero.muon import original_muon
+    compiled = []
+    torch.compile = lambda fn, **options: compiled.append(fn) or fn
+    x = torch.randn(4, 3)
+    results = [original_muon.zeropower_via_newtonschulz5(x, 2) for _ in range(2)]
+    eager = original_muon.zeropower_via_newtonschulz5.__wrapped__(x, 2)
+    assert len(compiled) == 1 and all(torch.equal(r, eager) for r in results), compiled
+print("ok")
+"""
+
+
+def test_deepspeed_still_compiles_at_import(tmp_path):
+    """finetune.parallel.deepspeed.compile_on_first_call: building a ZeRO-3 engine imports DeepSpeed's Muon module
+    (to ask whether the optimizer is Muon), which applies torch.compile at import and so loads the compiler stack
+    (+41 MB per rank). With the workaround the module is still imported, the compiler is not, and the decorated
+    function gives the eager result, compiled once at its first call. When DeepSpeed stops importing Muon or
+    compiling at import, the first assertion fails: delete the workaround and this test."""
+    from conftest import free_port
+
+    script = tmp_path / "compile_at_import.py"
+    script.write_text(COMPILE_SCRIPT)
+    out = {}
+    for mode in ("deepspeed", "finetune"):
+        cmd = [sys.executable, str(script), str(free_port()), mode]
+        proc = run_killing_the_group(cmd, {**os.environ, "OMP_NUM_THREADS": "1"}, 300)
+        assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-3000:] + proc.stderr[-3000:]
+        out[mode] = proc.stdout
+    assert "muon imported True" in out["deepspeed"] and "compiler loaded True" in out["deepspeed"], out
+    assert "muon imported True" in out["finetune"] and "compiler loaded False" in out["finetune"], out
+
+
 GLOO_SCRIPT = """
 import os, sys, torch, torch.distributed as dist
 from deepspeed.runtime.comm import coalesced_collectives
