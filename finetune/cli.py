@@ -144,9 +144,9 @@ def run_cli(argv: list[str] | None = None) -> int:
         return check(argv[1:])
     cfg = None
     rank = os.environ.get("RANK", "0")
-    STOP.install()
     stop_in_callbacks(lambda: _stopped_message(rank, cfg))
     try:
+        STOP.install()  # in the try: the launcher's SIGTERM can land while the handler is being installed
         cfg = parse(argv)
         STOP.install(cfg.train.preemption_signal)
         from finetune.run import run

@@ -286,6 +286,27 @@ def test_a_full_disk_under_safetensors_is_a_write_error():
         checkpoint._attempt(bug)
 
 
+def test_stop_signal_while_the_handler_is_installed(tmp_path):
+    """The launcher's SIGTERM landing just as a rank installs its stop handler (seen once: rank 0 exited with a
+    config error and the launcher stopped rank 1 inside signal.signal): one line and exit 143, no traceback."""
+    script = tmp_path / "stop_at_install.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "import finetune.cli as cli\n"
+        "real = signal.signal\n"
+        "def install_then_signal(signum, handler):\n"
+        "    previous = real(signum, handler)\n"
+        "    os.kill(os.getpid(), signum)  # the handler runs here, before signal.signal returns\n"
+        "    return previous\n"
+        "signal.signal = install_then_signal\n"
+        "sys.exit(cli.run_cli(['--config', 'unused.yaml']))\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    shown = f"exit {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr}"
+    assert proc.returncode == 143 and "Traceback" not in proc.stderr, shown
+    assert proc.stderr.strip().splitlines()[-1].startswith("finetune rank 0: stopped by the launcher"), shown
+
+
 def test_stop_signal_inside_a_callback_still_stops(tmp_path):
     """The launcher's SIGTERM landing while the main thread runs a weakref callback (seen once in the import
     system's module-lock callback): Stopped cannot be raised out of it, and Python would only print "Exception
