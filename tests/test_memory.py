@@ -27,10 +27,9 @@ SIZES = {
 # Every (size, config) pair runs when FINETUNE_MEMORY_GRID=1; by default the two extremes of the larger size.
 GRID = [(size, config) for size in SIZES for config in ("ddp", "zero1", "zero2", "zero3")]
 DEFAULT = {("large", "ddp"), ("large", "zero3")}
-# glibc returns freed blocks to the system at once (what the estimate assumes on a CPU, finetune/memory.py): with its
-# default dynamic thresholds it keeps freed blocks under 32 MiB, and ZeRO-3's per-step gathers left 0.25-0.33 GB
-# per rank more resident at 35M parameters (the estimate's live set measured 1.60 GB with these settings).
-GLIBC_RETURNS_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+# `cpu_allocator: release`: glibc returns freed blocks to the system at once (what the estimate assumes on a CPU,
+# finetune/memory.py); with its default dynamic thresholds it keeps freed blocks under 32 MiB, and ZeRO-3's per-step
+# gathers left 0.25-0.33 GB per rank more resident at 35M parameters.
 
 
 @pytest.fixture(scope="module")
@@ -129,9 +128,8 @@ def test_estimate_is_within_15_percent_of_the_measured_peak(sized_models, tmp_pa
     config from the model's config alone."""
     models, data = sized_models
     args = base_args(models[size], data, "--max_seq_length", "256", "--format", "text", "--eval_fraction", "0")
-    r = finetune(
-        tmp_path / "run", *args, "--max_steps", "3", launcher=config, timeout=900, extra_env=GLIBC_RETURNS_FREED_MEMORY
-    )
+    args += ["--cpu_allocator", "release", "--max_steps", "3"]
+    r = finetune(tmp_path / "run", *args, launcher=config, timeout=900)
     memory_row = next(row for row in r.rows if "peak_memory" in row)["peak_memory"]
     assert len(memory_row) == 2
     planned = memory.plan_config(
@@ -146,6 +144,7 @@ def test_estimate_is_within_15_percent_of_the_measured_peak(sized_models, tmp_pa
         print(f"{size} {config} rank {rank['rank']}: estimate {estimate:.3f} GB, measured {measured:.3f} GB")
         assert abs(estimate - measured) <= TOLERANCE * measured, (size, config, estimate, measured)
     assert "memory estimate per rank (finetune plan)" in r.output
+    assert "CPU allocator: release" in r.output  # the estimate's assumption was in effect, not glibc's defaults
 
 
 # ---------------------------------------------------------------- the recommendation on invented clusters

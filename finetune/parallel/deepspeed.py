@@ -245,7 +245,7 @@ def _master_and_weights(zero) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def share_fp32_master_weights(zero) -> int:
+def share_fp32_master_weights(zero) -> None:
     """Workaround (DeepSpeed 0.19.8): with fp32 weights and no offload, DeepSpeed keeps its fp32 "master" copy of
     a rank's partition as a second copy of the same numbers: 4 bytes per parameter / N ranks, as much as the
     partitioned weights themselves (at 2 ranks, ZeRO-3's states are 8 bytes per parameter with the copy shared,
@@ -259,9 +259,9 @@ def share_fp32_master_weights(zero) -> int:
     ZeRO-1/2 also: their per-parameter views of the master (safe_get_full_fp32_param) are linked again, and a
     checkpoint writes a copy of the master partition (a view of the whole model's weights, which torch.save would
     write whole). tests/test_deepspeed.py::test_deepspeed_still_copies_fp32_master_weights fails once DeepSpeed
-    shares them itself. Returns the elements no longer held twice on this rank."""
+    shares them itself."""
     if getattr(zero, "cpu_offload", False) or getattr(zero, "offload_optimizer", False):
-        return 0  # the master lives on the CPU, the weights on the device
+        return  # the master lives on the CPU, the weights on the device
     shared = 0
     for master, weights in _master_and_weights(zero):
         if (master.dtype, master.device, master.numel()) != (weights.dtype, weights.device, weights.numel()):
@@ -282,7 +282,6 @@ def share_fp32_master_weights(zero) -> int:
             return out
 
         zero.state_dict = state_dict_with_own_master
-    return shared
 
 
 def compile_on_first_call() -> None:
