@@ -152,40 +152,54 @@ def run_cli(argv: list[str] | None = None) -> int:
         from finetune.run import run
 
         run(cfg)
-    except ConfigError as e:
+    except BaseException as e:
+        # The rank now stops for a reason of its own: the launcher's SIGTERM (sent as soon as another rank exits
+        # first) is only noted, so that it cannot cut this rank's message or error file short with a traceback.
+        STOP.armed = True
+        code = _stopping(e, rank, cfg)
+        if code is None:
+            raise
+        return code
+    return 0
+
+
+def _stopping(e: BaseException, rank: str, cfg) -> int | None:
+    """Say why the run stops and return its exit code; None for a crash (its traceback is shown) and for
+    SystemExit (--help)."""
+    if isinstance(e, ConfigError):
         _stop_with(e.render())
         return 2
-    except Preempted as e:
+    if isinstance(e, Preempted):
         message = (
             f"finetune: stopped by {e.signame} (preemption) after step {e.step}; checkpoint saved: {e.checkpoint}. "
             "Continue with the same command plus --resume_from_checkpoint auto."
         )
         _stop_with(message)
         return 128 + signal.Signals[e.signame].value
-    except (Diverged, PushFailed, CheckpointWriteError) as e:  # the run failed for a reason it can name
+    if isinstance(e, (Diverged, PushFailed, CheckpointWriteError)):  # the run failed for a reason it can name
         _stop_with(f"finetune: {e}")
         return 1
-    except KeyboardInterrupt:
+    if isinstance(e, KeyboardInterrupt):
         print("finetune: interrupted", file=sys.stderr)
         return 130
-    except Stopped:
+    if isinstance(e, Stopped):
         print(_stopped_message(rank, cfg), file=sys.stderr, flush=True)
         return 143
-    except Exception as e:
-        from finetune.parallel import is_peer_failure
+    if not isinstance(e, Exception):
+        return None
+    from finetune.parallel import is_peer_failure
 
-        if not is_peer_failure(e):
-            raise
-        from finetune.cluster import explain_hang
+    if not is_peer_failure(e):
+        return None
+    from finetune.cluster import explain_hang
 
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        message = (
-            f"finetune rank {rank}: a collective failed because another rank died or did not answer within "
-            f"ddp_timeout ({type(e).__name__}: {first}). {explain_hang()} {_hint(cfg)}"
-        )
-        _stop_with(message, every_rank=True)  # each rank says what it saw
-        return 1
-    return 0
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    message = (
+        f"finetune rank {rank}: a collective failed because another rank died or did not answer within "
+        f"ddp_timeout ({type(e).__name__}: {first}). {explain_hang()} {_hint(cfg)}"
+    )
+    _stop_with(message, every_rank=True)  # each rank says what it saw
+    return 1
 
 
 def _stopped_message(rank: str, cfg) -> str:

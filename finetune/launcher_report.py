@@ -43,8 +43,10 @@ def write_error_file(message: str) -> None:
         MARK: True,
         "message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}},
     }
-    with open(path, "w") as f:
+    tmp = f"{path}.{os.getpid()}.tmp"  # the agent reads the file as soon as this rank exits: whole or absent
+    with open(tmp, "w") as f:
         json.dump(data, f)
+    os.replace(tmp, path)
 
 
 def install_excepthook() -> None:

@@ -307,6 +307,34 @@ def test_stop_signal_while_the_handler_is_installed(tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith("finetune rank 0: stopped by the launcher"), shown
 
 
+def test_stop_signal_while_a_rank_reports_its_own_error(tmp_path):
+    """Both ranks of a bad-input run fail their checks; the first to exit makes the launcher SIGTERM the other while
+    it prints its message and writes torchrun's error file (seen in the suite: a traceback, and once an empty error
+    file that crashed the launcher's json.load). The signal is only noted: exit 2, the message, a whole file."""
+    error_file = tmp_path / "error.json"
+    script = tmp_path / "stop_while_reporting.py"
+    script.write_text(
+        "import json, os, signal, sys\n"
+        "import finetune.cli as cli\n"
+        "from finetune.config import ConfigError\n"
+        "def parse(argv):\n"
+        "    raise ConfigError([('model', 'not found')])\n"
+        "real = cli.write_error_file\n"
+        "def signal_then_write(message):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)  # the launcher's SIGTERM, as this rank reports\n"
+        "    real(message)\n"
+        "cli.parse, cli.write_error_file = parse, signal_then_write\n"
+        f"os.environ['TORCHELASTIC_ERROR_FILE'] = {str(error_file)!r}\n"
+        "sys.exit(cli.run_cli(['--config', 'unused.yaml']))\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    shown = f"exit {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr}"
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, shown
+    assert proc.stderr.strip().splitlines()[-1] == "  - model: not found", shown
+    assert json.loads(error_file.read_text())["message"]["message"].endswith("model: not found"), shown
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("error.json")] == ["error.json"]
+
+
 def test_stop_signal_inside_a_callback_still_stops(tmp_path):
     """The launcher's SIGTERM landing while the main thread runs a weakref callback (seen once in the import
     system's module-lock callback): Stopped cannot be raised out of it, and Python would only print "Exception
