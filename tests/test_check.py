@@ -15,14 +15,13 @@ import sys
 import threading
 import time
 from importlib import metadata
-from pathlib import Path
 from types import SimpleNamespace
 
-from conftest import free_port, run_killing_the_group, two_machines
+from conftest import ROOT, run_killing_the_group, two_machines
 
 from finetune import check
+from finetune.launching import finetune_command
 
-ROOT = Path(__file__).resolve().parents[1]
 REAL_TRANSFORMERS = metadata.version("transformers")
 VERSIONS = {"python": "3.11.7", "torch": "2.13.0+cpu", "transformers": "5.23.0", "finetune": "0.1.0"}
 
@@ -205,11 +204,8 @@ def test_bad_config_exits_2_naming_the_file():
 
 
 def launch_cmd(*args: str) -> list[str]:
-    """accelerate launch of `finetune check` on ddp.yaml, on a free port (a test suite running beside this one
-    may hold the default 29500)."""
-    config = str(ROOT / "accelerate_configs" / "ddp.yaml")
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config]
-    return [*launcher, "--main_process_port", str(free_port()), "-m", "finetune", "check", *args]
+    """accelerate launch of `finetune check` on ddp.yaml, as the product builds launches (a free port)."""
+    return finetune_command(["check", *args], ROOT / "accelerate_configs" / "ddp.yaml")
 
 
 def env_with(**extra: str) -> dict:
