@@ -286,11 +286,19 @@ def test_a_full_disk_under_safetensors_is_a_write_error():
         checkpoint._attempt(bug)
 
 
+def run_cli_script(script, setup: str) -> tuple[subprocess.CompletedProcess, str]:
+    """A process that runs `setup` (patching finetune.cli to stage a race), then finetune's run_cli as a rank
+    would; its result and a summary for assertion messages."""
+    script.write_text(setup + "sys.exit(cli.run_cli(['--config', 'unused.yaml']))\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return proc, f"exit {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr}"
+
+
 def test_stop_signal_while_the_handler_is_installed(tmp_path):
     """The launcher's SIGTERM landing just as a rank installs its stop handler (seen once: rank 0 exited with a
     config error and the launcher stopped rank 1 inside signal.signal): one line and exit 143, no traceback."""
-    script = tmp_path / "stop_at_install.py"
-    script.write_text(
+    proc, shown = run_cli_script(
+        tmp_path / "stop_at_install.py",
         "import os, signal, sys\n"
         "import finetune.cli as cli\n"
         "real = signal.signal\n"
@@ -298,11 +306,8 @@ def test_stop_signal_while_the_handler_is_installed(tmp_path):
         "    previous = real(signum, handler)\n"
         "    os.kill(os.getpid(), signum)  # the handler runs here, before signal.signal returns\n"
         "    return previous\n"
-        "signal.signal = install_then_signal\n"
-        "sys.exit(cli.run_cli(['--config', 'unused.yaml']))\n"
+        "signal.signal = install_then_signal\n",
     )
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    shown = f"exit {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr}"
     assert proc.returncode == 143 and "Traceback" not in proc.stderr, shown
     assert proc.stderr.strip().splitlines()[-1].startswith("finetune rank 0: stopped by the launcher"), shown
 
@@ -312,8 +317,8 @@ def test_stop_signal_while_a_rank_reports_its_own_error(tmp_path):
     it prints its message and writes torchrun's error file (seen in the suite: a traceback, and once an empty error
     file that crashed the launcher's json.load). The signal is only noted: exit 2, the message, a whole file."""
     error_file = tmp_path / "error.json"
-    script = tmp_path / "stop_while_reporting.py"
-    script.write_text(
+    proc, shown = run_cli_script(
+        tmp_path / "stop_while_reporting.py",
         "import json, os, signal, sys\n"
         "import finetune.cli as cli\n"
         "from finetune.config import ConfigError\n"
@@ -324,11 +329,8 @@ def test_stop_signal_while_a_rank_reports_its_own_error(tmp_path):
         "    os.kill(os.getpid(), signal.SIGTERM)  # the launcher's SIGTERM, as this rank reports\n"
         "    real(message)\n"
         "cli.parse, cli.write_error_file = parse, signal_then_write\n"
-        f"os.environ['TORCHELASTIC_ERROR_FILE'] = {str(error_file)!r}\n"
-        "sys.exit(cli.run_cli(['--config', 'unused.yaml']))\n"
+        f"os.environ['TORCHELASTIC_ERROR_FILE'] = {str(error_file)!r}\n",
     )
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    shown = f"exit {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr}"
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, shown
     assert proc.stderr.strip().splitlines()[-1] == "  - model: not found", shown
     assert json.loads(error_file.read_text())["message"]["message"].endswith("model: not found"), shown
@@ -339,8 +341,8 @@ def test_stop_signal_inside_a_callback_still_stops(tmp_path):
     """The launcher's SIGTERM landing while the main thread runs a weakref callback (seen once in the import
     system's module-lock callback): Stopped cannot be raised out of it, and Python would only print "Exception
     ignored ... Traceback" and go on. The rank must stop there with its one line and exit 143."""
-    script = tmp_path / "stop_in_callback.py"
-    script.write_text(
+    proc, shown = run_cli_script(
+        tmp_path / "stop_in_callback.py",
         "import os, signal, sys, time, weakref\n"
         "import finetune.cli as cli\n"
         "def parse(argv):\n"
@@ -351,11 +353,8 @@ def test_stop_signal_inside_a_callback_still_stops(tmp_path):
         "    thing = Thing(); ref = weakref.ref(thing, callback); del thing\n"
         "    print('went on after the stop signal', flush=True)\n"
         "    raise SystemExit(0)\n"
-        "cli.parse = parse\n"
-        "sys.exit(cli.run_cli(['--config', 'unused.yaml']))\n"
+        "cli.parse = parse\n",
     )
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    shown = f"exit {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr}"
     assert proc.returncode == 143, shown
     assert "went on" not in proc.stdout and "Traceback" not in proc.stderr, shown
     assert proc.stderr.strip().splitlines()[-1].startswith("finetune rank 0: stopped by the launcher"), shown
