@@ -262,14 +262,14 @@ def share_fp32_master_weights(zero) -> None:
     shares them itself."""
     if getattr(zero, "cpu_offload", False) or getattr(zero, "offload_optimizer", False):
         return  # the master lives on the CPU, the weights on the device
-    shared = 0
+    shared = False
     for master, weights in _master_and_weights(zero):
         if (master.dtype, master.device, master.numel()) != (weights.dtype, weights.device, weights.numel()):
             continue  # 16-bit weights: the master is a different thing
         if master.data_ptr() != weights.data_ptr():
             weights.data.copy_(master.data)  # equal already (no step yet); the master is the truth either way
             master.data = weights.data
-            shared += master.numel()
+            shared = True
     if shared and hasattr(zero, "single_partition_of_fp32_groups"):
         zero._link_all_hp_params()
         zero._hp_optimizer_states_linked = False
