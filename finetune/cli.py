@@ -180,10 +180,10 @@ def _stopping(e: BaseException, rank: str, cfg) -> int | None:
         _stop_with(f"finetune: {e}")
         return 1
     if isinstance(e, KeyboardInterrupt):
-        print("finetune: interrupted", file=sys.stderr)
+        _tell("finetune: interrupted")
         return 130
     if isinstance(e, Stopped):
-        print(_stopped_message(rank, cfg), file=sys.stderr, flush=True)
+        _tell(_stopped_message(rank, cfg))
         return 143
     if not isinstance(e, Exception):
         return None
@@ -218,7 +218,7 @@ def stop_in_callbacks(message) -> None:
 
     def hook(unraisable) -> None:
         if isinstance(unraisable.exc_value, Stopped):
-            print(message(), file=sys.stderr, flush=True)
+            _tell(message())
             sys.stdout.flush()
             os._exit(143)
         previous(unraisable)
@@ -230,8 +230,16 @@ def _stop_with(message: str, every_rank: bool = False) -> None:
     """A run that stops for a reason it names: the message on the screen (the main rank's, unless each rank
     says its own) and in torchrun's error file, for the launcher's report (finetune.launcher_report)."""
     if every_rank or _is_main_rank():
-        print(message, file=sys.stderr, flush=True)
+        _tell(message)
     write_error_file(message)
+
+
+def _tell(text: str) -> None:
+    """A rank's last words on stderr in one write, its newline included: print() writes the text and the newline
+    apart, and the launcher's own log line (another process on the same stderr, as it stops the other ranks) was
+    seen landing between them, in the middle of the message's last line."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 def _hint(cfg) -> str:

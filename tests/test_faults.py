@@ -337,6 +337,30 @@ def test_stop_signal_while_a_rank_reports_its_own_error(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("error.json")] == ["error.json"]
 
 
+def test_a_ranks_message_reaches_stderr_in_one_write(monkeypatch):
+    """print() writes a text and its newline apart; the launcher's log line (it stops the other ranks as soon as
+    one exits) was seen between them, in the middle of a rank's message. One write, the newline included."""
+    from finetune import cli
+    from finetune.config import ConfigError
+
+    writes = []
+
+    class Recorder:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    for name in ("RANK", "LOCAL_RANK", "TORCHELASTIC_ERROR_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    message = ConfigError([("model", "not found"), ("dataset", "empty")]).render()
+    cli._stop_with(message)
+    assert writes == [message + "\n"]
+
+
 def test_stop_signal_inside_a_callback_still_stops(tmp_path):
     """The launcher's SIGTERM landing while the main thread runs a weakref callback (seen once in the import
     system's module-lock callback): Stopped cannot be raised out of it, and Python would only print "Exception
