@@ -206,10 +206,12 @@ def best_checkpoint(output_dir: str, state: Any) -> str:
     return os.path.join(checkpoints_dir(output_dir), f"step_{state.best_step}")
 
 
-def weights_writer(cfg: RunConfig, tokenizer, label_names: list[str] | None, path: str) -> Callable[[str], None]:
+def weights_writer(
+    cfg: RunConfig, tokenizer, label_names: list[str] | None, path: str, dtype: str
+) -> Callable[[str], None]:
     """A function writing the checkpoint at `path` as a from_pretrained directory (or, for an adapter run, the
     adapter), run by one process: the checkpoint's full weights (checkpoint.Resume, the portable-resume path)
-    loaded into the run's model class, then save_pretrained."""
+    loaded into the run's model class, then save_pretrained in dtype (final/'s, model.save_dtype)."""
 
     def write(directory: str) -> None:
         import torch
@@ -227,7 +229,7 @@ def weights_writer(cfg: RunConfig, tokenizer, label_names: list[str] | None, pat
             net = model.build_model(args, tokenizer, label_names, cfg.data.max_seq_length, cfg.peft)
             copy_by_name(trainable_parameters(net), {n: s["param"] for n, s in resume.full_state().items()})
         with torch.no_grad():
-            net.save_pretrained(directory, safe_serialization=True)
+            net.to(getattr(torch, dtype)).save_pretrained(directory, safe_serialization=True)
 
     return write
 

@@ -26,6 +26,7 @@ TASKS = ("causal_lm", "classification", "seq2seq")
 FORMATS = ("auto", "text", "instruction", "chat", "classification", "source_target")
 GENERATION_METRICS = ("exact_match", "rouge", "bleu")  # scored on generated text (generation_metrics)
 DTYPES = ("float32", "bfloat16", "float16", "auto")
+MIXED_PRECISIONS = ("auto", "no", "bf16", "fp16")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 PREEMPTION_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGTERM")
 CPU_ALLOCATORS = ("keep", "release", "system")
@@ -73,8 +74,23 @@ class ModelArgs:
     )
     torch_dtype: str = _f(
         "float32",
-        "dtype the weights are loaded in: float32 (recommended; mixed precision comes from the "
-        "Accelerate config), bfloat16, float16 or auto (the checkpoint's own).",
+        "dtype the weights are loaded in and the optimizer updates: float32 (recommended: fp32 master weights, "
+        "the compute precision is mixed_precision's), bfloat16, float16 or auto (the checkpoint's own). Full "
+        "fine-tuning of bfloat16/float16 weights without mixed precision loses the updates below their resolution "
+        "(warned at start; docs/precision.md has the measurement); LoRA on a 16-bit base is fine.",
+    )
+    mixed_precision: str = _f(
+        "auto",
+        "Compute precision when `accelerate launch` asks for none (its --mixed_precision or the Accelerate config's "
+        "mixed_precision: bf16 or fp16 there always wins): auto = bf16 on GPUs that support it (Ampere and newer), "
+        "fp32 on a CPU or an older GPU; no = fp32; bf16; fp16 (GPUs only, with loss scaling; refused on a CPU). "
+        "The precision that really ran is observed from the model and logged in every metrics row.",
+    )
+    save_dtype: str = _f(
+        "auto",
+        "dtype of the exported model (final/, merged/, the best checkpoint's export): float32, bfloat16, float16, "
+        "or auto = the base model's own (its config.json dtype; float32 when it names none). Written from the "
+        "full-precision weights the optimizer updates, cast once, the same under every Accelerate config.",
     )
     trust_remote_code: bool = _f(False, "Run model/tokenizer code shipped with the checkpoint. Off unless asked.")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
@@ -224,7 +240,11 @@ class TrainArgs:
         False, "DDP: detect parameters that get no gradient (slower; needed by some models)."
     )
     sync_batchnorm: bool = _f(False, "DDP: convert BatchNorm layers to SyncBatchNorm.")
-    dataloader_num_workers: int = _f(0, "Worker processes per data loader.")
+    dataloader_num_workers: int | None = _f(
+        None,
+        "Worker processes per data loader; default: 2 on a GPU (the next batches are collated while the GPU "
+        "computes; batches are also put in pinned memory there), 0 on a CPU (the cores are busy training).",
+    )
     report_to: list[str] = _f(
         [],
         "Trackers that get every metrics row and the run config, through accelerate: tensorboard (files in "
@@ -885,6 +905,8 @@ def validate(
     p += source_problems(d, m.task, check_filesystem=check_filesystem)
     _choice(p, "task", m.task, TASKS)
     _choice(p, "torch_dtype", m.torch_dtype, DTYPES)
+    _choice(p, "mixed_precision", m.mixed_precision, MIXED_PRECISIONS)
+    _choice(p, "save_dtype", m.save_dtype, DTYPES)
     _choice(p, "format", d.format, FORMATS)
     _choice(p, "lr_scheduler_type", t.lr_scheduler_type, SCHEDULERS)
     _choice(p, "cpu_allocator", t.cpu_allocator, CPU_ALLOCATORS)
@@ -945,7 +967,7 @@ def validate(
     if not t.learning_rate > 0:
         p.append(("learning_rate", f"must be > 0, got {t.learning_rate}"))
     for key in ("weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon", "dataloader_num_workers"):
-        if getattr(t, key) < 0:
+        if (getattr(t, key) or 0) < 0:
             p.append((key, f"must be >= 0, got {getattr(t, key)}"))
     for key in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(t, key) < 1:

@@ -27,9 +27,11 @@ def export(
     tokenizer,
     run_config: dict[str, Any],
     output_dir: str,
+    dtype: str,
     weights_from: Callable[[str], None] | None = None,
 ) -> str:
     """Write output_dir/final/: model (or adapter) + tokenizer + the effective run config. A collective.
+    dtype: what every floating weight is written in (model.save_dtype), cast once from the full-precision weights.
     weights_from: write the weights from elsewhere instead (one process: the best checkpoint, finetune.best)."""
     final = os.path.join(output_dir, "final")
     tmp = os.path.join(output_dir, ".tmp_final")
@@ -37,12 +39,13 @@ def export(
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     if weights_from is None:
-        backend.save_pretrained(model, tmp)  # every rank takes part
+        backend.save_pretrained(model, tmp, torch_dtype(dtype))  # every rank takes part
     elif accelerator.is_main_process:
         with backend.one_process_loading():
             weights_from(tmp)
     if accelerator.is_main_process:
         net = backend.hf_model(model)
+        stamp_dtype(tmp, dtype)
         tokenizer.save_pretrained(tmp)
         write_atomic(os.path.join(tmp, CONFIG_FILE), yaml.safe_dump(run_config, sort_keys=False))
         id2label = getattr(net.config, "id2label", None)
@@ -56,8 +59,27 @@ def export(
     return final
 
 
-def merge_adapter(adapter_dir: str, out_dir: str) -> str:
-    """Base model + adapter -> one plain model directory (loads with from_pretrained), atomically.
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def stamp_dtype(directory: str, dtype: str) -> None:
+    """config.json says the dtype the weights were written in (transformers writes the in-memory model's, which
+    under mixed precision is not what was saved). An adapter directory has no config.json: nothing to say."""
+    path = os.path.join(directory, "config.json")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        config = json.load(f)
+    config["dtype"] = dtype
+    write_atomic(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def merge_adapter(adapter_dir: str, out_dir: str, dtype: str | None = None) -> str:
+    """Base model + adapter -> one plain model directory (loads with from_pretrained), atomically, in dtype (None:
+    the base model's own, as loaded). The merge itself is done in float32, whatever the base model's dtype.
 
     A classifier adapter's classes come from its labels.json (the base model is rebuilt with that head); an
     encoder-decoder's adapter says so in its task_type."""
@@ -71,6 +93,7 @@ def merge_adapter(adapter_dir: str, out_dir: str) -> str:
     if label_names:
         merged = AutoPeftModelForSequenceClassification.from_pretrained(
             adapter_dir,
+            dtype=torch_dtype("float32"),
             num_labels=len(label_names),
             id2label=dict(enumerate(label_names)),
             label2id={n: i for i, n in enumerate(label_names)},
@@ -78,8 +101,16 @@ def merge_adapter(adapter_dir: str, out_dir: str) -> str:
     else:
         with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
             seq2seq = json.load(f).get("task_type") == "SEQ_2_SEQ_LM"
-        merged = (AutoPeftModelForSeq2SeqLM if seq2seq else AutoPeftModelForCausalLM).from_pretrained(adapter_dir)
-    merged = merged.merge_and_unload()
+        auto = AutoPeftModelForSeq2SeqLM if seq2seq else AutoPeftModelForCausalLM
+        merged = auto.from_pretrained(adapter_dir, dtype=torch_dtype("float32"))
+    if dtype is None:  # the base model's own dtype, as its config.json says
+        from finetune.config import ModelArgs
+        from finetune.model import save_dtype
+
+        with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+            base = json.load(f).get("base_model_name_or_path") or ""
+        dtype = save_dtype(ModelArgs(model=base))
+    merged = merged.merge_and_unload().to(torch_dtype(dtype))
     tmp = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     merged.save_pretrained(tmp, safe_serialization=True)

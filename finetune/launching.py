@@ -22,13 +22,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def finetune_command(args: list[str], accelerate_config: str | os.PathLike | None = None) -> list[str]:
-    """`python -m finetune ARGS`, or `accelerate launch --config_file CONFIG -m finetune ARGS` with a
-    free rendezvous port (port 0: never the default 29500, which another job on the machine may hold)."""
+def finetune_command(
+    args: list[str], accelerate_config: str | os.PathLike | None = None, launch_args: tuple[str, ...] = ()
+) -> list[str]:
+    """`python -m finetune ARGS`, or `accelerate launch --config_file CONFIG [LAUNCH_ARGS] -m finetune ARGS` with
+    a free rendezvous port (port 0: never the default 29500, which another job on the machine may hold)."""
     if accelerate_config is None:
         return [sys.executable, "-m", "finetune", *args]
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config)]
-    return [*launcher, "--main_process_port", "0", "-m", "finetune", *args]
+    return [*launcher, "--main_process_port", "0", *launch_args, "-m", "finetune", *args]
 
 
 def kill_job(proc: subprocess.Popen) -> None:

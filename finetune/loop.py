@@ -38,6 +38,7 @@ class TrainState:
     best_step: int | None = None  # finetune.best: the best evaluation so far (metric_for_best_model)
     best_metric: float | None = None
     evals_without_improvement: int = 0  # early stopping's patience count
+    skipped_steps: int = 0  # fp16: optimizer steps the loss scaler skipped (an overflow in the gradients)
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Run:
     sources: list[str] | None = None  # a mixture's source names: eval is also reported per source
     best: Any = None  # finetune.best.BestRule: best checkpoint and early stopping (None: off)
     generation: Any | None = None  # finetune.generate.GenerationEval: scores what the model writes
+    precision: Any = None  # finetune.metrics.PrecisionProbe: the dtypes the model really trains in
 
 
 def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: int):
@@ -85,7 +87,7 @@ def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: i
     if stops.item() > 0:
         return None
     scale = run.plan.loss_weight(global_count)
-    nll_sum, grad_norm = 0.0, None
+    nll_sum, grad_norm, skipped = 0.0, None, False
     for i, (batch, n) in enumerate(zip(micro_batches, counts)):
         # Dropout is seeded by the micro batch's place in the global data order, not by the rank
         # layout: any world size / accumulation split of the same global batch draws the same masks.
@@ -101,8 +103,10 @@ def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: i
             run.optimizer.step()
             run.scheduler.step()
             run.optimizer.zero_grad(set_to_none=True)
+            if acc.sync_gradients:
+                skipped = acc.optimizer_step_was_skipped  # fp16 loss scaling: inf/nan gradients, no update
         nll_sum = nll_sum + loss.detach().float() * n
-    return nll_sum, global_count, tokens, positions, grad_norm
+    return nll_sum, global_count, tokens, positions, grad_norm, skipped
 
 
 @torch.no_grad()
@@ -159,6 +163,7 @@ def _train(run: Run, state: TrainState) -> dict[str, float]:
     win = _Window()
     health = _Health()
     stopped = False  # early stopping
+    precision_unlogged = True
     while state.step < plan.total_steps and not stopped:
         epoch, start = divmod(state.step, plan.steps_per_epoch)
         skip = start * plan.gradient_accumulation_steps  # resuming inside an epoch
@@ -177,9 +182,19 @@ def _train(run: Run, state: TrainState) -> dict[str, float]:
             if out is None:  # every rank saw the stop request at this step boundary
                 path = run.checkpointer.save(state_dict_of(state))
                 raise Preempted(STOP.signame, state.step, path)
-            nll, count, tokens, positions, grad_norm = out
+            nll, count, tokens, positions, grad_norm, skipped = out
             state.step += 1
-            health.check(state.step, grad_norm, run.checkpointer.output_dir)
+            if skipped:
+                state.skipped_steps += 1
+                logger.warning("step %d: the fp16 loss scaler skipped the update (gradient overflow)", state.step)
+            if precision_unlogged and run.precision is not None:
+                precision_unlogged = False
+                logger.info(
+                    "precision (observed in the first training forward): weights %s, compute %s",
+                    run.precision.weights,
+                    run.precision.compute,
+                )
+            health.check(state.step, grad_norm, run.checkpointer.output_dir, skipped)
             win.nll, win.count, win.tokens, win.positions, win.steps = (
                 win.nll + nll,
                 win.count + count,
@@ -222,8 +237,8 @@ class _Health:
     def __init__(self) -> None:
         self.zeros = 0
 
-    def check(self, step: int, grad_norm, output_dir: str) -> None:
-        if grad_norm is None:
+    def check(self, step: int, grad_norm, output_dir: str, skipped: bool = False) -> None:
+        if grad_norm is None or skipped:  # a skipped fp16 step's norm is inf by design: the scaler lowers its scale
             return
         value = float(grad_norm)
         if not math.isfinite(value):
@@ -280,7 +295,9 @@ def _log_train(run: Run, state: TrainState, win: _Window, grad_norm, bar) -> Non
         "step_time_s": seconds / win.steps,
         "mfu": run.flops_per_token * tokens.item() / seconds / run.peak_flops if run.peak_flops else None,
         "epoch": state.step / run.plan.steps_per_epoch,
+        "skipped_steps": state.skipped_steps,
         **run.extra,
+        **(run.precision.row() if run.precision is not None else {}),
     }
     run.log.write(row)
     if run.args.report_to:

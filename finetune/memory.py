@@ -447,11 +447,18 @@ def plan_config(
     if not n:
         return Estimate(name, None, note=why)
     topo, ds, mixed = sharding.read_config_file(path, num_processes=n, num_machines=math.ceil(n / machines.per_node))
-    mixed = machines.mixed_precision or mixed
+    mixed = machines.mixed_precision or mixed or default_precision(cfg, machines)
     buckets = sharding.buckets_for(topo, ds, shape.hidden)
     est = estimate(shape, cfg, topo, mixed, buckets, machines, micro_batch, name, accumulation)
     est.note = why
     return est
+
+
+def default_precision(cfg: RunConfig | None, machines: Machines) -> str:
+    """What a run decides when neither the launch line nor the Accelerate config says (the run config's
+    mixed_precision; auto: bf16 on GPUs, as on the Ampere and newer GPUs a plan is made for; fp32 on CPUs)."""
+    asked = cfg.model.mixed_precision if cfg is not None else "auto"
+    return ("bf16" if machines.on_gpu else "no") if asked == "auto" else asked
 
 
 def plan(shape: ModelShape, cfg: RunConfig, machines: Machines, configs: list[Path] | None = None) -> list[Estimate]:
@@ -596,10 +603,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--configs",
         help="comma-separated Accelerate configs (names or files) to plan, the preferred first (default: every shipped one, fastest first)",
     )
-    group.add_argument(
-        "--mixed_precision",
-        help="as accelerate launch --mixed_precision: no, bf16 or fp16 (default: each Accelerate config's own)",
-    )
     return parser
 
 
@@ -653,7 +656,6 @@ def parse(argv: list[str]) -> tuple[RunConfig, Machines, int | None, list[Path] 
         "host_memory",
         "num_processes",
         "global_batch_size",
-        "mixed_precision",
     )
     problems = unknown_option_problems(unknown, tuple(f"--{k}" for k in (*plan_keys, "configs")))
     opts = {k: getattr(args, k) for k in (*plan_keys, "configs")}
@@ -681,9 +683,9 @@ def parse(argv: list[str]) -> tuple[RunConfig, Machines, int | None, list[Path] 
                 problems += e.problems
     if gpus is None and (per_node or "gpu_memory" in sizes):
         problems.append(("--num_gpus", "is required with --gpus_per_node/--gpu_memory: say how many GPUs to plan for"))
-    mixed = opts["mixed_precision"]
-    if mixed is not None and mixed not in ("no", "bf16", "fp16"):
-        problems.append(("--mixed_precision", f"{mixed!r} is not one of no, bf16, fp16"))
+    # the run config's mixed_precision (--mixed_precision), as `accelerate launch --mixed_precision` would give it;
+    # auto: each Accelerate config's own, else bf16 on GPUs and fp32 on CPUs (default_precision)
+    mixed = cfg.model.mixed_precision if cfg is not None and cfg.model.mixed_precision != "auto" else None
     configs = None
     if opts["configs"]:
         try:

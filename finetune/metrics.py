@@ -182,3 +182,30 @@ def peak_flops(device: torch.device, mixed_precision: str) -> float | None:
             best = min(best, time.perf_counter() - t0)
         return 2 * n**3 / best
     return None
+
+
+class PrecisionProbe:
+    """The precision a run really trains in, observed from the model, not copied from a config: the dtype its
+    parameters are held in, and the dtype a Linear layer's output has in the first training forward (where bf16
+    autocast, DeepSpeed's 16-bit weights and FSDP2's param_dtype all show). A run that silently fell back to fp32
+    shows float32 there."""
+
+    def __init__(self, net) -> None:
+        params = [p for p in net.parameters() if p.is_floating_point()]
+        self.weights = _dtype_name(params[0].dtype) if params else None
+        self.compute: str | None = None
+        linear = next((m for m in net.modules() if isinstance(m, torch.nn.Linear)), None)
+        self._hook = linear.register_forward_hook(self._seen) if linear is not None else None
+
+    def _seen(self, module, inputs, output) -> None:
+        if module.training and torch.is_tensor(output):
+            self.compute = _dtype_name(output.dtype)
+            self._hook.remove()
+
+    def row(self) -> dict[str, str | None]:
+        """The facts every metrics row carries (compute None until the first training forward)."""
+        return {"weights_dtype": self.weights, "compute_dtype": self.compute}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")

@@ -276,6 +276,8 @@ def outcome(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "mfu": mfu_time / busy if busy else None,
         "world_size": train[-1].get("world_size") if train else None,
         "distributed_type": train[-1].get("distributed_type") if train else None,
+        "skipped_steps": train[-1].get("skipped_steps", 0) if train else 0,
+        "compute_dtype": train[-1].get("compute_dtype") if train else None,
         "peak_memory": {m["rank"]: {k: v for k, v in m.items() if k != "rank"} for m in memory},
         "estimates": {
             k: v for m in memory[:1] for k, v in m.items() if k.startswith("estimate_")
@@ -473,7 +475,10 @@ def card_text(cfg: RunConfig, rows: list[dict[str, Any]], about: dict[str, Any])
         f"- Accelerate config family: {about.get('parallelism', '?')}",
         f"- distributed type: {res['distributed_type'] or about.get('distributed_type')}, "
         f"world size: {res['world_size'] or about.get('world_size')}",
-        f"- mixed precision: {about.get('mixed_precision', 'no')}",
+        f"- mixed precision: {about.get('mixed_precision', 'no')}; observed in training: weights "
+        f"{(about.get('precision') or {}).get('weights_dtype', '?')}, compute "
+        f"{(about.get('precision') or {}).get('compute_dtype', '?')}",
+        f"- saved in: {about.get('save_dtype', '?')} (save_dtype {m.save_dtype}; from the full-precision weights)",
         "",
         "## Results",
         "",
@@ -489,6 +494,11 @@ def card_text(cfg: RunConfig, rows: list[dict[str, Any]], about: dict[str, Any])
     lines += [
         "",
         f"- final train loss: {res['final_loss']:.4f}" if res["final_loss"] is not None else "- final train loss: ?",
+        *(
+            [f"- optimizer steps skipped by the fp16 loss scaler: {res['skipped_steps']}"]
+            if res["skipped_steps"]
+            else []
+        ),
         f"- tokens seen: {res['tokens_seen']:,}",
         f"- wall time: {about.get('wall_time_s', 0):.1f} s (training steps {res['train_seconds']:.1f} s), "
         f"{tok_s} tokens/s" + (f", MFU {100 * res['mfu']:.1f}%" if res["mfu"] else ""),
@@ -602,6 +612,10 @@ def summary(cfg, rows, about, final_dir, card, curves, url) -> list[str]:
         f"training     {res['steps']} steps, {res['tokens_seen']:,} tokens, wall time {about.get('wall_time_s', 0):.1f} s "
         f"(steps {res['train_seconds']:.1f} s), {speed}{mfu}"
     )
+    precision = f"precision    compute {res['compute_dtype'] or '?'}, final/ saved in {about.get('save_dtype', '?')}"
+    if res["skipped_steps"]:
+        precision += f"; {res['skipped_steps']} step(s) skipped by the fp16 loss scaler (overflow)"
+    lines.append(precision)
     if res["peak_memory"]:
         lines.append(f"peak memory  {_memory_text(res['peak_memory'])}")
     if res["estimates"]:

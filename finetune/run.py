@@ -175,6 +175,16 @@ def build_model(cfg: RunConfig, backend, tokenizer, ds: data.Datasets, resume: c
     if resume and resume.portable and peft_on:  # the run's own base model; the adapter's weights by name
         checkpoint.restore_adapter(backend, net, resume)
     net = backend.place_model(net)
+    half = {str(p.dtype).removeprefix("torch.") for p in net.parameters() if p.requires_grad and p.element_size() == 2}
+    if half and not backend.fp32_master_weights():
+        logger.warning(
+            "updating %s weights in place, with no fp32 master weights: AdamW updates smaller than the weights' "
+            "resolution (1/256 of their size in bfloat16) are lost. Measured on a 7.5M Llama at learning rate 2e-5 "
+            "(docs/precision.md): %s. Load the weights in float32 (torch_dtype: float32; the compute stays 16-bit "
+            "with mixed_precision), or train an adapter (peft.method: lora), which keeps its own weights in fp32",
+            "/".join(sorted(half)),
+            model.BF16_WEIGHTS_EVIDENCE,
+        )
     facts = model.ModelFacts.of(net, backend.numel, cfg.data.max_seq_length)
     logger.info(
         "model: %s (%s), %s parameters, %s trainable (%.2f%%), %.3g FLOPs per token",
@@ -212,15 +222,18 @@ def build_optimization(cfg: RunConfig, acc, backend, net, ds: data.Datasets, pla
         batches = {"batch_sampler": _length_aware_batches(ds.train, sampler, plan, net)}
     else:
         batches = {"batch_size": plan.loader_batch_size, "sampler": sampler, "drop_last": True}
-    workers = t.dataloader_num_workers
+    gpu = acc.device.type == "cuda"
+    loading = {
+        "collate_fn": collate,
+        "num_workers": (2 if gpu else 0) if t.dataloader_num_workers is None else t.dataloader_num_workers,
+        "pin_memory": gpu,  # host-to-device copies from pinned memory
+    }
     generator = torch.Generator().manual_seed(t.seed)
-    train_loader = torch.utils.data.DataLoader(
-        ds.train, **batches, collate_fn=collate, num_workers=workers, generator=generator
-    )
+    train_loader = torch.utils.data.DataLoader(ds.train, **batches, **loading, generator=generator)
     eval_loader = None
     if ds.eval is not None:
         eval_loader = torch.utils.data.DataLoader(
-            ds.eval, batch_size=t.per_device_eval_batch_size, shuffle=False, collate_fn=collate, num_workers=workers
+            ds.eval, batch_size=t.per_device_eval_batch_size, shuffle=False, **loading
         )
     net, optimizer, train_loader, eval_loader, scheduler = backend.prepare(
         net, optimizer, train_loader, eval_loader, scheduler, plan
@@ -314,6 +327,7 @@ def build_loop(
         sources=ds.mixture.names if ds.mixture and ds.mixture.per_source_eval else None,
         best=best.BestRule.of(t),
         generation=generation,
+        precision=metrics.PrecisionProbe(backend.hf_model(p.model)),
     )
 
 
@@ -337,23 +351,27 @@ def train_and_export(
     metrics.reset_peak_memory(acc.device)
     r.checkpointer.save(loop.state_dict_of(state))  # the end-of-run checkpoint (a resume of a finished run)
     weights_from = None
+    dtype = model.save_dtype(cfg.model)  # of final/ and merged/, whatever the layout
     if cfg.train.load_best_model_at_end and state.best_step is not None:
         path = best.best_checkpoint(cfg.train.output_dir, state)
-        weights_from = best.weights_writer(cfg, tokenizer, about["label_names"], path)
+        weights_from = best.weights_writer(cfg, tokenizer, about["label_names"], path, dtype)
         about["best"] = best.card_section(r.best, state, state.step)
         logger.info("load_best_model_at_end: final/ gets the best checkpoint, %s: %s", r.best.describe(state), path)
-    final = export.export(acc, backend, r.model, tokenizer, run_config, cfg.train.output_dir, weights_from=weights_from)
+    final = export.export(acc, backend, r.model, tokenizer, run_config, cfg.train.output_dir, dtype, weights_from)
+    logger.info("final/ written in %s (save_dtype %s)", dtype, cfg.model.save_dtype)
+    about["save_dtype"] = dtype
     if cfg.peft.merge:
         if acc.is_main_process:
             with backend.one_process_loading():
-                merged = export.merge_adapter(final, os.path.join(final, "merged"))
-            logger.info("merged model saved to %s", os.path.abspath(merged))
+                merged = export.merge_adapter(final, os.path.join(final, "merged"), dtype)
+            logger.info("merged model saved to %s (%s)", os.path.abspath(merged), dtype)
         acc.wait_for_everyone()
     metrics.report_memory(acc, r.log, state.step, startup, training, about["estimate"])
     topo = backend.topology
     about |= {"parallelism": topo.summary(), "world_size": topo.num_processes, "wall_time_s": console.wall_time()}
     about |= {"distributed_type": topo.distributed_type, "mixed_precision": acc.mixed_precision}
     about["global_batch_size"] = r.plan.global_batch_size
+    about["precision"] = r.precision.row()
     for tracker in acc.trackers:  # accelerate's end_training, but for destroying the process group (see cli.main)
         tracker.finish()
     report.finish(acc, cfg, final, about)

@@ -116,8 +116,8 @@ def finetune(
     extra_env: dict | None = None,
     launch_args: tuple[str, ...] = (),
 ) -> Result:
-    """Run finetune the way a user does. launcher: 'python' (python -m finetune) or an accelerate
-    config name under accelerate_configs/ (accelerate launch --config_file ... -m finetune)."""
+    """Run finetune the way a user does. launcher: 'python' (python -m finetune), or an accelerate config name under
+    accelerate_configs/ or a path ending in .yaml (accelerate launch --config_file ... -m finetune)."""
     if launcher == "python":
         cmd = [sys.executable, "-m", "finetune"]
     else:
@@ -126,7 +126,7 @@ def finetune(
             "-m",
             "accelerate.commands.launch",
             "--config_file",
-            str(ROOT / "accelerate_configs" / f"{launcher}.yaml"),
+            launcher if launcher.endswith(".yaml") else str(ROOT / "accelerate_configs" / f"{launcher}.yaml"),
             "--main_process_port",
             "0",  # a free port: tests may run side by side (pytest -n)
             *launch_args,

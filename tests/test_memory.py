@@ -78,7 +78,7 @@ def test_every_shipped_config_is_read_without_launching():
     for path in sorted((ROOT / "accelerate_configs").glob("*.yaml")):
         topo, _, mixed = sharding.read_config_file(path)
         seen[path.stem] = (topo.family, topo.zero_stage, topo.offload_params, topo.tp, topo.pp, topo.num_processes)
-        assert mixed == "no"
+        assert mixed is None  # the run config's mixed_precision decides (environment.set_mixed_precision)
     assert seen["ddp"] == ("ddp", 0, False, 1, 1, 2)
     assert seen["zero3_offload"] == ("deepspeed", 3, True, 1, 1, 2)
     assert seen["zero2_offload"][:3] == ("deepspeed", 2, False)
@@ -98,7 +98,7 @@ def test_sharding_saves_what_the_zero_paper_says(assets):
         per_param = {}
         for name in ("ddp", "zero1", "zero2", "zero3"):
             topo, ds, mixed = sharding.read_config_file(ROOT / "accelerate_configs" / f"{name}.yaml", num_processes=n)
-            parts = sharding.model_states(topo, shape, mixed, sharding.Buckets())
+            parts = sharding.model_states(topo, shape, mixed or "no", sharding.Buckets())
             per_param[name] = sum(x.bytes for x in parts if x.name != "buffers") / p
         assert per_param["ddp"] == pytest.approx(16)
         assert per_param["zero1"] == pytest.approx(8 + 12 / n)
@@ -168,9 +168,21 @@ def llama_config_dir(root: Path, name: str, hidden: int, layers: int, intermedia
     return str(path)
 
 
-GB80 = dict(gpu_memory_gb=80.0, host_memory_gb=1000.0)
+GB80 = dict(
+    gpu_memory_gb=80.0, host_memory_gb=1000.0, mixed_precision="no"
+)  # fp32, as launched with --mixed_precision no
 CASES = [
     # name, model (hidden, layers, intermediate), seq, micro, machines, expected config, micro batch, checkpointing
+    (
+        "7B, 4k tokens in bf16 (auto on GPUs): ZeRO-2 fits",
+        (4096, 32, 11008),
+        4096,
+        1,
+        memory.Machines(8, 8, gpu_memory_gb=80.0, host_memory_gb=1000.0),
+        "zero2",
+        1,
+        False,
+    ),
     ("fits without sharding", (1024, 16, 2816), 1024, 4, memory.Machines(8, 8, **GB80), "ddp", 4, False),
     ("7B: sharded optimizer states", (4096, 32, 11008), 2048, 1, memory.Machines(8, 8, **GB80), "zero1", 1, False),
     ("7B, 4k tokens: sharded parameters", (4096, 32, 11008), 4096, 1, memory.Machines(8, 8, **GB80), "fsdp2", 1, False),
@@ -190,12 +202,21 @@ CASES = [
         (4096, 32, 11008),
         2048,
         1,
-        memory.Machines(8, 8, 40.0, 1000.0),
+        memory.Machines(8, 8, 40.0, 1000.0, mixed_precision="no"),
         "tp2_fsdp2",
         1,
         False,
     ),
-    ("micro batch shrinks to fit", (1024, 16, 2816), 4096, 16, memory.Machines(8, 8, 24.0, 500.0), "ddp", 2, False),
+    (
+        "micro batch shrinks to fit",
+        (1024, 16, 2816),
+        4096,
+        16,
+        memory.Machines(8, 8, 24.0, 500.0, mixed_precision="no"),
+        "ddp",
+        2,
+        False,
+    ),
 ]
 
 
@@ -250,7 +271,7 @@ def test_gradient_checkpointing_when_activations_are_the_problem(tmp_path):
     """Nothing fits at micro batch 1 without checkpointing; with it, the least sharded config that fits."""
     model = llama_config_dir(tmp_path, "m", 2048, 24, 5632)
     cfg = run_config(model, max_seq_length=32768, per_device_train_batch_size=1)
-    machines = memory.Machines(2, 2, 80.0, 500.0)
+    machines = memory.Machines(2, 2, 80.0, 500.0, mixed_precision="no")  # fp32
     shape = memory.shape_from_config(cfg)
     assert not any(e.fits for e in memory.plan(shape, cfg, machines))
     rec = memory.recommend(shape, cfg, machines)

@@ -88,6 +88,11 @@ class Backend:
     def numel(self, p: torch.nn.Parameter) -> int:
         return p.numel()
 
+    def fp32_master_weights(self) -> bool:
+        """Whether the optimizer updates fp32 copies of the weights whatever dtype they were loaded in (DeepSpeed
+        and FSDP2 under mixed precision); here AdamW updates the parameters as loaded."""
+        return False
+
     def set_weights_by_name(self, named: dict[str, torch.nn.Parameter], weights: dict[str, torch.Tensor]) -> None:
         """Copy full tensors into the (not yet prepared) model's parameters."""
         copy_by_name(named, weights)
@@ -170,15 +175,17 @@ class Backend:
         """The transformers (or PEFT) model object whose config and save_pretrained describe the model."""
         return self.acc.unwrap_model(model)
 
-    def save_pretrained(self, model, directory: str) -> None:
-        """The whole trained model (or adapter) as a from_pretrained directory, written by the main process.
-        A collective: every rank calls it (the weights are gathered from every rank)."""
+    def save_pretrained(self, model, directory: str, dtype: torch.dtype) -> None:
+        """The whole trained model (or adapter) as a from_pretrained directory, written by the main process, every
+        floating tensor cast once to dtype. A collective: every rank calls it (the weights are gathered)."""
         weights = self.full_state_dict(model)
         if self.acc.is_main_process:
+            weights = cast_floating(weights, dtype)
             self.hf_model(model).save_pretrained(directory, state_dict=weights, safe_serialization=True)
 
     def full_state_dict(self, model) -> dict[str, torch.Tensor]:
-        """The whole model's weights (main process; a collective on every backend)."""
+        """The whole model's weights (main process; a collective on every backend), in full precision: the
+        weights the optimizer updates (fp32 masters under mixed precision), not a 16-bit compute copy."""
         return self.acc.get_state_dict(model)
 
     def full_optimizer_state(self, model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
@@ -248,6 +255,11 @@ def prepare_all(accelerator, model, optimizer, train_loader, eval_loader, schedu
     prepared = accelerator.prepare(*objects)
     model, optimizer, train_loader, scheduler = prepared[:4]
     return model, optimizer, train_loader, prepared[4] if eval_loader is not None else None, scheduler
+
+
+def cast_floating(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every floating-point tensor in dtype (integer buffers stay as they are)."""
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
 
 
 def trainable_parameters(net) -> dict[str, torch.nn.Parameter]:

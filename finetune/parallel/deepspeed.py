@@ -132,6 +132,9 @@ class Backend(ddp.Backend):
 
     checkpoint_format = "portable"  # DeepSpeed's checkpoint holds partitions: portable/ adds full tensors
 
+    def fp32_master_weights(self) -> bool:
+        return self.acc.mixed_precision in ("bf16", "fp16")  # its 16-bit compute copy is made from fp32 masters
+
     def keep_checkpoints_per_machine(self) -> None:
         """Also DeepSpeed's own switch: each machine's local rank 0 writes the model-states file that every rank
         reads when it loads (by default only global rank 0 writes it); each rank writes its own partition."""
@@ -191,6 +194,30 @@ class Backend(ddp.Backend):
             "fp32_master_copy": any(a.data_ptr() != b.data_ptr() for a, b in _master_and_weights(engine.optimizer)),
         }
 
+    def full_state_dict(self, model):
+        """Under bf16/fp16 DeepSpeed computes with a 16-bit copy of the weights and updates fp32 master partitions:
+        the trainable weights come from the masters (safe_get_full_fp32_param), as DDP's and FSDP's exports come
+        from their fp32 parameters; accelerate's get_state_dict would give the 16-bit copy. Frozen weights (an
+        adapter's base) exist only in 16 bits. A collective."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        weights = super().full_state_dict(model)
+        net = self.acc.unwrap_model(model)
+        if all(p.dtype == torch.float32 for p in net.parameters()):
+            return weights  # fp32 weights: they are the masters (share_fp32_master_weights)
+        names: dict[int, list[str]] = {}
+        for name, p in net.state_dict(keep_vars=True).items():  # tied weights: one parameter, several names
+            names.setdefault(id(p), []).append(name)
+        for p in net.parameters():  # the same order on every rank: collectives
+            if not p.requires_grad:
+                continue
+            full = safe_get_full_fp32_param(p)
+            if self.acc.is_main_process:
+                for name in names.get(id(p), []):
+                    if name in weights:
+                        weights[name] = full.detach().cpu().contiguous()
+        return weights
+
     def full_optimizer_state(self, model, optimizer):
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
@@ -239,6 +266,11 @@ def _master_and_weights(zero) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO-3: one flat partition per sub-group
         pairs = zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat)
         return [(master, weights) for master, weights in pairs if weights is not None]  # None: swapped to NVMe
+    if hasattr(zero, "fp32_groups_flat_partition"):  # BF16_Optimizer: ZeRO-1 in bf16 with fp32 accumulation
+        return [
+            (master, zero.bf16_partitioned_groups[i][comm.get_rank(group=zero.real_dp_process_group[i])])
+            for i, master in enumerate(zero.fp32_groups_flat_partition)
+        ]
     return [
         (master, zero.parallel_partitioned_bit16_groups[i][comm.get_rank(group=zero.real_dp_process_group[i])])
         for i, master in enumerate(zero.single_partition_of_fp32_groups)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import logging
 
 from finetune import console
 from finetune.config import ConfigError, RunConfig
@@ -38,7 +39,7 @@ def make_accelerator(cfg: RunConfig):
     family = family_module()
     family.environment(cfg)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    problems = family.problems(cfg)
+    problems = precision_problems(set_mixed_precision(cfg.model.mixed_precision)) + family.problems(cfg)
     if problems:
         raise ConfigError(problems)
     t = cfg.train
@@ -72,6 +73,108 @@ def make_accelerator(cfg: RunConfig):
             fix = "set report_to to some of those names, or [] for metrics.jsonl only"
             raise ConfigError([("report_to", f"{first}; {fix}")]) from None
         raise
+
+
+def set_mixed_precision(asked: str) -> str:
+    """The compute precision of this run (no, bf16 or fp16), put where accelerate and its DeepSpeed and FSDP plugins
+    read it (ACCELERATE_MIXED_PRECISION) before Accelerator(), and logged with where it came from. What the
+    `accelerate launch` command says wins: its --mixed_precision, else its config file's mixed_precision. When it
+    says nothing, the run config's mixed_precision decides (auto: bf16 on a GPU that supports it, else fp32). On
+    a GPU, fp32 matmuls use TF32 (as Trainer's tf32 option and torchtitan do)."""
+    import os
+
+    import torch
+
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    said = launched if launched in ("bf16", "fp16") else launcher_mixed_precision() if launched == "no" else None
+    gpu = torch.cuda.is_available()
+    if said is not None:
+        chosen, why = said, "as accelerate launch says (--mixed_precision or its config file)"
+    elif asked == "auto":
+        chosen = "bf16" if gpu and torch.cuda.is_bf16_supported() else "no"
+        why = "mixed_precision auto: " + ("a GPU with bf16" if chosen == "bf16" else "no GPU with bf16 here")
+    else:
+        chosen, why = asked, "the run config's mixed_precision"
+    os.environ["ACCELERATE_MIXED_PRECISION"] = chosen
+    if gpu:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        why += "; TF32 on for fp32 matmuls"
+    logging.getLogger("finetune").info("precision: %s (%s)", chosen, why)
+    return chosen
+
+
+def launcher_mixed_precision() -> str | None:
+    """What the `accelerate launch` command that started this process says about mixed precision: its
+    --mixed_precision, else its config file's mixed_precision; None when it says nothing, or when no accelerate
+    launcher is among this process's ancestors (torchrun alone, DeepSpeed's pdsh launcher).
+    Workaround (accelerate 1.15): the launcher hands the ranks ACCELERATE_MIXED_PRECISION=no both when it was told
+    no and when it was told nothing (commands/launch.py `_validate_launch_command`), so the ranks cannot tell an
+    explicit fp32 from no preference. tests/test_precision.py::test_accelerate_still_says_no_for_nothing fails once
+    the launcher tells them apart."""
+    import psutil
+
+    try:
+        proc = psutil.Process().parent()
+        while proc is not None:
+            argv = proc.cmdline()
+            start = _launch_args_start(argv)
+            if start is not None:
+                return mixed_precision_of_launch(argv[start:])
+            proc = proc.parent()
+    except psutil.Error:
+        return None
+    return None
+
+
+def _launch_args_start(argv: list[str]) -> int | None:
+    """Where the arguments of `accelerate launch ...` / `python -m accelerate.commands.launch ...` begin in argv."""
+    import os
+
+    for i, arg in enumerate(argv[:4]):
+        if arg == "accelerate.commands.launch":
+            return i + 1
+        if os.path.basename(arg) == "accelerate" and argv[i + 1 : i + 2] == ["launch"]:
+            return i + 2
+    return None
+
+
+def mixed_precision_of_launch(launch_args: list[str]) -> str | None:
+    """The mixed precision a launch command line asks for (read with accelerate's own parser and config loader):
+    --mixed_precision, else the config file's (--config_file, or accelerate's default config); None: nothing."""
+    import contextlib
+    import io
+    import os
+
+    from accelerate.commands.config import default_config_file, load_config_from_file
+    from accelerate.commands.launch import launch_command_parser
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            args, _ = launch_command_parser().parse_known_args(launch_args)
+        if args.mixed_precision:
+            return str(args.mixed_precision).lower()
+        path = args.config_file or (default_config_file if os.path.isfile(default_config_file) else None)
+        said = load_config_from_file(path).mixed_precision if path else None
+    except (Exception, SystemExit):  # noqa: BLE001 -- an unreadable command line says nothing
+        return None
+    return str(said).lower() if said else None
+
+
+def precision_problems(chosen: str) -> list[tuple[str, str]]:
+    """fp16 on a machine without a GPU: accelerate ignores it there (no autocast, no loss scaling), so the run
+    would silently be fp32."""
+    from finetune.parallel.ddp import has_accelerator_device
+
+    if chosen == "fp16" and not has_accelerator_device():
+        return [
+            (
+                "mixed_precision",
+                "fp16 needs a GPU: on a CPU accelerate ignores it (no autocast, no loss scaling) and the run would "
+                "silently train in fp32; use bf16 (--mixed_precision bf16, which runs on CPUs too) or no",
+            )
+        ]
+    return []
 
 
 # glibc's mallopt parameters (malloc.h) and what each cpu_allocator mode sets.

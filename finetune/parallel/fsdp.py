@@ -92,6 +92,19 @@ def replicate_parallel_shim() -> bool:
     return True
 
 
+def mixed_precision_policy(mixed_precision: str):
+    """FSDP2 under bf16/fp16: compute with 16-bit copies of the fp32 sharded parameters, as autocast does under DDP,
+    but reduce-scatter the gradients in fp32 and leave the outputs as the forward returns them. accelerate's own
+    policy (FullyShardedDataParallelPlugin.set_mixed_precision) reduces in 16 bits (the error grows with the
+    number of ranks) and casts the outputs to 16 bits: the loss came back bf16-quantized (5.875, 5.859375)
+    although it is computed in fp32 from the logits."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    half = torch.bfloat16 if mixed_precision == "bf16" else torch.float16
+    return MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32, output_dtype=None)
+
+
 def offloads(plugin) -> bool:
     """Whether accelerate's FSDP plugin keeps parameters on the CPU (FSDP2: a CPUOffloadPolicy; FSDP1:
     CPUOffload(offload_params=True)); its default is an OffloadPolicy that offloads nothing."""
@@ -118,6 +131,9 @@ class Backend(ddp.Backend):
 
     checkpoint_format = "portable"  # accelerate's FSDP checkpoint holds shards: portable/ adds full tensors
 
+    def fp32_master_weights(self) -> bool:
+        return self.acc.mixed_precision in ("bf16", "fp16")  # its 16-bit compute copy is made from fp32 masters
+
     def keep_checkpoints_per_machine(self) -> None:
         raise ddp.no_checkpoints_per_machine(
             "FSDP's sharded checkpoint (torch.distributed.checkpoint) writes its metadata on rank 0 only and "
@@ -133,6 +149,8 @@ class Backend(ddp.Backend):
 
     def prepare(self, model, optimizer, train_loader, eval_loader, scheduler, plan):
         plugin = self.acc.state.fsdp_plugin
+        if self.acc.mixed_precision in ("bf16", "fp16"):
+            plugin.mixed_precision_policy = mixed_precision_policy(self.acc.mixed_precision)
         if offloads(plugin) and not ddp.has_accelerator_device():
             # CPUOffloadPolicy pins host memory by default, which needs an accelerator (part of come_up_on_cpu's
             # workaround: there is no device to offload from on a CPU-only machine, so nothing is lost)

@@ -12,7 +12,9 @@ w the bytes of the weights a backend trains (the model's dtype; 2 when DeepSpeed
                       moments 2*P*w (torch keeps them in the parameter's dtype)
   ZeRO-1              weights T*w, full gradients P*w, fp32 master partition 4P/N (only with 16-bit weights or
                       offload: in fp32 finetune.parallel.deepspeed.share_fp32_master_weights makes the weights'
-                      own partition the master), moments 8P/N, the flat fp32 gradient partition 4P/N
+                      own partition the master), moments 8P/N, the flat fp32 gradient partition 4P/N; in bf16/fp16
+                      with grad_accum_dtype fp32 (ds_configs/zero1.json) DeepSpeed's BF16_Optimizer instead keeps
+                      the full gradients in fp32 (4P) and steps on a view of its partition
   ZeRO-2              as ZeRO-1, but gradients reduced during backward into a partition 4P/N through one
                       reduce bucket (reduce_bucket_size; "auto" = hidden^2, accelerate fills it), and copied
                       into one flat fp32 tensor for the step (another 4P/N)
@@ -23,6 +25,7 @@ w the bytes of the weights a backend trains (the model's dtype; 2 when DeepSpeed
                       2d is within stage3_max_reuse_distance (partitioned_param_coordinator releases only the
                       others), up to stage3_max_live_parameters (both 3e7 in ds_configs/); at least the module
                       computing now and the prefetch bucket; and one module's full gradient before it is reduced
+  DeepSpeed buckets   in the weights' dtype, or fp32 with communication_data_type fp32 (ds_configs/)
   all                 AdamW steps in place: finetune.optim builds torch's fused kernel, which allocates no
                       temporary (the multi-tensor one would: the size of exp_avg_sq); so does DeepSpeedCPUAdam
 Each part also says when it exists (`Part.phase`): always; during forward and backward only; or from the end
@@ -78,6 +81,8 @@ class Buckets:
     max_reuse: float = 0.0  # ZeRO-3: a gathered parameter used again within this many parameters stays gathered
     sub_group: float = 0.0  # ZeRO-3: the optimizer steps over sub-groups of at most this many elements
     megatron_distributed_optimizer: bool = False
+    fp32_communication: bool = False  # DeepSpeed communication_data_type fp32: reduce buckets in fp32
+    fp32_accumulation: bool = False  # DeepSpeed data_types.grad_accum_dtype fp32 (ZeRO-1 in 16 bits: BF16_Optimizer)
 
     @classmethod
     def read(cls, topology: Topology, ds_config: Mapping | None, hidden: int, env: Mapping[str, str] = os.environ):
@@ -98,6 +103,9 @@ class Buckets:
             max_reuse=value("stage3_max_reuse_distance", 1e9),
             sub_group=value("sub_group_size", 1e9),
             megatron_distributed_optimizer=_true(env.get("MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER")),
+            fp32_communication=str((ds_config or {}).get("communication_data_type", "")).lower() in ("fp32", "float32"),
+            fp32_accumulation=str(((ds_config or {}).get("data_types") or {}).get("grad_accum_dtype", "")).lower()
+            in ("fp32", "float32"),
         )
 
 
@@ -145,7 +153,9 @@ def _deepspeed(t: Topology, shape, half: bool, b: Buckets) -> list[Part]:
     # the fp32 master: the weights' own partition in fp32 without offload (share_fp32_master_weights)
     master = [Part("master copy", 4 * trainable / n, host_opt, "fp32 partition")] if w != 4 or host_opt else []
     if t.zero_stage < 3:
-        if t.zero_stage == 1:  # gradients accumulate whole in .grad, are reduced at the boundary, freed after
+        if t.zero_stage == 1 and w == 2 and b.fp32_accumulation and not host_opt:  # DeepSpeed's BF16_Optimizer
+            grads = [Part("gradients", 4 * trainable, note="full, accumulated in fp32; its partition is a view")]
+        elif t.zero_stage == 1:  # gradients accumulate whole in .grad, are reduced at the boundary, freed after
             grads = [
                 Part("gradients", trainable * w, note="full, in .grad until the step", phase=STEP),
                 Part("gradients", 4 * trainable / n, host_opt, "flat fp32 partition for the step", phase=STEP),
@@ -156,7 +166,8 @@ def _deepspeed(t: Topology, shape, half: bool, b: Buckets) -> list[Part]:
                 grads.append(
                     Part("buffers", 4 * trainable / n, note="the gradients' flat copy for the step", phase=STEP)
                 )
-        buffers = [Part("buffers", b.reduce * w, note="reduce bucket", phase=BACKWARD)]
+        cw = 4 if b.fp32_communication else w  # communication_data_type
+        buffers = [Part("buffers", b.reduce * cw, note="reduce bucket", phase=BACKWARD)]
         if host_opt:  # the 16-bit copy of the partition the CPU optimizer writes back through
             buffers.append(Part("buffers", w * trainable / n, True, "offload write-back buffer"))
         return [Part("parameters", total * w), *grads, *master, *states, *buffers]
@@ -176,7 +187,7 @@ def _deepspeed(t: Topology, shape, half: bool, b: Buckets) -> list[Part]:
     parts.append(
         Part(
             "buffers",
-            (shape.largest_module + b.reduce) * w,
+            shape.largest_module * w + b.reduce * (4 if b.fp32_communication else w),
             note="one module's full gradient + reduce bucket",
             phase=BACKWARD,
         )
@@ -242,15 +253,16 @@ def layers_per_rank(topology: Topology, layers: int) -> float:
 
 def read_config_file(
     path: str | os.PathLike, num_processes: int | None = None, num_machines: int | None = None
-) -> tuple[Topology, dict, str]:
+) -> tuple[Topology, dict, str | None]:
     """(Topology, DeepSpeed JSON or {}, mixed precision) an Accelerate config file asks for, read like
-    `accelerate launch` would (num_processes/num_machines as its flags override the file's)."""
+    `accelerate launch` would (num_processes/num_machines as its flags override the file's). The mixed precision
+    is None when the file says nothing (then the run config's mixed_precision decides)."""
     p = Path(path)
     raw = yaml.safe_load(p.read_text()) or {}
     n = int(num_processes or raw.get("num_processes", 1) or 1)
     machines = int(num_machines or raw.get("num_machines", 1) or 1)
     kind = str(raw.get("distributed_type", "NO"))
-    mixed = str(raw.get("mixed_precision", "no"))
+    mixed = str(raw["mixed_precision"]) if raw.get("mixed_precision") else None
     ds: dict = {}
     kw: dict = {}
     family = "ddp"
@@ -273,7 +285,7 @@ def read_config_file(
         optimizer, params = deepspeed_offloads(zero)
         kw.update(zero_stage=int(zero.get("stage", 0)), offload_optimizer=optimizer, offload_params=params)
         for key in ("bf16", "fp16"):
-            if mixed == "no" and str((ds.get(key) or {}).get("enabled")).lower() == "true":
+            if mixed in (None, "no") and str((ds.get(key) or {}).get("enabled")).lower() == "true":
                 mixed = key
     elif kind == "FSDP":
         family = "fsdp"

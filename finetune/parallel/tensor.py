@@ -138,11 +138,14 @@ class Backend(ddp.Backend):
     def full_state_dict(self, model):
         return full_state_dict(self.acc.unwrap_model(model))
 
-    def save_pretrained(self, model, directory: str) -> None:
+    def save_pretrained(self, model, directory: str, dtype: torch.dtype) -> None:
         """transformers saves a model loaded with a tp_plan itself: every rank takes part in gathering its
-        DTensors (save_pretrained on the main process alone would wait for the others forever)."""
-        self.acc.unwrap_model(model).save_pretrained(
-            directory, is_main_process=self.acc.is_main_process, safe_serialization=True
+        DTensors (save_pretrained on the main process alone would wait for the others forever). The DTensors are
+        cast to dtype shard by shard, before the gather."""
+        net = self.acc.unwrap_model(model)
+        weights = ddp.cast_floating(net.state_dict(), dtype)
+        net.save_pretrained(
+            directory, state_dict=weights, is_main_process=self.acc.is_main_process, safe_serialization=True
         )
 
     def full_optimizer_state(self, model, optimizer):

@@ -1,0 +1,213 @@
+"""bf16 as GPU users run it, on CPU processes: every layout against one process in bf16, and what bf16 costs or
+saves against fp32 under the same layout; then full fine-tuning of bf16 weights against fp32 master weights.
+
+    .venv/bin/python bench/precision.py [--parts layouts,weights] [--configs single,ddp,...] [--steps 8]
+
+layouts: `finetune parity` twice over the same configs and run config (a 7.5M Llama, hidden 256, 4 layers,
+seq 128, global batch 8, lr 1e-3): once `--mixed_precision bf16`, once fp32. Per layout: per-step loss max
+relative difference, the training update's L2 difference (|w - w_single| / |w_single - w_base|) and the max
+absolute weight difference against the single bf16 process; the exported dtype; the observed compute dtype;
+median step time and training-phase peak RSS per rank in bf16 and in fp32 (the same layout, run side by side in
+this invocation).
+weights: one process, 300 steps, the same data: fp32 master weights with bf16 compute (torch_dtype float32,
+mixed_precision bf16) against bf16 weights updated in place (torch_dtype bfloat16, no mixed precision), at two
+learning rates; the mean loss of the last 50 steps and the share of weights the run never changed.
+Writes bench/results/precision.json. Numbers are indicative (one run each, not interleaved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = "single,ddp,zero1,zero2,zero2_offload,zero3,zero3_offload,fsdp2,fsdp2_offload,tp2,tp2_fsdp2"
+
+
+def build(work: Path) -> tuple[str, str]:
+    """A 7.5M-parameter Llama and instruction data, built offline once under work/."""
+    from finetune import demo
+
+    work.mkdir(parents=True, exist_ok=True)
+    model = work / "llama7m"
+    if not (model / "config.json").exists():
+        tok = demo.build_tokenizer(work / "tokenizer")
+        demo.build_model(
+            "llama",
+            model,
+            tok,
+            hidden_size=256,
+            intermediate_size=688,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=32,
+        )
+    data = work / "instruction.jsonl"
+    if not data.exists():
+        demo.write_jsonl(demo.instruction_examples(2000, seed=3), data)
+    return str(model), str(data)
+
+
+def rows_of(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def run_facts(out: Path) -> dict:
+    rows = rows_of(out)
+    train = [r for r in rows if "loss" in r]
+    memory = next((r["peak_memory"] for r in rows if "peak_memory" in r), [])
+    return {
+        "losses": [r["loss"] for r in train],
+        "step_time_s": statistics.median([r["step_time_s"] for r in train[1:]] or [train[0]["step_time_s"]]),
+        "peak_rss_gb": max((m["train_peak_rss_gb"] for m in memory), default=float("nan")),
+        "compute_dtype": train[-1].get("compute_dtype"),
+        "weights_dtype": train[-1].get("weights_dtype"),
+    }
+
+
+def parity(run_yaml: Path, out: Path, configs: str, steps: int, mixed: str | None) -> None:
+    cmd = [sys.executable, "-m", "finetune", "parity", "--config", str(run_yaml), "--configs", configs]
+    cmd += ["--steps", str(steps), "--output_dir", str(out), "--loss_rtol", "1", "--weight_atol", "1"]
+    cmd += ["--mixed_precision", mixed] if mixed else []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
+
+
+def layouts(work: Path, configs: str, steps: int) -> list[dict]:
+    from safetensors.torch import load_file
+
+    model, data = build(work)
+    run_yaml = work / "run.yaml"
+    values = {"model": model, "dataset": data, "max_seq_length": 128, "per_device_train_batch_size": 4}
+    run_yaml.write_text(json.dumps({**values, "learning_rate": 1e-3, "eval_fraction": 0}))
+    for mixed in ("bf16", None):
+        parity(run_yaml, work / (mixed or "fp32"), configs, steps, mixed)
+    base = load_file(os.path.join(model, "model.safetensors"))
+
+    def weights(out: Path) -> dict:
+        return load_file(str(out / "final" / "model.safetensors"))
+
+    ref_dir = work / "bf16" / "single"
+    ref, ref_losses = weights(ref_dir), run_facts(ref_dir)["losses"]
+    den = sum(((ref[k].float() - base[k].float()) ** 2).sum() for k in ref) ** 0.5
+    table = []
+    for name in configs.split(","):
+        bf16, fp32 = run_facts(work / "bf16" / name), run_facts(work / "fp32" / name)
+        w = weights(work / "bf16" / name)
+        num = sum(((w[k].float() - ref[k].float()) ** 2).sum() for k in ref) ** 0.5
+        table.append(
+            {
+                "layout": name,
+                "loss_max_rel": max(abs(a - b) / abs(a) for a, b in zip(ref_losses, bf16["losses"])),
+                "update_rel_l2": float(num / den),
+                "weight_max_abs": max(float((w[k].float() - ref[k].float()).abs().max()) for k in ref),
+                "export_dtype": sorted({str(v.dtype).removeprefix("torch.") for v in w.values()}),
+                "compute_dtype": bf16["compute_dtype"],
+                "weights_dtype": bf16["weights_dtype"],
+                "step_s_bf16": bf16["step_time_s"],
+                "step_s_fp32": fp32["step_time_s"],
+                "peak_gb_bf16": bf16["peak_rss_gb"],
+                "peak_gb_fp32": fp32["peak_rss_gb"],
+            }
+        )
+    fp32_ref = weights(work / "fp32" / "single")
+    num = sum(((fp32_ref[k].float() - ref[k].float()) ** 2).sum() for k in ref) ** 0.5
+    table.append(
+        {
+            "layout": "single fp32 vs single bf16",
+            "update_rel_l2": float(num / den),
+            "loss_max_rel": max(
+                abs(a - b) / abs(a) for a, b in zip(ref_losses, run_facts(work / "fp32" / "single")["losses"])
+            ),
+        }
+    )
+    return table
+
+
+def bf16_weights(work: Path, steps: int) -> list[dict]:
+    import torch
+    from safetensors.torch import load_file
+
+    model, data = build(work)
+    base = load_file(os.path.join(model, "model.safetensors"))
+    out = []
+    for lr in ("2e-5", "2e-4"):
+        for label, extra in (
+            ("fp32 masters, bf16 compute", ["--torch_dtype", "float32", "--mixed_precision", "bf16"]),
+            ("bf16 weights, no mixed precision", ["--torch_dtype", "bfloat16", "--mixed_precision", "no"]),
+        ):
+            run_dir = work / "weights" / f"{lr}_{extra[1]}"
+            cmd = [sys.executable, "-m", "finetune", "--model", model, "--dataset", data, "--max_seq_length", "128"]
+            cmd += ["--per_device_train_batch_size", "8", "--max_steps", str(steps), "--learning_rate", lr]
+            cmd += ["--lr_scheduler_type", "constant", "--eval_fraction", "0", "--logging_steps", "1"]
+            cmd += ["--save_steps", "null", "--disable_tqdm", "true", "--output_dir", str(run_dir)]
+            cmd += ["--overwrite_output_dir", "true", "--save_dtype", "float32", *extra]
+            subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "2"}, check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+            losses = run_facts(run_dir)["losses"]
+            final = load_file(str(run_dir / "final" / "model.safetensors"))
+            held = torch.bfloat16 if extra[1] == "bfloat16" else torch.float32  # the start, as the run held it
+            same = sum(int((final[k] == base[k].to(held).to(final[k].dtype)).sum()) for k in base)
+            total = sum(v.numel() for v in base.values())
+            out.append(
+                {
+                    "learning_rate": float(lr),
+                    "weights": label,
+                    "first_loss": losses[0],
+                    "mean_loss_last_50": statistics.mean(losses[-50:]),
+                    "unchanged_weights": same / total,
+                }
+            )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="layouts,weights")
+    parser.add_argument("--configs", default=CONFIGS)
+    parser.add_argument("--steps", type=int, default=8, help="steps per layout run (default %(default)s)")
+    parser.add_argument("--weight_steps", type=int, default=300, help="steps per weights run (default %(default)s)")
+    parser.add_argument("--work", default=str(ROOT / ".cache" / "bench_precision"))
+    opts = parser.parse_args()
+    work, parts, result = Path(opts.work), opts.parts.split(","), {}
+    t0 = time.time()
+    if "layouts" in parts:
+        result["layouts"] = layouts(work, opts.configs, opts.steps)
+        print(
+            "| layout | loss max rel | update rel L2 | weight max abs | export | compute | weights held | step s bf16 "
+            "/ fp32 | peak GB/rank bf16 / fp32 |\n| --- | ---: | ---: | ---: | --- | --- | --- | ---: | ---: |"
+        )
+        for r in result["layouts"]:
+            if "export_dtype" not in r:
+                print(f"| {r['layout']} | {r['loss_max_rel']:.1e} | {r['update_rel_l2']:.3f} | | | | | | |")
+                continue
+            print(
+                f"| {r['layout']} | {r['loss_max_rel']:.1e} | {r['update_rel_l2']:.3f} | {r['weight_max_abs']:.1e} | "
+                f"{'/'.join(r['export_dtype'])} | {r['compute_dtype']} | {r['weights_dtype']} | {r['step_s_bf16']:.3f} "
+                f"/ {r['step_s_fp32']:.3f} ({r['step_s_bf16'] / r['step_s_fp32']:.2f}x) | {r['peak_gb_bf16']:.2f} / "
+                f"{r['peak_gb_fp32']:.2f} |"
+            )
+    if "weights" in parts:
+        result["weights"] = bf16_weights(work, opts.weight_steps)
+        print("\n| lr | weights | first loss | mean loss, last 50 steps | weights never changed |")
+        print("| ---: | --- | ---: | ---: | ---: |")
+        for r in result["weights"]:
+            print(
+                f"| {r['learning_rate']:g} | {r['weights']} | {r['first_loss']:.4f} | {r['mean_loss_last_50']:.4f} | "
+                f"{100 * r['unchanged_weights']:.1f}% |"
+            )
+    result["command"] = " ".join(sys.argv)
+    result["minutes"] = (time.time() - t0) / 60
+    (ROOT / "bench" / "results").mkdir(exist_ok=True)
+    (ROOT / "bench" / "results" / "precision.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
