@@ -1,7 +1,7 @@
 """bf16 as GPU users run it, on CPU processes: every layout against one process in bf16, and what bf16 costs or
 saves against fp32 under the same layout; then full fine-tuning of bf16 weights against fp32 master weights.
 
-    .venv/bin/python bench/precision.py [--parts layouts,weights] [--configs single,ddp,...] [--steps 8]
+    .venv/bin/python bench/precision.py [--parts layouts,reduce,weights] [--configs single,ddp,...] [--steps 8]
 
 layouts: `finetune parity` twice over the same configs and run config (a 7.5M Llama, hidden 256, 4 layers,
 seq 128, global batch 8, lr 1e-3): once `--mixed_precision bf16`, once fp32. Per layout: per-step loss max
@@ -9,6 +9,9 @@ relative difference, the training update's L2 difference (|w - w_single| / |w_si
 absolute weight difference against the single bf16 process; the exported dtype; the observed compute dtype;
 median step time and training-phase peak RSS per rank in bf16 and in fp32 (the same layout, run side by side in
 this invocation).
+reduce: DeepSpeed in bf16, GA 2, ZeRO-1/2/3 three ways, each against one bf16 process (losses, step time, peak
+RSS): as shipped (autocast over fp32 weights, fp32 reduction and accumulation); DeepSpeed's bf16 mode (the JSON
+enables bf16) with communication_data_type and grad_accum_dtype fp32; DeepSpeed's bf16 mode with its defaults.
 weights: one process, 300 steps, the same data: fp32 master weights with bf16 compute (torch_dtype float32,
 mixed_precision bf16) against bf16 weights updated in place (torch_dtype bfloat16, no mixed precision), at two
 learning rates; the mean loss of the last 50 steps and the share of weights the run never changed.
@@ -131,6 +134,47 @@ def layouts(work: Path, configs: str, steps: int) -> list[dict]:
     return table
 
 
+def reduce_cost(work: Path, steps: int) -> list[dict]:
+    """ZeRO-1/2/3 in bf16, GA 2, three ways: as shipped (autocast over fp32 weights, fp32 reduction), DeepSpeed's bf16
+    mode with fp32 reduction and accumulation (the JSON enables bf16), and DeepSpeed's bf16 mode with its defaults."""
+    import yaml
+
+    model, data = build(work)
+    run_yaml = work / "run_ga2.yaml"
+    values = {"model": model, "dataset": data, "max_seq_length": 128, "per_device_train_batch_size": 4}
+    run_yaml.write_text(
+        json.dumps({**values, "learning_rate": 1e-3, "eval_fraction": 0, "gradient_accumulation_steps": 2})
+    )
+    configs = ["single"]
+    for stage in ("zero1", "zero2", "zero3"):
+        configs.append(stage)
+        for variant in ("bf16_mode_fp32_reduce", "bf16_mode_defaults"):
+            ds = json.loads((ROOT / "ds_configs" / f"{stage}.json").read_text())
+            ds["bf16"] = {"enabled": True}
+            if variant == "bf16_mode_defaults":
+                ds.pop("communication_data_type"), ds.pop("data_types")
+            (work / f"{stage}_{variant}.json").write_text(json.dumps(ds, indent=1))
+            acc = yaml.safe_load((ROOT / "accelerate_configs" / f"{stage}.yaml").read_text())
+            acc["deepspeed_config"]["deepspeed_config_file"] = str(work / f"{stage}_{variant}.json")
+            (work / f"{stage}_{variant}.yaml").write_text(yaml.safe_dump(acc))
+            configs.append(str(work / f"{stage}_{variant}.yaml"))
+    parity(run_yaml, work / "reduce", ",".join(configs), steps, "bf16")
+    ref = run_facts(work / "reduce" / "single")["losses"]
+    out = []
+    for name in configs[1:]:
+        facts = run_facts(work / "reduce" / Path(name).stem)
+        out.append(
+            {
+                "config": Path(name).stem,
+                "loss_max_rel": max(abs(a - b) / abs(a) for a, b in zip(ref, facts["losses"])),
+                "weights_dtype": facts["weights_dtype"],
+                "step_time_s": facts["step_time_s"],
+                "peak_rss_gb": facts["peak_rss_gb"],
+            }
+        )
+    return out
+
+
 def bf16_weights(work: Path, steps: int) -> list[dict]:
     import torch
     from safetensors.torch import load_file
@@ -170,7 +214,7 @@ def bf16_weights(work: Path, steps: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="layouts,weights")
+    parser.add_argument("--parts", default="layouts,reduce,weights")
     parser.add_argument("--configs", default=CONFIGS)
     parser.add_argument("--steps", type=int, default=8, help="steps per layout run (default %(default)s)")
     parser.add_argument("--weight_steps", type=int, default=300, help="steps per weights run (default %(default)s)")
@@ -194,6 +238,13 @@ def main() -> None:
                 f"/ {r['step_s_fp32']:.3f} ({r['step_s_bf16'] / r['step_s_fp32']:.2f}x) | {r['peak_gb_bf16']:.2f} / "
                 f"{r['peak_gb_fp32']:.2f} |"
             )
+    if "reduce" in parts:
+        result["reduce"] = reduce_cost(work, opts.steps)
+        print(
+            "\n| config (bf16, GA 2) | loss max rel vs single | step s | peak GB/rank |\n| --- | ---: | ---: | ---: |"
+        )
+        for r in result["reduce"]:
+            print(f"| {r['config']} | {r['loss_max_rel']:.1e} | {r['step_time_s']:.3f} | {r['peak_rss_gb']:.2f} |")
     if "weights" in parts:
         result["weights"] = bf16_weights(work, opts.weight_steps)
         print("\n| lr | weights | first loss | mean loss, last 50 steps | weights never changed |")

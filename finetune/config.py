@@ -76,13 +76,14 @@ class ModelArgs:
         "float32",
         "dtype the weights are loaded in and the optimizer updates: float32 (recommended: fp32 master weights, "
         "the compute precision is mixed_precision's), bfloat16, float16 or auto (the checkpoint's own). Full "
-        "fine-tuning of bfloat16/float16 weights without mixed precision loses the updates below their resolution "
-        "(warned at start; docs/precision.md has the measurement); LoRA on a 16-bit base is fine.",
+        "fine-tuning of 16-bit weights loses the updates below their resolution where nothing keeps fp32 master "
+        "weights (single, DDP, TP; DeepSpeed and FSDP2 keep them under mixed precision): warned at start, with the "
+        "measurement (docs/precision.md). LoRA on a 16-bit base is fine.",
     )
     mixed_precision: str = _f(
         "auto",
-        "Compute precision when `accelerate launch` asks for none (its --mixed_precision or the Accelerate config's "
-        "mixed_precision: bf16 or fp16 there always wins): auto = bf16 on GPUs that support it (Ampere and newer), "
+        "Compute precision when `accelerate launch` names none (its --mixed_precision, or a mixed_precision line in "
+        "the Accelerate config, wins whenever it is there): auto = bf16 on GPUs that support it (Ampere and newer), "
         "fp32 on a CPU or an older GPU; no = fp32; bf16; fp16 (GPUs only, with loss scaling; refused on a CPU). "
         "The precision that really ran is observed from the model and logged in every metrics row.",
     )

@@ -537,17 +537,18 @@ def _why(est: Estimate, machines: Machines, faster: list[str]) -> str:
 # ---------------------------------------------------------------- the run's own estimate (run.py)
 
 
-def run_estimate(cfg: RunConfig, accelerator, topology: Topology, net, numel) -> Estimate:
+def run_estimate(cfg: RunConfig, accelerator, backend, net) -> Estimate:
     """This run's per-rank estimate for its own topology, from the built model (logged at start)."""
     import torch
 
+    topology, numel = backend.topology, backend.numel
     config = getattr(net, "config", None)
     dtype = next((p.dtype for p in net.parameters()), torch.float32)
     shape = ModelShape.of_model(net, config, torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4, numel)
     on_gpu = accelerator.device.type == "cuda"
     machines = Machines(num_gpus=topology.num_processes if on_gpu else 0, cpu_processes=topology.num_processes)
     buckets = sharding.from_topology(topology, shape.hidden)
-    est = estimate(shape, cfg, topology, accelerator.mixed_precision, buckets, machines, name="this run")
+    est = estimate(shape, cfg, topology, backend.mixed_precision, buckets, machines, name="this run")
     kinds = ", ".join(f"{k} {v:.2f}" for k, v in est.by_kind().items())
     total = f"device {est.device_gb:.2f} GB, host {est.host_gb:.2f} GB" if on_gpu else f"{est.host_gb:.2f} GB"
     logger.info("memory estimate per rank (finetune plan): %s (GB: %s)", total, kinds)

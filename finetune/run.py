@@ -56,7 +56,7 @@ def run(cfg: RunConfig) -> dict:
     layout = backend.layout(plan)
     resume = find_resume(cfg, acc, storage, layout)
     net, facts = build_model(cfg, backend, tokenizer, ds, resume)
-    estimate = memory.run_estimate(cfg, acc, backend.topology, net, backend.numel)  # logged; compared at the end
+    estimate = memory.run_estimate(cfg, acc, backend, net)  # logged; compared at the end
     parts = build_optimization(cfg, acc, backend, net, ds, plan, tokenizer)
     state = restore_or_start(cfg, acc, backend, parts, plan, resume, storage)
     console.attach(cfg.train.output_dir)  # output_dir is this run's now: the rank's log goes there
@@ -296,10 +296,10 @@ def build_loop(
     t = cfg.train
     if t.report_to:
         spread = {"world_size": backend.topology.num_processes, "distributed_type": backend.topology.distributed_type}
-        report.init_trackers(acc, cfg, {**spread, "mixed_precision": acc.mixed_precision})
+        report.init_trackers(acc, cfg, {**spread, "mixed_precision": backend.mixed_precision})
     observed = backend.observed(p.model)
     logger.info("prepared: %s", ", ".join(f"{k} {v}" for k, v in observed.items()))
-    peak = metrics.peak_flops(acc.device, acc.mixed_precision)
+    peak = metrics.peak_flops(acc.device, backend.mixed_precision)
     peak = peak * acc.num_processes if peak else None
     if peak:
         logger.info("MFU reference: peak %.0f GFLOP/s over %d device(s)", peak / 1e9, acc.num_processes)
@@ -369,7 +369,7 @@ def train_and_export(
     metrics.report_memory(acc, r.log, state.step, startup, training, about["estimate"])
     topo = backend.topology
     about |= {"parallelism": topo.summary(), "world_size": topo.num_processes, "wall_time_s": console.wall_time()}
-    about |= {"distributed_type": topo.distributed_type, "mixed_precision": acc.mixed_precision}
+    about |= {"distributed_type": topo.distributed_type, "mixed_precision": backend.mixed_precision}
     about["global_batch_size"] = r.plan.global_batch_size
     about["precision"] = r.precision.row()
     for tracker in acc.trackers:  # accelerate's end_training, but for destroying the process group (see cli.main)

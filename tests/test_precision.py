@@ -1,9 +1,9 @@
 """bf16 as GPU users run it, on CPU processes: every layout against one process in bf16, the exported dtype, fp16's
 refusal on a CPU, bf16 weights, LoRA on a bf16 base.
 
-Tolerances in bf16 (docs/precision.md says why): per-step losses within 1e-3 relative of one bf16 process (a
-quarter of bf16's unit roundoff 2^-8 = 3.9e-3; measured <= 5.3e-4), and the training update (final weights minus
-the base's) within 6% in L2 of one bf16 process's (measured <= 2.6%; one process in bf16 against fp32: 24%).
+Tolerances in bf16 (docs/precision.md says why): per-step losses within 3e-3 relative of one bf16 process (below
+bf16's unit roundoff 2^-8 = 3.9e-3), and the training update (final weights minus the base's) within 6% in L2 of
+one bf16 process's (one process in bf16 against the same in fp32 moves it by 24% on this model, 4.5% on a 7.5M one).
 """
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import ROOT, Result, base_args, finetune, free_port, run_killing_the_group
 from safetensors.torch import load_file
 
-LOSS_RTOL = 1e-3
+LOSS_RTOL = 3e-3
 UPDATE_RTOL = 0.06
 # Every layout of the promise, with the distributed type and world size each must come up as.
 LAYOUTS = {
@@ -128,10 +129,10 @@ def test_bf16_every_layout_equals_one_bf16_process(assets, bf16_runs):
         assert loss <= LOSS_RTOL, (name, loss)
         assert update <= UPDATE_RTOL, (name, update)
     print("\n".join(f"{n:<14} loss {loss:.2e}  update {u:.3f}" for n, loss, u in table))
-    # DeepSpeed computes with a bf16 copy of the weights; the others keep fp32 weights under autocast/FSDP2's policy
+    # fp32 weights everywhere: autocast (DeepSpeed's torch_autocast too) or FSDP2's bf16 copies for compute
     for name in LAYOUTS:
         held = train_rows(out / name)[-1]["weights_dtype"]
-        assert held == ("bfloat16" if name.startswith("zero") else "float32"), (name, held)
+        assert held == "float32", (name, held)
 
 
 def test_an_fp32_fallback_fails_the_bf16_check(bf16_runs):
@@ -300,27 +301,46 @@ def test_the_launch_command_wins_over_the_run_config(assets, tmp_path, launch, f
     assert_ran_in(res.train_rows, want)
 
 
-def test_zero1_in_bf16_resumes_exactly_and_into_ddp(assets, tmp_path):
-    """ZeRO-1 in bf16 accumulates in fp32 through DeepSpeed's BF16_Optimizer (a different optimizer class from its
-    fp32 ZeRO-1): 4 steps == 2 + resume + 2, under ZeRO-1 itself and converted into DDP (its fp32 masters and Adam
-    state by name, portable/)."""
+def test_deepspeed_bf16_mode_exports_its_fp32_masters_and_resumes(assets, tmp_path):
+    """A DeepSpeed JSON that enables bf16 itself keeps DeepSpeed's bf16 mode (bf16 weights, fp32 masters; ZeRO-1 then
+    accumulates in fp32 through DeepSpeed's BF16_Optimizer): final/ is written from the fp32 masters (the same
+    dtype as every layout's, within the tolerance of one bf16 process), and 4 steps == 2 + resume + 2, under ZeRO-1
+    itself and converted into DDP (the masters and Adam state by name, portable/)."""
     import shutil
 
+    import yaml
     from conftest import crash_after
 
+    ds = json.loads((ROOT / "ds_configs" / "zero1.json").read_text())
+    ds["bf16"] = {"enabled": True}
+    (tmp_path / "zero1_bf16.json").write_text(json.dumps(ds))
+    acc = yaml.safe_load((ROOT / "accelerate_configs" / "zero1.yaml").read_text())
+    acc["deepspeed_config"]["deepspeed_config_file"] = str(tmp_path / "zero1_bf16.json")
+    config = tmp_path / "zero1_bf16.yaml"
+    config.write_text(yaml.safe_dump(acc))
     args = base_args(assets.llama, assets.instruction, "--max_steps", "4", "--save_steps", "2", "--eval_fraction", "0")
     args += ["--gradient_accumulation_steps", "2", "--per_device_train_batch_size", "2"]
     bf16 = ("--mixed_precision", "bf16")
-    straight = finetune(tmp_path / "straight", *args, launcher="zero1", launch_args=bf16)
-    assert "bf16_optimizer" in straight.output or "BF16_Optimizer" in straight.output, straight.output[-3000:]
-    assert_ran_in(straight.train_rows, "bfloat16")
-    for layout in ("zero1", "ddp"):
-        part = tmp_path / layout
+    straight = finetune(tmp_path / "straight", *args, launcher=str(config), launch_args=bf16)
+    assert "bf16_optimizer" in straight.output, straight.output[-3000:]  # DeepSpeed's own bf16 mode
+    rows = straight.train_rows
+    assert_ran_in(rows, "bfloat16")
+    assert {r["weights_dtype"] for r in rows} == {"bfloat16"} and rows[-1]["distributed_type"] == "DEEPSPEED"
+    single = finetune(tmp_path / "single", *args, launch_args=bf16)
+    base = load_file(os.path.join(assets.llama, "model.safetensors"))
+    final = load_file(str(straight.output_dir / "final" / "model.safetensors"))
+    assert {v.dtype for v in final.values()} == {torch.float32}  # the masters, not the bf16 copy
+    assert any((v.float() - v.bfloat16().float()).abs().max() > 0 for v in final.values())
+    # DeepSpeed's bf16 mode (bf16 weights, norms and residual stream) moves this model's update about as far as bf16
+    # moves it against fp32 (24%): why finetune runs DeepSpeed under autocast unless the JSON asks for this mode
+    assert update_distance(final, load_file(str(single.output_dir / "final" / "model.safetensors")), base) <= 0.35
+    for layout in (str(config), "ddp"):
+        part = tmp_path / Path(layout).stem
         shutil.copytree(straight.output_dir, part)
         crash_after(part, 2)
         resumed = finetune(part, *args, "--resume_from_checkpoint", "latest", launcher=layout, launch_args=bf16)
         assert "resumed from" in resumed.output
         rows = resumed.train_rows
         assert [r["step"] for r in rows] == [1, 2, 3, 4]
-        tol = 1e-6 if layout == "zero1" else LOSS_RTOL  # DDP computes under autocast with fp32 weights
+        tol = 1e-6 if layout == str(config) else 2e-2  # DDP computes under autocast with fp32 weights
         assert max_rel(straight.losses()[2:], [r["loss"] for r in rows[2:]]) <= tol, layout

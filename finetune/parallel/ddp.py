@@ -77,6 +77,9 @@ class Backend:
 
     def __init__(self, accelerator, topology: Topology, cfg: RunConfig):
         self.acc, self.topology, self.cfg = accelerator, topology, cfg
+        # no, bf16 or fp16, as chosen at start (environment.set_mixed_precision); accelerate's own answer under
+        # DeepSpeed is read from the DeepSpeed config, which says "no" once bf16 runs through autocast
+        self.mixed_precision = accelerator.mixed_precision
 
     # -- building
     def model_kwargs(self) -> dict:

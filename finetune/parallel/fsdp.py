@@ -132,7 +132,7 @@ class Backend(ddp.Backend):
     checkpoint_format = "portable"  # accelerate's FSDP checkpoint holds shards: portable/ adds full tensors
 
     def fp32_master_weights(self) -> bool:
-        return self.acc.mixed_precision in ("bf16", "fp16")  # its 16-bit compute copy is made from fp32 masters
+        return self.mixed_precision in ("bf16", "fp16")  # its 16-bit compute copy is made from fp32 masters
 
     def keep_checkpoints_per_machine(self) -> None:
         raise ddp.no_checkpoints_per_machine(
@@ -149,8 +149,8 @@ class Backend(ddp.Backend):
 
     def prepare(self, model, optimizer, train_loader, eval_loader, scheduler, plan):
         plugin = self.acc.state.fsdp_plugin
-        if self.acc.mixed_precision in ("bf16", "fp16"):
-            plugin.mixed_precision_policy = mixed_precision_policy(self.acc.mixed_precision)
+        if self.mixed_precision in ("bf16", "fp16"):
+            plugin.mixed_precision_policy = mixed_precision_policy(self.mixed_precision)
         if offloads(plugin) and not ddp.has_accelerator_device():
             # CPUOffloadPolicy pins host memory by default, which needs an accelerator (part of come_up_on_cpu's
             # workaround: there is no device to offload from on a CPU-only machine, so nothing is lost)

@@ -6,7 +6,8 @@ launching anything (`read_config_file`), or from a running job's Topology (`from
 
 `model_states(topology, shape, precision, buckets)` lists a rank's parts in bytes, each placed on the device
 or on the host (CPU offload). Per parameter, with P trainable and T total parameters, N ranks sharding them,
-w the bytes of the weights a backend trains (the model's dtype; 2 when DeepSpeed runs bf16/fp16):
+w the bytes of the weights a backend trains (the model's dtype; 2 in DeepSpeed's own bf16/fp16 modes: its bf16
+runs under autocast over fp32 weights unless the JSON enables bf16 itself):
 
   DDP (torch AdamW)   weights T*w, gradients P*w (views of DDP's 25 MB buckets: gradient_as_bucket_view),
                       moments 2*P*w (torch keeps them in the parameter's dtype)
@@ -81,6 +82,7 @@ class Buckets:
     max_reuse: float = 0.0  # ZeRO-3: a gathered parameter used again within this many parameters stays gathered
     sub_group: float = 0.0  # ZeRO-3: the optimizer steps over sub-groups of at most this many elements
     megatron_distributed_optimizer: bool = False
+    bf16_weights: bool = False  # the DeepSpeed JSON enables bf16 itself: DeepSpeed's bf16 mode, not autocast
     fp32_communication: bool = False  # DeepSpeed communication_data_type fp32: reduce buckets in fp32
     fp32_accumulation: bool = False  # DeepSpeed data_types.grad_accum_dtype fp32 (ZeRO-1 in 16 bits: BF16_Optimizer)
 
@@ -103,6 +105,7 @@ class Buckets:
             max_reuse=value("stage3_max_reuse_distance", 1e9),
             sub_group=value("sub_group_size", 1e9),
             megatron_distributed_optimizer=_true(env.get("MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER")),
+            bf16_weights=((ds_config or {}).get("bf16") or {}).get("enabled") is True,
             fp32_communication=str((ds_config or {}).get("communication_data_type", "")).lower() in ("fp32", "float32"),
             fp32_accumulation=str(((ds_config or {}).get("data_types") or {}).get("grad_accum_dtype", "")).lower()
             in ("fp32", "float32"),
@@ -116,7 +119,13 @@ def model_states(topology: Topology, shape: Any, mixed_precision: str, buckets: 
     half = mixed_precision in ("bf16", "fp16")
     t = topology
     if t.family == "deepspeed":
-        return _deepspeed(t, shape, half, buckets)
+        # bf16 runs under autocast over fp32 weights (deepspeed.bf16_through_autocast) unless the JSON enables
+        # DeepSpeed's bf16 mode itself; fp16 is DeepSpeed's fp16 mode
+        native = mixed_precision == "fp16" or (mixed_precision == "bf16" and buckets.bf16_weights)
+        parts = _deepspeed(t, shape, native, buckets)
+        if half and not native and shape.weight_bytes == 4:
+            parts.append(Part("buffers", 2 * shape.total, note="autocast's 16-bit weight casts", phase=BACKWARD))
+        return parts
     if t.family == "fsdp":
         return _fsdp(t, shape, half)
     if t.family == "megatron":
