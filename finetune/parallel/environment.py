@@ -87,7 +87,8 @@ def set_mixed_precision(asked: str) -> str:
 
     launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
     said = launched if launched in ("bf16", "fp16") else launcher_mixed_precision() if launched == "no" else None
-    gpu = torch.cuda.is_available()
+    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")  # `accelerate launch --cpu`
+    gpu = torch.cuda.is_available() and not use_cpu
     if said is not None:
         chosen, why = said, "as accelerate launch says (--mixed_precision or its config file)"
     elif asked == "auto":
