@@ -240,11 +240,13 @@ def main() -> None:
             )
     if "reduce" in parts:
         result["reduce"] = reduce_cost(work, opts.steps)
-        print(
-            "\n| config (bf16, GA 2) | loss max rel vs single | step s | peak GB/rank |\n| --- | ---: | ---: | ---: |"
-        )
+        print("\n| config (bf16, GA 2) | weights held | loss max rel vs single | step s | peak GB/rank |")
+        print("| --- | --- | ---: | ---: | ---: |")
         for r in result["reduce"]:
-            print(f"| {r['config']} | {r['loss_max_rel']:.1e} | {r['step_time_s']:.3f} | {r['peak_rss_gb']:.2f} |")
+            print(
+                f"| {r['config']} | {r['weights_dtype']} | {r['loss_max_rel']:.1e} | {r['step_time_s']:.3f} | "
+                f"{r['peak_rss_gb']:.2f} |"
+            )
     if "weights" in parts:
         result["weights"] = bf16_weights(work, opts.weight_steps)
         print("\n| lr | weights | first loss | mean loss, last 50 steps | weights never changed |")
