@@ -1,4 +1,4 @@
-"""Megatron-LM tensor/pipeline parallelism through accelerate (GPU only; docs/megatron.md).
+"""Megatron-LM tensor/pipeline parallelism through accelerate (NVIDIA GPUs; docs/megatron.md).
 
   accelerate_configs/megatron_tp2.yaml       TP 2
   accelerate_configs/megatron_tp2_pp2.yaml   TP 2 x PP 2 (4 micro batches per step)
@@ -6,8 +6,8 @@
 Megatron-LM semantics, and where finetune meets them (accelerate.utils.megatron_lm, accelerate's
 examples/by_feature/megatron_lm_gpt_pretraining.py):
 - accelerate builds Megatron's own model from the HF model's config; the weights come from the HF model
-  converted to Megatron's layout (`pretrained_checkpoint`, checked before start), so the HF model is built
-  on the meta device (Backend.needs_hf_weights).
+  converted to Megatron's layout at start (`ensure_converted`, or the user's `<model>/megatron`), which Megatron
+  loads as its `pretrained_checkpoint`, so the HF model is built on the meta device (Backend.needs_hf_weights).
 - `model(**batch)` in train mode is the whole step over `num_micro_batches` micro batches: forward, backward,
   clipping, optimizer and scheduler step; `accelerator.backward`, `optimizer.step`, `scheduler.step` are no-ops.
 - The scheduler is Megatron's (the dummy scheduler's lengths, the plugin's lr_decay_style); the optimizer we
@@ -39,7 +39,8 @@ from finetune.model import model_config
 from finetune.parallel import ddp
 from finetune.parallel.topology import env_world_size
 
-# Where a Megatron-LM checkpoint converted from the HF model is expected (docs/megatron.md shows how to make it).
+# A Megatron-LM checkpoint the user converted from the HF model, used when present (<model>/megatron), and the
+# folder of finetune's own conversion in output_dir otherwise.
 CONVERTED_DIR = "megatron"
 # accelerate's Megatron model families finetune trains (as causal LMs, through GPTTrainStep with gpt_batch and
 # gpt_loss; megatron-bert's BertTrainStep and t5's T5TrainStep have no finetune loss/eval wiring) and exports.
@@ -491,10 +492,22 @@ def uses_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
+def numpy_product_for_megatron() -> None:
+    """Workaround: Megatron-LM at the pinned commit calls np.product, which numpy 2.0 removed, when it saves or
+    checks a torch_dist checkpoint (dist_checkpointing exchange_utils.py:66, validation.py:522, mapping.py:219;
+    seen with data parallelism > 1). Give numpy the old name back (np.prod) for this process.
+    tests/test_megatron_cpu.py::test_megatron_still_calls_np_product fails once Megatron no longer does."""
+    import numpy as np
+
+    if "product" not in np.__dict__:
+        np.product = np.prod
+
+
 def environment(cfg: RunConfig) -> None:
     """Before CUDA initialises: with TP > 1 Megatron (on GPUs before Blackwell) requires one hardware queue per
     device, so that its tensor-parallel communication and compute are issued in order (arguments.py ~959)."""
     ddp.environment(cfg)
+    numpy_product_for_megatron()
     if MegatronLayout.from_env().tp > 1 and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
         NOTES.append("CUDA_DEVICE_MAX_CONNECTIONS=1 (tensor parallelism: Megatron-LM requires it)")
