@@ -178,6 +178,9 @@ if os.environ.get("FINETUNE_CUDA_STANDIN") == "1" and "LOCAL_RANK" in os.environ
                         group["step"] = int(self.state[p].pop("step"))
             return loss
 
+        def __setstate__(self, state):  # torch's Adam.__setstate__ reads the per-parameter step
+            torch.optim.Optimizer.__setstate__(self, state)
+
     def _megatron_optimizer(m):
         m.Adam, m.USING_PYTORCH_OPTIMIZER = _FusedAdam, False
 
