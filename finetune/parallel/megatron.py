@@ -162,8 +162,10 @@ def ensure_converted(cfg: RunConfig, layout: MegatronLayout) -> str:
     with open(out + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         done = os.path.join(out, "converted_from.json")
-        if os.path.isfile(done) and open(done).read() == stamp:
-            return out
+        if os.path.isfile(done):
+            with open(done) as f:
+                if f.read() == stamp:
+                    return out
         tmp = out + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         write_converted(source, tmp, model_config(cfg.model), layout.tp, layout.pp, uses_transformer_engine())
