@@ -527,6 +527,13 @@ def accelerator_kwargs(cfg: RunConfig) -> dict:
     layout = MegatronLayout.from_env()
     if not os.path.isdir(converted_checkpoint(cfg.model.model)):
         ensure_converted(cfg, layout)
+    vocab = getattr(model_config(cfg.model), "vocab_size", None)
+    if vocab and vocab % layout.tp:
+        NOTES.append(
+            f"the vocabulary ({vocab}) is not a multiple of TP {layout.tp}: Megatron pads it to "
+            f"{padded_vocab(vocab, layout.tp)} and the padded logits (zero weights) enter the softmax, so the loss "
+            "differs slightly from the HF model's; the export drops them"
+        )
     return {"megatron_lm_plugin": MegatronLMPlugin(**plugin_kwargs(cfg))}
 
 
