@@ -6,7 +6,8 @@
 #   ./run.sh bench [perf.py args]   the benchmark table (bench/README.md); --only grid: issue 18, zero_memory: ZeRO
 #   ./run.sh setup                  only create/refresh .venv
 #
-# Environment: FINETUNE_TORCH overrides the torch requirement installed into a new .venv (default:
+# Environment: FINETUNE_MEGATRON_LM: a Megatron-LM tree for the Megatron tests (default ../shared/vendor/megatron-lm-9a1c0d05
+# when it exists). FINETUNE_TORCH overrides the torch requirement installed into a new .venv (default:
 # torch==2.13.0, the CPU wheel, where no NVIDIA GPU is visible; the default CUDA build where one is).
 # A .venv that already has a torch keeps it: a GPU build is never replaced.
 set -euo pipefail
@@ -50,6 +51,9 @@ case "$cmd" in
       -m finetune --config examples/demo.yaml --overwrite_output_dir true "$@" ;;
   test)
     setup
+    # Megatron-LM for the Megatron integration tests (docs/megatron.md); without it they skip and say so.
+    vendored="$(cd .. && pwd)/shared/vendor/megatron-lm-9a1c0d05"
+    if [ -z "${FINETUNE_MEGATRON_LM:-}" ] && [ -d "$vendored" ]; then export FINETUNE_MEGATRON_LM="$vendored"; fi
     # Two tests at a time (-n 2, pytest-xdist): most of a multi-process test is start-up and waiting, so two
     # side by side keep both cores busy. Every launch takes a free port, so they never share one.
     "$PY" -m pytest -q -n 2 --dist loadgroup tests "$@" ;;
@@ -57,6 +61,6 @@ case "$cmd" in
     setup
     "$PY" bench/perf.py "$@" ;;
   *)
-    sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
     [ "$cmd" = help ] || exit 2 ;;
 esac

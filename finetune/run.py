@@ -49,6 +49,13 @@ logger = logging.getLogger("finetune")
 def run(cfg: RunConfig) -> dict:
     """Train as the config says; return the final eval metrics (empty without eval data)."""
     acc, backend, storage = start(cfg)
+    try:
+        return _run(cfg, acc, backend, storage)
+    finally:
+        backend.close()  # what the backend started beside this rank ends with the run, finished or failed
+
+
+def _run(cfg: RunConfig, acc, backend, storage) -> dict:
     cluster.fetch_model(acc, cfg.model.model)
     tokenizer = model.load_tokenizer(cfg.model)
     ds, plan, eval_metrics = build_data(cfg, acc, backend.topology, tokenizer)

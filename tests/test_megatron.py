@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,7 +151,10 @@ def test_plugin_matches_what_accelerate_expects(assets, run_values, monkeypatch,
     assert args["clip_grad"] == 0.5
     assert (args["train_iters"], args["lr_warmup_iters"]) == (plan.total_steps, 3)
     assert args["lr_decay_style"] == "linear" and args["seed"] == cfg.train.seed
-    assert args["pretrained_checkpoint"] == os.path.join(getattr(assets, arch), "megatron")
+    # No <model>/megatron: finetune converts the HF weights into the run's output_dir at start (ensure_converted)
+    assert args["pretrained_checkpoint"] == os.path.join(cfg.train.output_dir, "megatron", f"tp2_pp{layout.pp}")
+    assert args["make_vocab_size_divisible_by"] == 1  # the padded vocabulary is the real one (600 = 2 x 300)
+    assert args["transformer_impl"] == "local"  # no Transformer Engine here: the local spec, no fused kernels
     assert args["eos_token_id"] == model.config.eos_token_id
     assert args["context_parallel_size"] == 1 and args["recompute_granularity"] is None
     if arch == "llama":  # what accelerate's parser leaves out of a Llama's architecture
@@ -254,12 +258,21 @@ def test_unsupported_model_type_is_refused_before_loading(on_a_gpu_machine_with_
 
 
 def test_missing_or_mismatched_converted_checkpoint(on_a_gpu_machine_with_megatron, run_values, assets, tmp_path):
-    found = problems(build_config(run_values))
-    assert list(found) == ["model"] and "tools/checkpoint/convert.py" in found["model"]
+    check(build_config(run_values))  # no <model>/megatron: finetune converts the HF weights itself
     model = with_converted_checkpoint(assets.llama, tmp_path, tp=4)
     assert megatron.checkpoint_layout(os.path.join(model, "megatron")) == (4, 1)
     found = problems(build_config({**run_values, "model": model}))
-    assert "--target-tensor-parallel-size 2" in found["model"]
+    assert "--target-tensor-parallel-size 2" in found["model"] and "remove it" in found["model"]
+    os.remove(os.path.join(model, "megatron", "latest_checkpointed_iteration.txt"))
+    found = problems(build_config({**run_values, "model": model}))
+    assert "holds no Megatron-LM checkpoint" in found["model"]
+    bin_only = tmp_path / "bin_only"
+    bin_only.mkdir()
+    for name in os.listdir(assets.llama):
+        if name != "model.safetensors":
+            (bin_only / name).write_bytes((Path(assets.llama) / name).read_bytes())
+    found = problems(build_config({**run_values, "model": str(bin_only)}))
+    assert "holds no model.safetensors" in found["model"]
 
 
 def test_megatron_lm_missing_names_what_accelerate_imports(monkeypatch, tmp_path):

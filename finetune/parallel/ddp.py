@@ -228,6 +228,10 @@ class Backend:
     def explain_error(self, err: BaseException) -> tuple[str, str] | None:
         return explain_error(err)
 
+    def close(self) -> None:
+        """At the end of the run, whether it finished or failed: stop what the backend started beside the rank
+        (ranks end with os._exit, which runs no finalizers)."""
+
     def keep_checkpoints_per_machine(self) -> None:
         """output_dir is not shared between the machines (finetune.cluster.probe_storage): make each machine's
         copy of every checkpoint complete. accelerate writes model, optimizer, scheduler and sampler states on

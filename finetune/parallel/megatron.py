@@ -1,4 +1,4 @@
-"""Megatron-LM tensor/pipeline parallelism through accelerate (GPU only; docs/megatron.md).
+"""Megatron-LM tensor/pipeline parallelism through accelerate (NVIDIA GPUs; docs/megatron.md).
 
   accelerate_configs/megatron_tp2.yaml       TP 2
   accelerate_configs/megatron_tp2_pp2.yaml   TP 2 x PP 2 (4 micro batches per step)
@@ -6,8 +6,8 @@
 Megatron-LM semantics, and where finetune meets them (accelerate.utils.megatron_lm, accelerate's
 examples/by_feature/megatron_lm_gpt_pretraining.py):
 - accelerate builds Megatron's own model from the HF model's config; the weights come from the HF model
-  converted to Megatron's layout (`pretrained_checkpoint`, checked before start), so the HF model is built
-  on the meta device (Backend.needs_hf_weights).
+  converted to Megatron's layout at start (`ensure_converted`, or the user's `<model>/megatron`), which Megatron
+  loads as its `pretrained_checkpoint`, so the HF model is built on the meta device (Backend.needs_hf_weights).
 - `model(**batch)` in train mode is the whole step over `num_micro_batches` micro batches: forward, backward,
   clipping, optimizer and scheduler step; `accelerator.backward`, `optimizer.step`, `scheduler.step` are no-ops.
 - The scheduler is Megatron's (the dummy scheduler's lengths, the plugin's lr_decay_style); the optimizer we
@@ -39,7 +39,8 @@ from finetune.model import model_config
 from finetune.parallel import ddp
 from finetune.parallel.topology import env_world_size
 
-# Where a Megatron-LM checkpoint converted from the HF model is expected (docs/megatron.md shows how to make it).
+# A Megatron-LM checkpoint the user converted from the HF model, used when present (<model>/megatron), and the
+# folder of finetune's own conversion in output_dir otherwise.
 CONVERTED_DIR = "megatron"
 # accelerate's Megatron model families finetune trains (as causal LMs, through GPTTrainStep with gpt_batch and
 # gpt_loss; megatron-bert's BertTrainStep and t5's T5TrainStep have no finetune loss/eval wiring) and exports.
@@ -51,6 +52,7 @@ MEGATRON_LR_STYLES = {
     "constant_with_warmup": "constant",
 }
 DOCS = "docs/megatron.md"
+NOTES: list[str] = []  # what this module did before the Accelerator, for the start log (Backend.observed)
 KEY = "accelerate config"  # the problem is in the Accelerate config (or this machine), not in the run config
 
 
@@ -130,8 +132,66 @@ def megatron_lm_missing() -> str | None:
 
 
 def converted_checkpoint(model: str) -> str:
-    """Where the Megatron-LM checkpoint converted from `model` must be (docs/megatron.md)."""
+    """Where a Megatron-LM checkpoint the user converted from `model` is used from (docs/megatron.md)."""
     return os.path.join(os.path.expanduser(model), CONVERTED_DIR)
+
+
+def pretrained_checkpoint(cfg: RunConfig, layout: MegatronLayout) -> str:
+    """The checkpoint Megatron starts from: the user's `<model>/megatron` if there is one, else finetune's own
+    conversion of the HF weights in the run's output_dir (`ensure_converted`)."""
+    mine = converted_checkpoint(cfg.model.model)
+    if os.path.isdir(mine):
+        return mine
+    return os.path.join(cfg.train.output_dir, CONVERTED_DIR, f"tp{layout.tp}_pp{layout.pp}")
+
+
+def ensure_converted(cfg: RunConfig, layout: MegatronLayout) -> str:
+    """The HF weights converted to Megatron's layout for this TP x PP (`write_converted`), once per run: every
+    rank calls it before the process group exists, the first one to take the lock converts, the others find it
+    done. A conversion of other weights (the source's files changed) is replaced."""
+    import fcntl
+    import json
+    import shutil
+
+    from finetune.model import model_config
+
+    out = pretrained_checkpoint(cfg, layout)
+    source = local_model_dir(cfg.model.model)
+    stamp = json.dumps({"source": source, "te": uses_transformer_engine(), "files": _file_stamps(source)})
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = os.path.join(out, "converted_from.json")
+        if os.path.isfile(done):
+            with open(done) as f:
+                if f.read() == stamp:
+                    return out
+        tmp = out + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_converted(source, tmp, model_config(cfg.model), layout.tp, layout.pp, uses_transformer_engine())
+        with open(os.path.join(tmp, "converted_from.json"), "w") as f:
+            f.write(stamp)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+        NOTES.append(f"converted {source} to Megatron-LM's layout (TP {layout.tp} x PP {layout.pp}) in {out}")
+    return out
+
+
+def local_model_dir(model: str) -> str:
+    """A local directory holding the model's files (a Hub id: its snapshot in the Hub cache)."""
+    path = os.path.expanduser(model)
+    if os.path.isdir(path):
+        return path
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(model, allow_patterns=["*.json", "*.safetensors"])
+
+
+def _file_stamps(directory: str) -> list:
+    names = sorted(n for n in os.listdir(directory) if n.endswith((".safetensors", ".json")))
+    return [
+        (n, os.path.getsize(os.path.join(directory, n)), os.path.getmtime(os.path.join(directory, n))) for n in names
+    ]
 
 
 def checkpoint_layout(path: str) -> tuple[int, int] | None:
@@ -298,14 +358,28 @@ def megatron_problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> li
                 "megatron_lm_decoder_last_pipeline_num_layers)",
             )
         )
+    heads, kv, _ = _heads_layers(config)
+    if kv and kv % layout.tp:
+        p.append((KEY, f"megatron_lm_tp_degree {layout.tp} must divide the model's {kv} key/value heads"))
     converted = converted_checkpoint(cfg.model.model)
-    if not os.path.isfile(os.path.join(converted, "latest_checkpointed_iteration.txt")):
+    if not os.path.isdir(converted):  # finetune converts the HF weights at start (ensure_converted)
+        local = os.path.expanduser(cfg.model.model)
+        has = ("model.safetensors", "model.safetensors.index.json")
+        if os.path.isdir(local) and not any(os.path.isfile(os.path.join(local, n)) for n in has):
+            p.append(
+                (
+                    "model",
+                    f"{local} holds no model.safetensors (or its index): finetune converts the HF weights to "
+                    "Megatron's layout from safetensors files; save the model with safe_serialization=True, or "
+                    f"convert it yourself into {converted} (see {DOCS})",
+                )
+            )
+    elif not os.path.isfile(os.path.join(converted, "latest_checkpointed_iteration.txt")):
         p.append(
             (
                 "model",
-                f"no Megatron-LM checkpoint at {converted}: Megatron builds its own model, initialised at random, so "
-                "the HF weights must be converted to Megatron's layout first (Megatron-LM's "
-                f"tools/checkpoint/convert.py, --save-dir {converted}; see {DOCS})",
+                f"{converted} holds no Megatron-LM checkpoint (no latest_checkpointed_iteration.txt): finish the "
+                f"conversion into it, or remove it and finetune converts the HF weights itself (see {DOCS})",
             )
         )
     else:
@@ -316,7 +390,8 @@ def megatron_problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> li
                     "model",
                     f"the converted checkpoint {converted} is for TP {saved[0]} x PP {saved[1]} but the Accelerate "
                     f"config asks for TP {layout.tp} x PP {layout.pp}; convert again with --target-tensor-parallel-size "
-                    f"{layout.tp} --target-pipeline-parallel-size {layout.pp} (or save in torch_dist format)",
+                    f"{layout.tp} --target-pipeline-parallel-size {layout.pp} (or save in torch_dist format), or "
+                    "remove it and finetune converts the HF weights itself",
                 )
             )
     return p
@@ -345,10 +420,14 @@ def plugin_kwargs(cfg: RunConfig, env: Mapping[str, str] = os.environ, config=No
     )
     other: dict[str, Any] = {
         "seed": cfg.train.seed,
-        "pretrained_checkpoint": converted_checkpoint(cfg.model.model),
+        "pretrained_checkpoint": pretrained_checkpoint(cfg, layout),
         # other_megatron_args is applied last: no activation recomputation unless gradient_checkpointing
         "recompute_granularity": "full" if cfg.model.gradient_checkpointing else None,
+        # Megatron pads the vocabulary to a multiple of this x TP, and the padded logits enter the softmax: with
+        # 1 the padded vocabulary is the real one whenever TP divides it (the loss is the HF model's loss)
+        "make_vocab_size_divisible_by": 1,
         **architecture_args(config, family),
+        **({} if uses_transformer_engine() else LOCAL_SPEC_ARGS),
     }
     eos = getattr(config, "eos_token_id", None)
     if isinstance(eos, int):
@@ -396,8 +475,44 @@ def architecture_args(config, family: str | None) -> dict[str, Any]:
     }
 
 
+# Megatron's local layer spec (no Transformer Engine): torch norms and linear layers, none of the fused kernels
+# that need Transformer Engine or Apex (transformer_config.py:1294, torch_norm.py:30).
+LOCAL_SPEC_ARGS = {
+    "transformer_impl": "local",
+    "no_persist_layer_norm": True,
+    "masked_softmax_fusion": False,
+    "bias_gelu_fusion": False,
+    "bias_swiglu_fusion": False,
+    "bias_dropout_fusion": False,
+    "apply_rope_fusion": False,
+    "gradient_accumulation_fusion": False,
+}
+
+
+def uses_transformer_engine() -> bool:
+    """Megatron's default layer spec is Transformer Engine's; without it installed, the local spec."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def numpy_product_for_megatron() -> None:
+    """Workaround: Megatron-LM at the pinned commit calls np.product, which numpy 2.0 removed, when it saves or
+    checks a torch_dist checkpoint (dist_checkpointing exchange_utils.py:66, validation.py:522, mapping.py:219;
+    seen with data parallelism > 1). Give numpy the old name back (np.prod) for this process.
+    tests/test_megatron_cpu.py::test_megatron_still_calls_np_product fails once Megatron no longer does."""
+    import numpy as np
+
+    if "product" not in np.__dict__:
+        np.product = np.prod
+
+
 def environment(cfg: RunConfig) -> None:
+    """Before CUDA initialises: with TP > 1 Megatron (on GPUs before Blackwell) requires one hardware queue per
+    device, so that its tensor-parallel communication and compute are issued in order (arguments.py ~959)."""
     ddp.environment(cfg)
+    numpy_product_for_megatron()
+    if MegatronLayout.from_env().tp > 1 and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+        NOTES.append("CUDA_DEVICE_MAX_CONNECTIONS=1 (tensor parallelism: Megatron-LM requires it)")
 
 
 def problems(cfg: RunConfig) -> list[tuple[str, str]]:
@@ -405,9 +520,20 @@ def problems(cfg: RunConfig) -> list[tuple[str, str]]:
 
 
 def accelerator_kwargs(cfg: RunConfig) -> dict:
-    """The MegatronLMPlugin: the layout from the Accelerate config plus what the run config owns."""
+    """The MegatronLMPlugin: the layout from the Accelerate config plus what the run config owns. The HF weights
+    are converted to Megatron's layout first, unless the model directory holds a converted checkpoint."""
     from accelerate.utils import MegatronLMPlugin
 
+    layout = MegatronLayout.from_env()
+    if not os.path.isdir(converted_checkpoint(cfg.model.model)):
+        ensure_converted(cfg, layout)
+    vocab = getattr(model_config(cfg.model), "vocab_size", None)
+    if vocab and vocab % layout.tp:
+        NOTES.append(
+            f"the vocabulary ({vocab}) is not a multiple of TP {layout.tp}: Megatron pads it to "
+            f"{padded_vocab(vocab, layout.tp)} and the padded logits (zero weights) enter the softmax, so the loss "
+            "differs slightly from the HF model's; the export drops them"
+        )
     return {"megatron_lm_plugin": MegatronLMPlugin(**plugin_kwargs(cfg))}
 
 
@@ -441,6 +567,8 @@ class Backend(ddp.Backend):
         self.hf = None  # the HF model given to prepare: its config, and save_pretrained for export
         self.grad_norm = None
         self.eval_dict: dict = {}
+        for note in NOTES:
+            ddp.logger.info("megatron: %s", note)
 
     def keep_checkpoints_per_machine(self) -> None:
         raise ddp.no_checkpoints_per_machine(
@@ -470,13 +598,22 @@ class Backend(ddp.Backend):
         return prepared
 
     def observed(self, model) -> dict:
+        """Megatron's own parallel state, and the share of the model's parameters this rank holds."""
         from megatron.core import mpu
+        from megatron.core.utils import unwrap_model
 
+        mine = sum(p.numel() for chunk in unwrap_model(model.module) for p in chunk.parameters())
         return {
             "tp": mpu.get_tensor_model_parallel_world_size(),
             "pp": mpu.get_pipeline_model_parallel_world_size(),
             "dp": mpu.get_data_parallel_world_size(),
+            "tp_rank": mpu.get_tensor_model_parallel_rank(),
+            "pp_rank": mpu.get_pipeline_model_parallel_rank(),
+            "parameter_shard": round(mine / sum(p.numel() for p in self.hf.parameters()), 4),
         }
+
+    def close(self) -> None:
+        stop_checkpoint_writer()
 
     def forward_loss(self, model, batch):
         """The step's loss (already the mean over the global batch's supervised tokens, on the last pipeline
@@ -492,13 +629,31 @@ class Backend(ddp.Backend):
 
     def eval_stats(self, model, batch, labels, task):
         """Summed NLL and supervised-token count of the batch, from the loss function's report (gpt_loss), over
-        the data-parallel replicas: the same token-weighted eval loss as every other backend."""
-        import torch
+        the data-parallel replicas: the same token-weighted eval loss as every other backend.
 
+        Megatron cuts every batch into num_micro_batches slices of micro_batch_size rows
+        (MegatronEngine.get_batch_data_iterator), so a short last batch is filled up with rows that supervise
+        nothing; and under data parallelism accelerate fills the last round of batches with rows from the start
+        of the eval set, which are unsupervised here so that every row counts once (as gather_for_metrics drops
+        them on the other backends)."""
+        import torch
+        from megatron.core import mpu
+        from megatron.training import get_args
+
+        args = get_args()
+        rows = args.micro_batch_size * args.num_micro_batches
+        state = self.acc.gradient_state
+        real = labels.shape[0]
+        if state.end_of_dataloader and state.remainder > 0 and mpu.get_data_parallel_world_size() > 1:
+            real = min(max(state.remainder - mpu.get_data_parallel_rank() * rows, 0), real)
+        labels = labels.clone()
+        labels[real:] = IGNORE
+        batch = {**batch, "labels": labels}
+        if labels.shape[0] < rows:
+            fill = {"labels": IGNORE}
+            batch = {k: _fill_rows(v, rows, fill.get(k, 0)) for k, v in batch.items()}
         model(**batch)  # eval mode: forward only over the micro batches
         sums = torch.zeros(2, device=self.acc.device)
-        from megatron.core import mpu
-
         if mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0:
             sums += self.eval_dict["lm loss"].view(-1, 2).sum(0).float()
         torch.distributed.all_reduce(sums)  # every replica's last stage contributes once
@@ -538,6 +693,31 @@ class Backend(ddp.Backend):
         for tp_rank, part in shards:
             by_tp.setdefault(tp_rank, {}).update(part)
         return megatron_to_hf([by_tp[r] for r in sorted(by_tp)], self.hf.config)
+
+
+def _fill_rows(t, rows: int, value):
+    """t with rows appended (filled with value) up to `rows`; anything that is not a batch tensor as it is."""
+    import torch
+
+    if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] >= rows:
+        return t
+    return torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), value)])
+
+
+def stop_checkpoint_writer() -> None:
+    """Megatron's torch_dist checkpoint writer keeps a spawn-based multiprocessing Manager (a server process, and
+    the resource tracker spawn starts) for the life of the process (filesystem_async.py ~54); a rank that ends
+    with os._exit would leave both behind. Shut it down."""
+    import sys
+
+    writer = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    queue = getattr(writer, "_results_queue", None)
+    if queue is None:
+        return
+    manager = getattr(queue, "_manager", None)
+    if manager is not None:
+        manager.shutdown()
+    writer._results_queue = None
 
 
 def _global_layer_name(chunk, name: str) -> str:
@@ -625,9 +805,29 @@ def gpt_loss(loss_mask, output_tensor):
 # (Megatron-LM tools/checkpoint/schema_core.py, megatron/core/transformer/attention.py, mlp.py.)
 
 
+def norm_names(te: bool) -> tuple[str, str]:
+    """Where a layer's two norms live: Transformer Engine's spec folds them into the next linear layer (what GPU
+    runs with Transformer Engine use), the local spec (no Transformer Engine: CPU, or a GPU without it) keeps
+    them as modules of their own."""
+    if te:
+        return "self_attention.linear_qkv.layer_norm_", "mlp.linear_fc1.layer_norm_"
+    return "input_layernorm.", "pre_mlp_layernorm."
+
+
+def _dims(config) -> tuple[int, int, int, int, int]:
+    """(hidden, layers, query heads, query groups, head size) of a llama-family or gpt2 config."""
+    h = config.hidden_size if hasattr(config, "hidden_size") else config.n_embd
+    layers = config.num_hidden_layers if hasattr(config, "num_hidden_layers") else config.n_layer
+    nq = config.num_attention_heads if hasattr(config, "num_attention_heads") else config.n_head
+    ng = getattr(config, "num_key_value_heads", None) or nq
+    d = getattr(config, "head_dim", None) or h // nq
+    return h, layers, nq, ng, d
+
+
 def megatron_to_hf(shards: list[dict], config) -> dict:
     """Join the TP shards (index = TP rank; each holds every pipeline stage's layers, global numbering) of a
-    Megatron-Core GPT model and name them as the HF model of `config` (llama family or gpt2)."""
+    Megatron-Core GPT model and name them as the HF model of `config` (llama family or gpt2). Either layer spec
+    (Transformer Engine's or the local one) is read; the vocabulary padding is dropped."""
     import torch
 
     def cat(name: str, dim: int):
@@ -636,9 +836,10 @@ def megatron_to_hf(shards: list[dict], config) -> dict:
     def one(name: str):
         return shards[0][name]
 
-    h = config.hidden_size if hasattr(config, "hidden_size") else config.n_embd
+    h, layers, nq, ng, d = _dims(config)
     vocab = config.vocab_size
-    layers = config.num_hidden_layers if hasattr(config, "num_hidden_layers") else config.n_layer
+    te = "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in shards[0]
+    attn_norm, mlp_norm = norm_names(te)
     out: dict[str, torch.Tensor] = {}
     embed = cat("embedding.word_embeddings.weight", 0)[:vocab]
     gpt2 = config.model_type == "gpt2"
@@ -647,32 +848,29 @@ def megatron_to_hf(shards: list[dict], config) -> dict:
         qkv = cat(pre + "self_attention.linear_qkv.weight", 0)
         fc1 = [s[pre + "mlp.linear_fc1.weight"] for s in shards]
         if gpt2:
-            d = h // config.n_head
             to = f"transformer.h.{i}."
-            out[to + "ln_1.weight"] = one(pre + "self_attention.linear_qkv.layer_norm_weight")
-            out[to + "ln_1.bias"] = one(pre + "self_attention.linear_qkv.layer_norm_bias")
-            out[to + "attn.c_attn.weight"] = qkv.view(config.n_head, 3, d, h).transpose(0, 1).reshape(3 * h, h).T
+            out[to + "ln_1.weight"] = one(pre + attn_norm + "weight")
+            out[to + "ln_1.bias"] = one(pre + attn_norm + "bias")
+            out[to + "attn.c_attn.weight"] = qkv.view(nq, 3, d, h).transpose(0, 1).reshape(3 * h, h).T
             bias = cat(pre + "self_attention.linear_qkv.bias", 0)
-            out[to + "attn.c_attn.bias"] = bias.view(config.n_head, 3, d).transpose(0, 1).reshape(3 * h)
+            out[to + "attn.c_attn.bias"] = bias.view(nq, 3, d).transpose(0, 1).reshape(3 * h)
             out[to + "attn.c_proj.weight"] = cat(pre + "self_attention.linear_proj.weight", 1).T
             out[to + "attn.c_proj.bias"] = one(pre + "self_attention.linear_proj.bias")
-            out[to + "ln_2.weight"] = one(pre + "mlp.linear_fc1.layer_norm_weight")
-            out[to + "ln_2.bias"] = one(pre + "mlp.linear_fc1.layer_norm_bias")
+            out[to + "ln_2.weight"] = one(pre + mlp_norm + "weight")
+            out[to + "ln_2.bias"] = one(pre + mlp_norm + "bias")
             out[to + "mlp.c_fc.weight"] = torch.cat(fc1, 0).T
             out[to + "mlp.c_fc.bias"] = cat(pre + "mlp.linear_fc1.bias", 0)
             out[to + "mlp.c_proj.weight"] = cat(pre + "mlp.linear_fc2.weight", 1).T
             out[to + "mlp.c_proj.bias"] = one(pre + "mlp.linear_fc2.bias")
             continue
-        nq, ng = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        d = getattr(config, "head_dim", None) or h // nq
         w = qkv.view(ng, nq // ng + 2, d, h)
         to = f"model.layers.{i}."
         out[to + "self_attn.q_proj.weight"] = w[:, : nq // ng].reshape(nq * d, h)
         out[to + "self_attn.k_proj.weight"] = w[:, nq // ng].reshape(ng * d, h)
         out[to + "self_attn.v_proj.weight"] = w[:, nq // ng + 1].reshape(ng * d, h)
         out[to + "self_attn.o_proj.weight"] = cat(pre + "self_attention.linear_proj.weight", 1)
-        out[to + "input_layernorm.weight"] = one(pre + "self_attention.linear_qkv.layer_norm_weight")
-        out[to + "post_attention_layernorm.weight"] = one(pre + "mlp.linear_fc1.layer_norm_weight")
+        out[to + "input_layernorm.weight"] = one(pre + attn_norm + "weight")
+        out[to + "post_attention_layernorm.weight"] = one(pre + mlp_norm + "weight")
         out[to + "mlp.gate_proj.weight"] = torch.cat([f.chunk(2, 0)[0] for f in fc1], 0)
         out[to + "mlp.up_proj.weight"] = torch.cat([f.chunk(2, 0)[1] for f in fc1], 0)
         out[to + "mlp.down_proj.weight"] = cat(pre + "mlp.linear_fc2.weight", 1)
@@ -688,3 +886,139 @@ def megatron_to_hf(shards: list[dict], config) -> dict:
     untied = not getattr(config, "tie_word_embeddings", False) and "output_layer.weight" in shards[0]
     out["lm_head.weight"] = cat("output_layer.weight", 0)[:vocab] if untied else embed
     return out
+
+
+# ---------------------------------------------------------------- HF weights -> Megatron-Core (the inverse)
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    """Megatron's vocabulary size with make_vocab_size_divisible_by 1 (`plugin_kwargs`): the real one whenever TP
+    divides it, else the next multiple of TP (each TP rank holds an equal slice)."""
+    return -(-vocab // tp) * tp
+
+
+def hf_to_megatron(hf: Mapping[str, Any], config, tp: int, te: bool) -> list[dict]:
+    """The inverse of `megatron_to_hf`: HF weights (llama family or gpt2) -> one dict per TP rank under
+    Megatron-Core names, every layer numbered globally; the vocabulary zero-padded to `padded_vocab`."""
+    import torch
+
+    h, layers, nq, ng, d = _dims(config)
+    gpt2 = config.model_type == "gpt2"
+    attn_norm, mlp_norm = norm_names(te)
+    full: dict[str, tuple[torch.Tensor, int | None]] = {}  # Megatron name -> (whole tensor, TP split dim)
+
+    def vocab_rows(w):
+        return torch.cat([w, w.new_zeros(padded_vocab(w.shape[0], tp) - w.shape[0], *w.shape[1:])])
+
+    for i in range(layers):
+        pre = f"decoder.layers.{i}."
+        if gpt2:
+            at = f"transformer.h.{i}."
+            qkv = hf[at + "attn.c_attn.weight"].T.reshape(3, nq, d, h).transpose(0, 1).reshape(3 * h, h)
+            bias = hf[at + "attn.c_attn.bias"].view(3, nq, d).transpose(0, 1).reshape(3 * h)
+            full |= {
+                pre + attn_norm + "weight": (hf[at + "ln_1.weight"], None),
+                pre + attn_norm + "bias": (hf[at + "ln_1.bias"], None),
+                pre + "self_attention.linear_qkv.weight": (qkv, 0),
+                pre + "self_attention.linear_qkv.bias": (bias, 0),
+                pre + "self_attention.linear_proj.weight": (hf[at + "attn.c_proj.weight"].T, 1),
+                pre + "self_attention.linear_proj.bias": (hf[at + "attn.c_proj.bias"], None),
+                pre + mlp_norm + "weight": (hf[at + "ln_2.weight"], None),
+                pre + mlp_norm + "bias": (hf[at + "ln_2.bias"], None),
+                pre + "mlp.linear_fc1.weight": (hf[at + "mlp.c_fc.weight"].T, 0),
+                pre + "mlp.linear_fc1.bias": (hf[at + "mlp.c_fc.bias"], 0),
+                pre + "mlp.linear_fc2.weight": (hf[at + "mlp.c_proj.weight"].T, 1),
+                pre + "mlp.linear_fc2.bias": (hf[at + "mlp.c_proj.bias"], None),
+            }
+            continue
+        at = f"model.layers.{i}."
+        q = hf[at + "self_attn.q_proj.weight"].view(ng, nq // ng, d, h)
+        k = hf[at + "self_attn.k_proj.weight"].view(ng, 1, d, h)
+        v = hf[at + "self_attn.v_proj.weight"].view(ng, 1, d, h)
+        full |= {
+            pre + attn_norm + "weight": (hf[at + "input_layernorm.weight"], None),
+            pre + "self_attention.linear_qkv.weight": (torch.cat([q, k, v], 1).reshape(-1, h), 0),
+            pre + "self_attention.linear_proj.weight": (hf[at + "self_attn.o_proj.weight"], 1),
+            pre + mlp_norm + "weight": (hf[at + "post_attention_layernorm.weight"], None),
+            pre + "mlp.linear_fc2.weight": (hf[at + "mlp.down_proj.weight"], 1),
+        }
+    if gpt2:
+        full["embedding.word_embeddings.weight"] = (vocab_rows(hf["transformer.wte.weight"]), 0)
+        full["embedding.position_embeddings.weight"] = (hf["transformer.wpe.weight"], None)
+        full["decoder.final_layernorm.weight"] = (hf["transformer.ln_f.weight"], None)
+        full["decoder.final_layernorm.bias"] = (hf["transformer.ln_f.bias"], None)
+    else:
+        embed = vocab_rows(hf["model.embed_tokens.weight"])
+        full["embedding.word_embeddings.weight"] = (embed, 0)
+        full["decoder.final_layernorm.weight"] = (hf["model.norm.weight"], None)
+        if not getattr(config, "tie_word_embeddings", False):
+            full["output_layer.weight"] = (vocab_rows(hf.get("lm_head.weight", hf["model.embed_tokens.weight"])), 0)
+    shards = [
+        {n: (w if dim is None else w.chunk(tp, dim)[r]).clone() for n, (w, dim) in full.items()} for r in range(tp)
+    ]
+    if not gpt2:  # SwiGLU: each TP rank holds [its slice of gate; its slice of up]
+        for i in range(layers):
+            at = f"model.layers.{i}."
+            gate, up = hf[at + "mlp.gate_proj.weight"].chunk(tp, 0), hf[at + "mlp.up_proj.weight"].chunk(tp, 0)
+            for r, s in enumerate(shards):
+                s[f"decoder.layers.{i}.mlp.linear_fc1.weight"] = torch.cat([gate[r], up[r]], 0)
+    return shards
+
+
+def pipeline_stage(shard: dict, layers: int, pp: int, stage: int, tied: bool) -> dict:
+    """The part of one TP rank's weights (global layer numbering) that pipeline stage `stage` of `pp` holds,
+    its layers numbered from 0 as Megatron saves them. A tied output layer on the last of several stages is a
+    copy of the embedding (Megatron keeps the two equal by summing their gradients)."""
+    per = layers // pp
+    out = {}
+    for name, w in shard.items():
+        m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+        if m:
+            i = int(m.group(1))
+            if stage * per <= i < (stage + 1) * per:
+                out[f"decoder.layers.{i - stage * per}.{m.group(2)}"] = w
+        elif name.startswith("embedding.") and stage == 0:
+            out[name] = w
+        elif (name.startswith("decoder.final_layernorm") or name == "output_layer.weight") and stage == pp - 1:
+            out[name] = w
+    if tied and pp > 1 and stage == pp - 1:
+        out["output_layer.weight"] = shard["embedding.word_embeddings.weight"]
+    return out
+
+
+def read_hf_weights(model_dir: str) -> dict:
+    """The HF model's tensors as stored (safetensors, one file or an index of several)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    out: dict = {}
+    for name in files:
+        out |= load_file(os.path.join(model_dir, name))
+    return out
+
+
+def write_converted(model_dir: str, out_dir: str, config, tp: int, pp: int, te: bool) -> None:
+    """The HF weights of model_dir as a Megatron-LM checkpoint of iteration 1 (legacy format, one
+    mp_rank_TT[_PPP]/model_optim_rng.pt per TP x PP rank): what Megatron's pretrained_checkpoint loads. Not a
+    "release" checkpoint: at this commit _load_base_checkpoint reads one as no checkpoint at all (iteration -1)
+    and starts from random weights."""
+    import torch
+
+    layers = _dims(config)[1]
+    tied = bool(getattr(config, "tie_word_embeddings", config.model_type == "gpt2"))
+    shards = hf_to_megatron(read_hf_weights(model_dir), config, tp, te)
+    for t, shard in enumerate(shards):
+        for p in range(pp):
+            rank_dir = os.path.join(out_dir, "iter_0000001", f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""))
+            os.makedirs(rank_dir, exist_ok=True)
+            state = {"model": pipeline_stage(shard, layers, pp, p, tied), "checkpoint_version": 3.0, "iteration": 1}
+            torch.save(state, os.path.join(rank_dir, "model_optim_rng.pt"))
+    with open(os.path.join(out_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("1")
