@@ -286,7 +286,6 @@ def test_accelerate_still_says_no_for_nothing():
 @pytest.mark.parametrize(
     "launch, file_line, want",
     [
-        ((), None, "bfloat16"),  # the launcher says nothing: the run config's bf16
         (("--mixed_precision", "no"), None, "float32"),  # an explicit no on the launch line wins
         ((), "mixed_precision: 'no'", "float32"),  # so does one in the Accelerate config file
     ],

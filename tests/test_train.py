@@ -233,14 +233,6 @@ def test_packing_trains_and_counts_supervised_tokens(assets, tmp_path):
     assert all(r["loss"] > 0 for r in packed.train_rows)
 
 
-def test_bf16_mixed_precision_from_accelerate_config(assets, tmp_path):
-    args = base_args(assets.llama, assets.instruction, "--max_steps", "3", "--eval_fraction", "0.1")
-    res = finetune(tmp_path / "bf16", *args, launch_args=("--mixed_precision", "bf16"))
-    assert "mixed precision bf16" in res.output
-    fp32 = finetune(tmp_path / "fp32", *args)
-    assert max_rel(res.losses(), fp32.losses()) < 0.05  # same run, bf16 rounding only
-
-
 def test_python_m_and_script_entry_points(assets, tmp_path):
     """`python -m finetune`, and `accelerate launch finetune` (the directory as a script)."""
     args = base_args(assets.gpt2, assets.text, "--max_steps", "2", "--eval_fraction", "0")
