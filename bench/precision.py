@@ -212,6 +212,32 @@ def bf16_weights(work: Path, steps: int) -> list[dict]:
     return out
 
 
+def print_table(columns: list[str], rows: list[list[str]]) -> None:
+    """A markdown table (what docs/precision.md quotes); text columns left-aligned, numbers right."""
+    numeric = [all(c[:1].isdigit() or c[:1] in "-." for c in col if c) for col in zip(*rows)] if rows else []
+    print("\n| " + " | ".join(columns) + " |")
+    print("| " + " | ".join("---:" if n else "---" for n in numeric) + " |")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+def layout_cells(r: dict) -> list[str]:
+    if "export_dtype" not in r:  # the fp32-vs-bf16 row of one process: losses and update only
+        return [r["layout"], f"{r['loss_max_rel']:.1e}", f"{r['update_rel_l2']:.3f}", *[""] * 6]
+    ratio = r["step_s_bf16"] / r["step_s_fp32"]
+    return [
+        r["layout"],
+        f"{r['loss_max_rel']:.1e}",
+        f"{r['update_rel_l2']:.3f}",
+        f"{r['weight_max_abs']:.1e}",
+        "/".join(r["export_dtype"]),
+        r["compute_dtype"],
+        r["weights_dtype"],
+        f"{r['step_s_bf16']:.3f} / {r['step_s_fp32']:.3f} ({ratio:.2f}x)",
+        f"{r['peak_gb_bf16']:.2f} / {r['peak_gb_fp32']:.2f}",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="layouts,reduce,weights")
@@ -224,38 +250,25 @@ def main() -> None:
     t0 = time.time()
     if "layouts" in parts:
         result["layouts"] = layouts(work, opts.configs, opts.steps)
-        print(
-            "| layout | loss max rel | update rel L2 | weight max abs | export | compute | weights held | step s bf16 "
-            "/ fp32 | peak GB/rank bf16 / fp32 |\n| --- | ---: | ---: | ---: | --- | --- | --- | ---: | ---: |"
-        )
-        for r in result["layouts"]:
-            if "export_dtype" not in r:
-                print(f"| {r['layout']} | {r['loss_max_rel']:.1e} | {r['update_rel_l2']:.3f} | | | | | | |")
-                continue
-            print(
-                f"| {r['layout']} | {r['loss_max_rel']:.1e} | {r['update_rel_l2']:.3f} | {r['weight_max_abs']:.1e} | "
-                f"{'/'.join(r['export_dtype'])} | {r['compute_dtype']} | {r['weights_dtype']} | {r['step_s_bf16']:.3f} "
-                f"/ {r['step_s_fp32']:.3f} ({r['step_s_bf16'] / r['step_s_fp32']:.2f}x) | {r['peak_gb_bf16']:.2f} / "
-                f"{r['peak_gb_fp32']:.2f} |"
-            )
+        print_table(
+            ["layout", "loss max rel", "update rel L2", "weight max abs", "export", "compute", "weights held",
+             "step s bf16 / fp32", "peak GB/rank bf16 / fp32"],
+            [layout_cells(r) for r in result["layouts"]],
+        )  # fmt: skip
     if "reduce" in parts:
         result["reduce"] = reduce_cost(work, opts.steps)
-        print("\n| config (bf16, GA 2) | weights held | loss max rel vs single | step s | peak GB/rank |")
-        print("| --- | --- | ---: | ---: | ---: |")
-        for r in result["reduce"]:
-            print(
-                f"| {r['config']} | {r['weights_dtype']} | {r['loss_max_rel']:.1e} | {r['step_time_s']:.3f} | "
-                f"{r['peak_rss_gb']:.2f} |"
-            )
+        print_table(
+            ["config (bf16, GA 2)", "weights held", "loss max rel vs single", "step s", "peak GB/rank"],
+            [[r["config"], r["weights_dtype"], f"{r['loss_max_rel']:.1e}", f"{r['step_time_s']:.3f}",
+              f"{r['peak_rss_gb']:.2f}"] for r in result["reduce"]],
+        )  # fmt: skip
     if "weights" in parts:
         result["weights"] = bf16_weights(work, opts.weight_steps)
-        print("\n| lr | weights | first loss | mean loss, last 50 steps | weights never changed |")
-        print("| ---: | --- | ---: | ---: | ---: |")
-        for r in result["weights"]:
-            print(
-                f"| {r['learning_rate']:g} | {r['weights']} | {r['first_loss']:.4f} | {r['mean_loss_last_50']:.4f} | "
-                f"{100 * r['unchanged_weights']:.1f}% |"
-            )
+        print_table(
+            ["lr", "weights", "first loss", "mean loss, last 50 steps", "weights never changed"],
+            [[f"{r['learning_rate']:g}", r["weights"], f"{r['first_loss']:.4f}", f"{r['mean_loss_last_50']:.4f}",
+              f"{100 * r['unchanged_weights']:.1f}%"] for r in result["weights"]],
+        )  # fmt: skip
     result["command"] = " ".join(sys.argv)
     result["minutes"] = (time.time() - t0) / 60
     (ROOT / "bench" / "results").mkdir(exist_ok=True)

@@ -229,7 +229,7 @@ def weights_writer(
             net = model.build_model(args, tokenizer, label_names, cfg.data.max_seq_length, cfg.peft)
             copy_by_name(trainable_parameters(net), {n: s["param"] for n, s in resume.full_state().items()})
         with torch.no_grad():
-            net.to(getattr(torch, dtype)).save_pretrained(directory, safe_serialization=True)
+            net.to(model.DTYPES[dtype]).save_pretrained(directory, safe_serialization=True)
 
     return write
 

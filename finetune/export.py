@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from finetune.checkpoint import CONFIG_FILE, write_atomic
+from finetune.model import DTYPES, save_dtype
 
 LABELS_FILE = "labels.json"
 
@@ -39,7 +40,7 @@ def export(
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     if weights_from is None:
-        backend.save_pretrained(model, tmp, torch_dtype(dtype))  # every rank takes part
+        backend.save_pretrained(model, tmp, DTYPES[dtype])  # every rank takes part
     elif accelerator.is_main_process:
         with backend.one_process_loading():
             weights_from(tmp)
@@ -57,12 +58,6 @@ def export(
         os.replace(tmp, final)
     accelerator.wait_for_everyone()
     return final
-
-
-def torch_dtype(name: str):
-    import torch
-
-    return getattr(torch, name)
 
 
 def stamp_dtype(directory: str, dtype: str) -> None:
@@ -93,7 +88,7 @@ def merge_adapter(adapter_dir: str, out_dir: str, dtype: str | None = None) -> s
     if label_names:
         merged = AutoPeftModelForSequenceClassification.from_pretrained(
             adapter_dir,
-            dtype=torch_dtype("float32"),
+            dtype=DTYPES["float32"],
             num_labels=len(label_names),
             id2label=dict(enumerate(label_names)),
             label2id={n: i for i, n in enumerate(label_names)},
@@ -102,15 +97,14 @@ def merge_adapter(adapter_dir: str, out_dir: str, dtype: str | None = None) -> s
         with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
             seq2seq = json.load(f).get("task_type") == "SEQ_2_SEQ_LM"
         auto = AutoPeftModelForSeq2SeqLM if seq2seq else AutoPeftModelForCausalLM
-        merged = auto.from_pretrained(adapter_dir, dtype=torch_dtype("float32"))
+        merged = auto.from_pretrained(adapter_dir, dtype=DTYPES["float32"])
     if dtype is None:  # the base model's own dtype, as its config.json says
         from finetune.config import ModelArgs
-        from finetune.model import save_dtype
 
         with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
             base = json.load(f).get("base_model_name_or_path") or ""
         dtype = save_dtype(ModelArgs(model=base))
-    merged = merged.merge_and_unload().to(torch_dtype(dtype))
+    merged = merged.merge_and_unload().to(DTYPES[dtype])
     tmp = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     merged.save_pretrained(tmp, safe_serialization=True)

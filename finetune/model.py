@@ -232,7 +232,6 @@ class ModelFacts:
         )
 
 
-SAVE_DTYPES = ("float32", "bfloat16", "float16")
 # bench/precision.py --parts weights (docs/precision.md): what updating bf16 weights in place costs
 BF16_WEIGHTS_EVIDENCE = (
     "after 300 steps the mean loss of the last 50 was 2.55 with bfloat16 weights against 0.98 with fp32 master "
@@ -248,7 +247,7 @@ def save_dtype(m: ModelArgs) -> str:
     config = model_config(m)
     named = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     name = str(named).replace("torch.", "") if named is not None else "float32"
-    return name if name in SAVE_DTYPES else "float32"
+    return name if name in DTYPES and name != "auto" else "float32"
 
 
 def model_config(m: ModelArgs):

@@ -15,25 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, Result, base_args, finetune, free_port, run_killing_the_group
+from conftest import EXPECTED, ROOT, Result, base_args, finetune, free_port, run_killing_the_group
 from safetensors.torch import load_file
 
 LOSS_RTOL = 3e-3
 UPDATE_RTOL = 0.06
 # Every layout of the promise, with the distributed type and world size each must come up as.
-LAYOUTS = {
-    "single": ("NO", 1),
-    "ddp": ("MULTI_CPU", 2),
-    "zero1": ("DEEPSPEED", 2),
-    "zero2": ("DEEPSPEED", 2),
-    "zero2_offload": ("DEEPSPEED", 2),
-    "zero3": ("DEEPSPEED", 2),
-    "zero3_offload": ("DEEPSPEED", 2),
-    "fsdp2": ("FSDP", 2),
-    "fsdp2_offload": ("FSDP", 2),
-    "tp2": ("MULTI_CPU", 2),
-    "tp2_fsdp2": ("FSDP", 4),
-}
+LAYOUTS = {**EXPECTED, "tp2": ("MULTI_CPU", 2)}
 
 
 def train_rows(out) -> list[dict]:

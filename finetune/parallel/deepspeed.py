@@ -162,7 +162,7 @@ class Backend(ddp.Backend):
 
     def __init__(self, accelerator, topology, cfg: RunConfig):
         super().__init__(accelerator, topology, cfg)
-        self.autocast = bf16_through_autocast(accelerator.state.deepspeed_plugin)
+        bf16_through_autocast(accelerator.state.deepspeed_plugin)
 
     def fp32_master_weights(self) -> bool:
         return self.mixed_precision in ("bf16", "fp16")  # fp32 weights under autocast, or fp32 masters
