@@ -676,6 +676,9 @@ def test_bad_input_exits_2_with_one_clear_message(case: Case, assets, no_chat_mo
     elapsed = time.perf_counter() - start
     output = stdout + stderr
     shown = f"argv: {args}\n--- output:\n{output[-4000:]}"
+    if os.environ.get("FINETUNE_CORPUS_DUMP"):  # the messages, to compare two commits' corpus output
+        with open(os.environ["FINETUNE_CORPUS_DUMP"], "a") as dump:
+            dump.write(f"== {case.id} ({returncode})\n{stderr.replace(str(tmp_path), '<tmp>')}\n")
 
     assert returncode == 2, shown
     assert "Traceback" not in output, shown
