@@ -19,7 +19,7 @@ checkpoint's full weights (the same files a resume under another layout reads: c
 one process and written to final/ like any export, under every backend that writes them (Megatron-LM's own
 checkpoints do not: refused there at start).
 
-No torch import at module level: config validation calls best_problems.
+Its config rules (metric_for_best_model, patience, ...) are in finetune.config.rules.
 """
 
 from __future__ import annotations
@@ -31,108 +31,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.config import DEFAULT_METRICS, RunConfig, TrainArgs, has_eval_data, shipped_metrics, sources_of
+from finetune.config import RunConfig, TrainArgs
+from finetune.config.rules import effective_metric, greater_is_better
 
 logger = logging.getLogger("finetune")
-LOSS_LIKE = ("loss", "perplexity")
-
-
-def metric_key(name: str) -> str:
-    """transformers' rule: a metric name without the eval_ prefix gets it."""
-    return name if name.startswith("eval_") else f"eval_{name}"
-
-
-def effective_metric(t: TrainArgs) -> str | None:
-    if t.metric_for_best_model:
-        return metric_key(t.metric_for_best_model)
-    return "eval_loss" if t.load_best_model_at_end else None
-
-
-def greater_is_better(t: TrainArgs, metric: str) -> bool:
-    if t.greater_is_better is not None:
-        return t.greater_is_better
-    return not metric.endswith(LOSS_LIKE)
-
-
-def computed_metrics(cfg: RunConfig) -> tuple[list[str], list[str]]:
-    """(the eval keys this run reports, prefixes of the keys of metric modules whose keys only they know).
-    Per source too (eval_<name>_...) for a mixture."""
-    names = cfg.train.metrics if cfg.train.metrics is not None else DEFAULT_METRICS[cfg.model.task]
-    shipped = set(shipped_metrics())
-    keys = ["loss"] + (["perplexity"] if cfg.model.task != "classification" else [])
-    keys += [n for n in names if n in shipped]  # accuracy, f1, exact_match report their own name
-    prefixes = [os.path.basename(n.rstrip("/")) for n in names if n not in shipped]  # e.g. rouge -> rougeL
-    scopes = [""]
-    if cfg.data.datasets and all(isinstance(e, dict) for e in cfg.data.datasets):
-        scopes += [f"{s.name}_" for s in sources_of(cfg.data)]
-    keys = [f"eval_{s}{k}" for s in scopes for k in keys]
-    prefixes = [f"eval_{s}{k}" for s in scopes for k in prefixes]
-    if cfg.train.generation_max_new_tokens:  # scored on the whole eval set only: eval_exact_match, eval_rougeL, ...
-        prefixes += [f"eval_{m}" for m in cfg.train.generation_metrics]
-    return keys, prefixes
-
-
-def best_problems(cfg: RunConfig, has_eval: bool | None = None) -> list[tuple[str, str]]:
-    """What keeps the best-checkpoint and early-stopping settings from working, each with its fix."""
-    t = cfg.train
-    has_eval = has_eval_data(cfg.data) if has_eval is None else has_eval
-    p: list[tuple[str, str]] = []
-    metric = effective_metric(t)
-    if t.metric_for_best_model is not None:
-        keys, prefixes = computed_metrics(cfg)
-        if not has_eval:
-            p.append(
-                (
-                    "metric_for_best_model",
-                    "is set but there is no eval data; give eval_dataset, eval_split or eval_fraction > 0",
-                )
-            )
-        elif metric not in keys and not metric.startswith(tuple(prefixes)):
-            p.append(
-                (
-                    "metric_for_best_model",
-                    f"{t.metric_for_best_model!r} is never computed: this run's eval reports {', '.join(keys)}"
-                    f"{' and the keys of ' + ', '.join(prefixes) if prefixes else ''}; set one of them",
-                )
-            )
-    if t.load_best_model_at_end:
-        if not has_eval:
-            p.append(("load_best_model_at_end", "needs eval data: give eval_dataset, eval_split or eval_fraction > 0"))
-        elif not t.eval_steps:
-            p.append(("load_best_model_at_end", "needs evaluations during training: set eval_steps"))
-        elif not t.save_steps:
-            p.append(
-                (
-                    "load_best_model_at_end",
-                    "needs checkpoints to load the best from: set save_steps (a multiple of eval_steps)",
-                )
-            )
-        elif t.save_steps % t.eval_steps:
-            up = -(-t.save_steps // t.eval_steps) * t.eval_steps
-            p.append(
-                (
-                    "save_steps",
-                    f"must be a multiple of eval_steps ({t.eval_steps}) with load_best_model_at_end (as in transformers: "
-                    f"every regular checkpoint is an evaluated one), got {t.save_steps}; set save_steps: {up}",
-                )
-            )
-    if t.early_stopping_patience is not None:
-        if t.early_stopping_patience < 1:
-            p.append(("early_stopping_patience", f"must be >= 1 or null (off), got {t.early_stopping_patience}"))
-        elif metric is None:
-            p.append(
-                (
-                    "early_stopping_patience",
-                    "needs the metric that must keep improving: set metric_for_best_model (e.g. eval_loss)",
-                )
-            )
-        elif not has_eval or not t.eval_steps:
-            p.append(("early_stopping_patience", "needs evaluations during training: set eval_steps (and eval data)"))
-    if t.early_stopping_threshold < 0:
-        p.append(("early_stopping_threshold", f"must be >= 0, got {t.early_stopping_threshold}"))
-    elif t.early_stopping_threshold and t.early_stopping_patience is None:
-        p.append(("early_stopping_threshold", "has no effect without early_stopping_patience; set it, or drop this"))
-    return p
 
 
 @dataclass(frozen=True)

@@ -165,7 +165,7 @@ def config_facts(args: argparse.Namespace, overrides: list[str]) -> dict:
     A bad config is a ConfigError rendered into the facts: the rank still arrives, and rank 0 reports it."""
     if not args.config and not overrides:
         return {"config_hash": None, "config_error": None, "output_dir": args.output_dir}
-    from finetune.cli import parse
+    from finetune.config import parse
 
     argv = (["--config", args.config] if args.config else []) + overrides
     argv += ["--output_dir", args.output_dir] if args.output_dir else []

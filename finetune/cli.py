@@ -7,110 +7,16 @@ accelerate launch --config_file accelerate_configs/ddp.yaml finetune --config RU
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import difflib
 import os
 import signal
 import sys
 
 from finetune.checkpoint import CheckpointWriteError
 from finetune.cluster import STOP, Diverged, Preempted, Stopped
-from finetune.config import (
-    NESTED,
-    SECTIONS,
-    ConfigError,
-    all_fields,
-    build_config,
-    field_type,
-    load_yaml,
-    parse_cli_value,
-)
+from finetune.config import ConfigError
+from finetune.config.load import parse
 from finetune.launcher_report import write_error_file
 from finetune.report import PushFailed
-
-DESCRIPTION = """\
-Fine-tune a Hugging Face model. The run config (YAML, --config) says what to train; every field
-can be overridden on the command line. The parallelism is chosen by the Accelerate config:
-
-  finetune --config examples/sft.yaml                                      # one process
-  finetune parity --config examples/sft.yaml --steps 10                    # same losses under every backend?
-  finetune merge outputs/sft/final                                         # adapter + base -> one model
-  finetune check --config examples/sft.yaml                                # preflight: launch it like the run
-  finetune plan --config examples/sft.yaml --num_gpus 8 --gpu_memory 80GB  # memory per rank, which config fits
-  finetune plot outputs/ddp outputs/zero3 -o parity.png                    # several runs' curves in one PNG
-  accelerate launch --config_file accelerate_configs/ddp.yaml finetune --config examples/sft.yaml --max_steps 50
-"""
-
-EPILOG = """\
-Outputs (under output_dir): metrics.jsonl (one JSON row per logged step and per eval), curves.png,
-checkpoints/step_N (resumable; checkpoints/latest names the newest), final/ (a standard HF model
-directory with tokenizer, the effective run config and a model card, README.md), logs/rank<N>.log
-(every rank's log, with the third-party warnings kept off the screen), runs/ (TensorBoard, with
-report_to: [tensorboard]). Exit code 2 means bad input."""
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="finetune",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        allow_abbrev=False,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--config", metavar="FILE.yaml", help="Run config (YAML mapping of the fields below).")
-    for section, cls in SECTIONS.items():
-        group = parser.add_argument_group(f"{section} ({cls.__doc__.strip()})")
-        for f in dataclasses.fields(cls):
-            base, optional, item = field_type(section, f.name)
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            shown = "required" if default == "" else f"default: {default!r}"
-            kw: dict = {"metavar": (item or base).__name__.upper() + ("[,...]" if item else "")}
-            if item is dict:  # a list of mappings (datasets): YAML text
-                kw = {"metavar": "YAML"}
-            if base is bool:
-                kw = {"nargs": "?", "const": "true", "metavar": "BOOL"}
-            name = f"{section}.{f.name}" if section in NESTED else f.name
-            group.add_argument(f"--{name}", default=argparse.SUPPRESS, help=f"{f.metadata['help']} ({shown})", **kw)
-    return parser
-
-
-def parse(argv: list[str]):
-    """argv -> RunConfig. Raises ConfigError listing every problem (file, unknown flags, values)."""
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    problems = unknown_option_problems(unknown)
-    values = {}
-    if args.config:
-        values = load_yaml(args.config)
-    elif not problems:
-        problems.append(("--config", "missing: pass a run-config YAML (see examples/), or give --model and --dataset"))
-        if "model" in vars(args) and ("dataset" in vars(args) or "datasets" in vars(args)):
-            problems.pop()
-    overrides = {k: parse_cli_value(k, v) for k, v in vars(args).items() if k != "config"}
-    if not args.config and not overrides:  # nothing given at all: the one thing to say is how to start
-        raise ConfigError(problems)
-    try:
-        cfg = build_config({**values, **overrides})
-    except ConfigError as e:
-        raise ConfigError(problems + e.problems) from None
-    if problems:
-        raise ConfigError(problems)
-    return cfg
-
-
-def unknown_option_problems(unknown: list[str], extra_flags: tuple[str, ...] = ()) -> list[tuple[str, str]]:
-    """What argparse left over: unknown options (with the closest known one) and stray arguments."""
-    problems: list[tuple[str, str]] = []
-    flags = [f"--{name}" for name in all_fields()] + list(extra_flags)
-    for i, token in enumerate(unknown):
-        if token.startswith("-"):
-            close = difflib.get_close_matches(token.split("=")[0], flags, n=1, cutoff=0.6)
-            problems.append(
-                (token, "unknown option" + (f"; did you mean {close[0]}?" if close else "; see finetune --help"))
-            )
-        elif not (i and unknown[i - 1].startswith("-")):  # not the value of an unknown option
-            problems.append((token, "unexpected argument; options take the form --field value"))
-    return problems
 
 
 def _is_main_rank() -> bool:

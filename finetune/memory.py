@@ -579,7 +579,7 @@ Every run config field works as a flag (see finetune --help); dataset is not nee
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from finetune.cli import build_parser as run_parser
+    from finetune.config import build_parser as run_parser
 
     parser = run_parser()
     parser.prog = "finetune plan"
@@ -644,8 +644,7 @@ def host_memory_gb() -> float | None:
 
 def parse(argv: list[str]) -> tuple[RunConfig, Machines, int | None, list[Path] | None]:
     """argv -> (run config, machines, target global batch, configs); every problem in one ConfigError."""
-    from finetune.cli import unknown_option_problems
-    from finetune.config import build_config, load_yaml, parse_cli_value
+    from finetune.config import build_config, load_yaml, parse_cli_value, unknown_option_problems
     from finetune.parity import accelerate_config_path
 
     parser = build_parser()

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from finetune.cli import parse
 from finetune.config import (
     RUN_MARKERS,
     ConfigError,
@@ -21,6 +20,7 @@ from finetune.config import (
     all_fields,
     build_config,
     load_yaml,
+    parse,
 )
 
 ROOT = Path(__file__).resolve().parents[1]

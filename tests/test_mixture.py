@@ -134,7 +134,7 @@ def test_dataset_and_datasets_together_or_an_empty_list(files):
 
 
 def test_datasets_on_the_command_line_is_yaml(files, tmp_path):
-    from finetune.cli import parse
+    from finetune.config import parse
 
     text = f"[{{dataset: {files['chat']}, weight: 2}}, {{dataset: {files['alpaca']}}}]"
     cfg = parse(["--model", files["model"], "--datasets", text, "--output_dir", str(tmp_path / "o")])

@@ -1,0 +1,155 @@
+"""What the config's values say about the disk and the environment, checked before anything loads:
+local model and data files, shipped metrics offline, the Hub token, output_dir and resume_from_checkpoint."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from finetune.config.rules import encoder_decoder_problems
+from finetune.config.schema import DATA_EXTENSIONS, HUB_REPO_ID, RUN_MARKERS, TrainArgs, hub_repo_id, shipped_metrics
+
+
+def looks_local(spec: str) -> bool:
+    """True when a model/dataset spec names a local path rather than a Hub id."""
+    return (
+        spec.startswith((".", "/", "~"))
+        or Path(spec).suffix.lower() in DATA_EXTENSIONS
+        or any(c in spec for c in "*?[")
+        or spec.count("/") > 1
+        or os.path.exists(spec)
+    )
+
+
+def data_files(spec: str) -> list[str]:
+    """The files a local dataset spec names: the files its glob matches, and the data files under the
+    directories it matches."""
+    import glob
+
+    files = []
+    for p in sorted(glob.glob(os.path.expanduser(spec))):
+        if os.path.isdir(p):
+            files += sorted(str(f) for f in Path(p).rglob("*") if f.suffix.lower() in DATA_EXTENSIONS)
+        elif os.path.isfile(p):
+            files.append(p)
+    return files
+
+
+def check_data_path(problems: list, key: str, spec: str) -> None:
+    if not looks_local(spec):
+        return
+    import glob
+
+    if not any(os.path.isfile(p) or os.path.isdir(p) for p in glob.glob(os.path.expanduser(spec))):
+        problems.append((key, f"no file or directory matches {spec!r}; give an existing path or a Hub dataset id"))
+        return
+    files = data_files(spec)
+    extensions = ", ".join(DATA_EXTENSIONS)
+    unsupported = [f for f in files if Path(f).suffix.lower() not in DATA_EXTENSIONS]
+    kinds = sorted({DATA_EXTENSIONS.get(Path(f).suffix.lower()) for f in files} - {None})
+    unreadable = [f for f in files if not os.access(f, os.R_OK)]
+    empty = [f for f in files if f not in unreadable and os.path.getsize(f) == 0]
+    if unsupported:
+        problems.append((key, f"{unsupported[0]!r} has an unsupported extension; use one of {extensions}"))
+    elif not files:
+        problems.append(
+            (key, f"{spec!r} holds no data files; add {extensions} files to it, or give the files themselves")
+        )
+    elif len(kinds) > 1:
+        problems.append(
+            (key, f"{spec!r} names files of {len(kinds)} kinds ({', '.join(kinds)}); give files of one kind")
+        )
+    elif unreadable:
+        problems.append((key, f"{unreadable[0]!r} is not readable; fix its permissions"))
+    elif empty:
+        problems.append((key, f"{empty[0]!r} is empty; give a file with examples (or leave it out)"))
+
+
+def check_model_config(problems: list, model_dir: str, max_seq_length: int, task: str = "causal_lm") -> None:
+    """What the model directory's config.json alone tells: that it is readable, how many positions fit, and
+    whether it is an encoder-decoder (task seq2seq) or not."""
+    import json
+
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        problems.append(("model", f"cannot read {path} ({e}); point at a directory saved with save_pretrained"))
+        return
+    if not isinstance(config, dict):
+        config = {}
+    problems += encoder_decoder_problems(
+        task, bool(config.get("is_encoder_decoder")), model_dir, config.get("model_type")
+    )
+    limit = config.get("max_position_embeddings") or config.get("n_positions")
+    if isinstance(limit, int) and not isinstance(limit, bool) and max_seq_length > limit:
+        problems.append(
+            (
+                "max_seq_length",
+                f"{max_seq_length} is beyond what {model_dir!r} supports "
+                f"(max_position_embeddings={limit}); set max_seq_length <= {limit}",
+            )
+        )
+
+
+def hub_offline() -> bool:
+    return any(
+        os.environ.get(k, "").upper() in ("1", "ON", "YES", "TRUE") for k in ("HF_HUB_OFFLINE", "HF_EVALUATE_OFFLINE")
+    )
+
+
+def check_metrics(problems: list, names: list[str], key: str = "metrics") -> None:
+    """Offline, only the metrics shipped with finetune and local metric directories can load."""
+    if not hub_offline():
+        return
+    shipped = shipped_metrics()
+    missing = [n for n in names if n not in shipped and not os.path.exists(n)]
+    if missing:
+        problems.append(
+            (
+                key,
+                f"{', '.join(map(repr, missing))} not shipped with finetune and the Hub is offline (HF_HUB_OFFLINE); "
+                f"use {', '.join(shipped)} or the path of a local evaluate metric",
+            )
+        )
+
+
+def check_hub(problems: list, t: TrainArgs) -> None:
+    """push_to_hub: a valid repository name, the Hub reachable by configuration, and a token; said before
+    anything loads (not after hours of training). The token itself is only looked up, never kept."""
+    import re
+
+    if not t.push_to_hub:
+        return
+    if not re.fullmatch(HUB_REPO_ID, hub_repo_id(t)) or ".." in hub_repo_id(t):
+        problems.append(
+            (
+                "hub_model_id",
+                f"{hub_repo_id(t)!r} is not a Hub repository name; give namespace/name or name "
+                "(letters, digits, '-', '_', '.')",
+            )
+        )
+    if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        problems.append(
+            (
+                "push_to_hub",
+                "the Hub is offline here (HF_HUB_OFFLINE is set); unset HF_HUB_OFFLINE on a machine "
+                "with network, or set push_to_hub: false and upload final/ later (`hf upload`)",
+            )
+        )
+        return
+    from huggingface_hub import get_token
+
+    if not get_token():
+        problems.append(
+            (
+                "push_to_hub",
+                "no Hugging Face token found; run `hf auth login` or set HF_TOKEN, or set push_to_hub: false",
+            )
+        )
+
+
+def previous_run_in(output_dir: str) -> list[str]:
+    """The markers of a previous run found in output_dir (empty if none)."""
+    return [m for m in RUN_MARKERS if os.path.exists(os.path.join(output_dir, m))]

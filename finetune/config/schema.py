@@ -1,0 +1,415 @@
+"""The run config's schema: typed sections (dataclasses whose field docs are `--help`), the choices each field takes, and coercion of a YAML or command-line value to a field's type.
+
+A run config is a flat YAML mapping (``model: ...``, ``dataset: ...``, ``learning_rate: ...``).
+Every field can also be given on the command line as ``--<field> <value>``, which wins
+over the file. Field names follow transformers' ``TrainingArguments`` where one exists.
+
+The parallelism is *not* here: it is in the Accelerate config file given to ``accelerate launch``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TASKS = ("causal_lm", "classification", "seq2seq")
+
+
+FORMATS = ("auto", "text", "instruction", "chat", "classification", "source_target")
+
+
+GENERATION_METRICS = ("exact_match", "rouge", "bleu")  # scored on generated text (generation_metrics)
+
+
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+MIXED_PRECISIONS = ("auto", "no", "bf16", "fp16")
+
+
+SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+
+
+PREEMPTION_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGTERM")
+
+
+CPU_ALLOCATORS = ("keep", "release", "system")
+
+
+DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+
+
+SHIPPED_METRICS = Path(__file__).parents[1] / "metric_modules"  # evaluate modules that load offline
+
+
+DEFAULT_METRICS = {"causal_lm": [], "classification": ["accuracy", "f1"], "seq2seq": []}  # eval metrics by task
+
+
+# Files whose presence in output_dir means "a previous run lives here".
+RUN_MARKERS = ("metrics.jsonl", "checkpoints", "final", "run_config.yaml", "logs", "curves.png", "runs")
+
+
+def shipped_metrics() -> list[str]:
+    """The names of the evaluate modules shipped in SHIPPED_METRICS (they load offline)."""
+    return sorted(p.name for p in SHIPPED_METRICS.iterdir() if p.is_dir())
+
+
+class ConfigError(Exception):
+    """One or more problems with the user's input. Each is (key, message) and names the fix."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = problems
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        n = len(self.problems)
+        lines = [f"finetune: {n} problem{'s' if n > 1 else ''} in the run config:"]
+        lines += [f"  - {key}: {msg}" for key, msg in self.problems]
+        return "\n".join(lines)
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ModelArgs:
+    """Which model to fine-tune and how to load it."""
+
+    model: str = _f("", "Hub id or local directory of the base model.")
+    task: str = _f(
+        "causal_lm",
+        f"What to train: one of {', '.join(TASKS)}. seq2seq: an encoder-decoder (T5, BART; AutoModelForSeq2SeqLM) "
+        "reads the prompt (or source) and learns to write the response (or target).",
+    )
+    torch_dtype: str = _f(
+        "float32",
+        "dtype the weights are loaded in and the optimizer updates: float32 (recommended: fp32 master weights, "
+        "the compute precision is mixed_precision's), bfloat16, float16 or auto (the checkpoint's own). Full "
+        "fine-tuning of 16-bit weights loses the updates below their resolution where nothing keeps fp32 master "
+        "weights (single, DDP, TP; DeepSpeed and FSDP2 keep them under mixed precision): warned at start, with the "
+        "measurement (docs/precision.md). LoRA on a 16-bit base is fine.",
+    )
+    mixed_precision: str = _f(
+        "auto",
+        "Compute precision when `accelerate launch` names none (its --mixed_precision, or a mixed_precision line in "
+        "the Accelerate config, wins whenever it is there): auto = bf16 on GPUs that support it (Ampere and newer), "
+        "fp32 on a CPU or an older GPU; no = fp32; bf16; fp16 (GPUs only, with loss scaling; refused on a CPU). "
+        "The precision that really ran is observed from the model and logged in every metrics row.",
+    )
+    save_dtype: str = _f(
+        "auto",
+        "dtype of the exported model (final/, merged/, the best checkpoint's export): float32, bfloat16, float16, "
+        "or auto = the base model's own (its config.json dtype; float32 when it names none). Written from the "
+        "full-precision weights the optimizer updates, cast once, the same under every Accelerate config.",
+    )
+    trust_remote_code: bool = _f(False, "Run model/tokenizer code shipped with the checkpoint. Off unless asked.")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+    attn_implementation: str | None = _f(
+        None, "Attention kernel (eager, sdpa, flash_attention_2); default: transformers' choice."
+    )
+    chat_template: str | None = _f(None, "Jinja chat template (text or a file path) for tokenizers without one.")
+
+
+@dataclass
+class DataArgs:
+    """Where the examples come from and how they become token ids."""
+
+    dataset: str = _f("", "Hub dataset id, or a local .json/.jsonl/.csv/.parquet/.txt file, glob or directory.")
+    datasets: list[dict] | None = _f(
+        None,
+        "A weighted mixture instead of `dataset` (YAML list, or YAML text on the command line): each source a "
+        "mapping of the per-source data fields (dataset, format, *_column, eval_dataset/eval_split/eval_fraction, "
+        "...; left out: the top-level value) plus weight (> 0) and name (default: the file stem). Each epoch "
+        "draws as many rows as all sources hold, weight / sum of weights of them from each source; eval is "
+        "reported per source (eval_<name>_loss) and overall. See README, 'Dataset mixtures'.",
+    )
+    dataset_config: str | None = _f(None, "Hub dataset configuration name.")
+    train_split: str = _f("train", "Split used for training.")
+    eval_dataset: str | None = _f(None, "Separate eval data (same forms as `dataset`).")
+    eval_split: str | None = _f(None, "Split of `dataset` (or `eval_dataset`) used for eval.")
+    eval_fraction: float = _f(
+        0.05,
+        "When no eval data/split is given: fraction of train held out for eval (deterministic from seed); 0 disables eval.",
+    )
+    format: str = _f("auto", f"Example format: one of {', '.join(FORMATS)}; auto picks from the columns.")
+    text_column: str = _f("text", "Column with raw text (text and classification formats).")
+    text_pair_column: str | None = _f(None, "Optional second text column (classification of sentence pairs).")
+    prompt_column: str = _f("prompt", "Instruction format: prompt column (alpaca's instruction/input also accepted).")
+    prompt_template: str = _f(
+        "### Instruction:\n{prompt}\n\n### Response:\n",
+        "Instruction format: how a prompt is shown to the model; must contain {prompt}.",
+    )
+    response_column: str = _f("response", "Instruction format: response column (alpaca's output also accepted).")
+    messages_column: str = _f("messages", "Chat format: column of [{role, content}] lists.")
+    source_column: str = _f("source", "source_target format (task seq2seq): column the encoder reads.")
+    target_column: str = _f("target", "source_target format (task seq2seq): column the decoder learns to write.")
+    label_column: str = _f("label", "Classification format: label column (int ids or strings).")
+    max_seq_length: int = _f(512, "Tokens per example; longer examples are truncated, raw text is chunked to it.")
+    packing: bool = _f(False, "Pack several short examples into each row (causal LM), attention kept per example.")
+    length_aware_batching: bool = _f(
+        False,
+        "Split each global batch into micro batches of similar token cost (long examples in smaller micro "
+        "batches, short ones in larger): less padding, and ranks wait less for each other. The examples of "
+        "each optimizer step stay the same; per_device_train_batch_size becomes the average rows per micro batch.",
+    )
+    max_train_samples: int | None = _f(None, "Use only the first N training examples (debugging).")
+    preprocessing_num_workers: int | None = _f(None, "Processes for tokenization (datasets.map num_proc).")
+
+
+@dataclass
+class TrainArgs:
+    """The optimisation: schedule, batch sizes, logging, checkpoints."""
+
+    output_dir: str = _f("outputs/run", "Where metrics.jsonl, checkpoints/ and final/ are written.")
+    overwrite_output_dir: bool = _f(False, "Replace a previous run in output_dir (refused otherwise).")
+    max_steps: int = _f(-1, "Optimizer steps to run; -1 uses num_train_epochs.")
+    num_train_epochs: float = _f(1.0, "Epochs to run when max_steps is -1.")
+    per_device_train_batch_size: int = _f(8, "Micro batch per process.")
+    per_device_eval_batch_size: int = _f(8, "Eval batch per process.")
+    gradient_accumulation_steps: int = _f(1, "Micro batches per optimizer step on each process.")
+    learning_rate: float = _f(5e-5, "Peak learning rate (AdamW).")
+    weight_decay: float = _f(0.0, "AdamW weight decay (not applied to biases and norm weights).")
+    adam_beta1: float = _f(0.9, "AdamW beta1.")
+    adam_beta2: float = _f(0.999, "AdamW beta2.")
+    adam_epsilon: float = _f(1e-8, "AdamW epsilon.")
+    lr_scheduler_type: str = _f("linear", f"One of {', '.join(SCHEDULERS)}.")
+    warmup_steps: int = _f(0, "Linear warmup steps (wins over warmup_ratio when > 0).")
+    warmup_ratio: float = _f(0.0, "Warmup as a fraction of the total steps.")
+    max_grad_norm: float = _f(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
+    logging_steps: int = _f(10, "Log a metrics.jsonl row every N optimizer steps.")
+    eval_steps: int | None = _f(None, "Evaluate every N optimizer steps (always at the end when there is eval data).")
+    eval_on_start: bool = _f(False, "Evaluate once before training (shows the starting point).")
+    save_steps: int | None = _f(500, "Checkpoint every N optimizer steps (always at the end).")
+    save_total_limit: int | None = _f(None, "Keep only the newest N checkpoints.")
+    metric_for_best_model: str | None = _f(
+        None,
+        "The eval metric that picks the best checkpoint (eval_loss, eval_perplexity, eval_accuracy, "
+        "eval_<source>_loss ...; `loss` means eval_loss, as in transformers). Default with "
+        "load_best_model_at_end: eval_loss.",
+    )
+    greater_is_better: bool | None = _f(
+        None, "Whether a larger metric_for_best_model is better; default: false for loss and perplexity, else true."
+    )
+    load_best_model_at_end: bool = _f(
+        False,
+        "Export the best checkpoint's weights (by metric_for_best_model) to final/ instead of the last step's; "
+        "needs eval_steps and save_steps a multiple of it. A new best is checkpointed when it is evaluated, "
+        "and save_total_limit never prunes it.",
+    )
+    early_stopping_patience: int | None = _f(
+        None,
+        "Stop when metric_for_best_model has not improved (by more than early_stopping_threshold) for this many "
+        "evaluations in a row; every rank stops at the same step, with a checkpoint.",
+    )
+    early_stopping_threshold: float = _f(
+        0.0, "How much metric_for_best_model must improve on the best so far to reset early_stopping_patience."
+    )
+    seed: int = _f(42, "Seed for init, data order and dropout; results do not depend on the world size.")
+    resume_from_checkpoint: str | None = _f(
+        None,
+        "'latest', a checkpoint directory, or 'auto' (resume when output_dir has a checkpoint, else start fresh: "
+        "for launchers that restart failed jobs).",
+    )
+    metrics: list[str] | None = _f(
+        None, "Eval metrics: names shipped with finetune (accuracy, f1) or any evaluate.load name; default by task."
+    )
+    generation_max_new_tokens: int | None = _f(
+        None,
+        "Generation eval: at every eval, greedily generate up to this many tokens for eval prompts (an eval "
+        "example without its answer) and score them against the answers with generation_metrics; null or 0: off.",
+    )
+    generation_num_examples: int | None = _f(
+        64, "Generation eval: how many eval examples to generate for (the first N of the eval set); null: all."
+    )
+    generation_metrics: list[str] = _f(
+        list(GENERATION_METRICS),
+        f"Generation eval: metrics of the generated text against the answers ({', '.join(GENERATION_METRICS)}, "
+        "shipped with finetune; or an evaluate module taking text predictions and references). Eval rows get "
+        "eval_exact_match, eval_rougeL, eval_bleu, ...; a few samples go to metrics.jsonl.",
+    )
+    preemption_signal: str = _f(
+        "SIGUSR1",
+        "Besides SIGTERM, the signal that asks the run to stop for preemption (SLURM: --signal=USR1@300): every "
+        "rank finishes the optimizer step in progress, a checkpoint is written, and the run exits; "
+        "--resume_from_checkpoint auto continues from it.",
+    )
+    ddp_timeout: int | None = _f(
+        None,
+        "Seconds a collective may wait for the other ranks before the run fails (a dead or stuck rank); "
+        "default 600 on CPU, 1800 on GPU. Raise it when rank 0 tokenizes a very large dataset.",
+    )
+    cpu_allocator: str = _f(
+        "keep",
+        "CPU runs on Linux (glibc): what happens to the large buffers a step frees. keep: kept for the next step "
+        "(no mmap, no trim below 2 GB): no page faults to refill them, steps up to ~1.5x faster on small models, "
+        "a somewhat higher resident peak; release: returned at once (mmap above 64 KB, trim at 0): the lowest "
+        "resident peak (what `finetune plan` estimates), slower steps; system: glibc's own thresholds. MALLOC_* "
+        "variables in the environment win over it. Ignored on GPUs.",
+    )
+    ddp_find_unused_parameters: bool = _f(
+        False, "DDP: detect parameters that get no gradient (slower; needed by some models)."
+    )
+    sync_batchnorm: bool = _f(False, "DDP: convert BatchNorm layers to SyncBatchNorm.")
+    dataloader_num_workers: int | None = _f(
+        None,
+        "Worker processes per data loader; default: 2 on a GPU (the next batches are collated while the GPU "
+        "computes; batches are also put in pinned memory there), 0 on a CPU (the cores are busy training).",
+    )
+    report_to: list[str] = _f(
+        [],
+        "Trackers that get every metrics row and the run config, through accelerate: tensorboard (files in "
+        "output_dir/runs), wandb, mlflow, trackio, comet_ml, aim, clearml, dvclive, swanlab, or all (every one "
+        "installed); metrics.jsonl and curves.png are always written.",
+    )
+    run_name: str | None = _f(
+        None, "Name of the run in the trackers, the model card and `finetune plot` (default: output_dir's name)."
+    )
+    tracker_project: str = _f(
+        "finetune",
+        "Project (wandb, trackio, comet_ml), experiment (mlflow) or run folder (tensorboard) the trackers log to.",
+    )
+    push_to_hub: bool = _f(
+        False,
+        "At the end, the main process uploads final/ (model or adapter, tokenizer, model card; merged/ too) to the "
+        "Hugging Face Hub. Needs a token (`hf auth login` or HF_TOKEN; never saved or logged), checked before "
+        "training starts.",
+    )
+    hub_model_id: str | None = _f(
+        None, "Hub repository (namespace/name, or name under your account); default: output_dir's name."
+    )
+    hub_private_repo: bool | None = _f(
+        None, "Create the Hub repository as private (default: the Hub's default, public)."
+    )
+    disable_tqdm: bool = _f(False, "No progress bar (a log line every logging_steps instead).")
+
+
+PEFT_METHODS = ("none", "lora", "dora")
+
+
+@dataclass
+class PeftArgs:
+    """Adapters (a `peft:` mapping in YAML; --peft.<field> on the command line). Off by default."""
+
+    method: str = _f("none", f"One of {', '.join(PEFT_METHODS)}; none trains every weight.")
+    r: int = _f(8, "Adapter rank.")
+    alpha: float = _f(16.0, "Adapter scaling numerator (lora_alpha); the update is scaled by alpha / r.")
+    dropout: float = _f(0.0, "Dropout on the adapter input.")
+    target_modules: list[str] = _f(["all-linear"], "Module names to adapt, or [all-linear].")
+    modules_to_save: list[str] | None = _f(
+        None, "Modules trained in full and saved with the adapter; a classifier head is added automatically."
+    )
+    adapter: str | None = _f(None, "An existing adapter directory to continue training from.")
+    merge: bool = _f(False, "Also write final/merged: the base model with the adapter merged in.")
+    load_in_4bit: bool = _f(False, "QLoRA: load the base model in 4 bit (bitsandbytes; CUDA only).")
+
+
+SECTIONS = {"model": ModelArgs, "data": DataArgs, "train": TrainArgs, "peft": PeftArgs}
+
+
+NESTED = ("peft",)  # sections written as a mapping in YAML and as --<section>.<field> on the command line
+
+
+@dataclass
+class RunConfig:
+    """The whole run config: one section per builder. Flat in YAML and on the command line."""
+
+    model: ModelArgs = field(default_factory=ModelArgs)
+    data: DataArgs = field(default_factory=DataArgs)
+    train: TrainArgs = field(default_factory=TrainArgs)
+    peft: PeftArgs = field(default_factory=PeftArgs)
+
+    def to_flat(self) -> dict[str, Any]:
+        """The effective config as the YAML a user would write (what is saved next to every export)."""
+        flat: dict[str, Any] = {}
+        for name in SECTIONS:
+            values = dataclasses.asdict(getattr(self, name))
+            if name in NESTED:
+                flat[name] = values
+            else:
+                flat.update(values)
+        return flat
+
+
+def all_fields() -> dict[str, tuple[str, dataclasses.Field]]:
+    """field name -> (section, dataclasses.Field), for every run-config field."""
+    out = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            name = f"{section}.{f.name}" if section in NESTED else f.name
+            assert name not in out, f"duplicate field {name}"
+            out[name] = (section, f)
+    return out
+
+
+def field_type(section: str, name: str) -> tuple[type, bool, type | None]:
+    """(base type, optional?, list item type) of a field, from its annotation."""
+    hint = typing.get_type_hints(SECTIONS[section])[name.removeprefix(f"{section}.")]
+    optional = False
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        optional = type(None) in args
+        hint = next(a for a in args if a is not type(None))
+    if typing.get_origin(hint) is list:
+        return list, optional, typing.get_args(hint)[0]
+    return hint, optional, None
+
+
+def coerce(section: str, name: str, value: Any) -> tuple[Any, str | None]:
+    """Check `value` against the field's type. Returns (value, error message or None)."""
+    base, optional, item = field_type(section, name)
+    if value is None:
+        return (None, None) if optional else (value, f"must not be empty (expected {base.__name__})")
+    if base is bool:
+        if isinstance(value, bool):
+            return value, None
+        return value, f"expected true or false, got {value!r}"
+    if base in (int, float) and isinstance(value, str):
+        try:  # YAML 1.1 reads 1e-3 (no dot) as a string; users write it anyway
+            value = float(value)
+        except ValueError:
+            pass
+    if base is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            return value, f"expected an integer, got {value!r}"
+        return int(value), None
+    if base is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return value, f"expected a number, got {value!r}"
+        return float(value), None
+    if base is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
+            return value, f"expected a list of {item.__name__}, got {value!r}"
+        return value, None
+    if base is str:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value), None
+        if not isinstance(value, str):
+            return value, f"expected a string, got {value!r}"
+        return value, None
+    raise AssertionError(f"unhandled type {base} for {name}")
+
+
+HUB_REPO_ID = r"(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*"
+
+
+def hub_repo_id(train: TrainArgs) -> str:
+    """hub_model_id, or output_dir's name (as transformers' Trainer does)."""
+    return train.hub_model_id or Path(os.path.abspath(train.output_dir)).name
+
+
+def choice(problems: list, key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        close = difflib.get_close_matches(value, choices, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        problems.append((key, f"{value!r} is not one of {', '.join(choices)}{hint}"))
