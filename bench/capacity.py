@@ -4,7 +4,7 @@ savings   one Llama-shaped model large enough that model states dominate (defaul
           369M parameters, fp32), trained a few steps on 2 ranks under DDP, ZeRO-2 and ZeRO-3: the training-phase
           peak per rank of each, and ZeRO's as a fraction of DDP's (targets: ZeRO-2 <= 0.8x, ZeRO-3 <= 0.6x).
 capacity  for a memory budget per rank, the most layers (at a fixed width) each config can train according to
-          `finetune plan` (finetune.memory.largest_llama), then a real run at that size whose measured peak must
+          `finetune plan` (finetune.sizing.largest_llama), then a real run at that size whose measured peak must
           stay within the budget (target: ZeRO-3's largest model >= 1.8x DDP's parameter count).
 
 Both parts ask the planner first and never start a run it says will not fit, or whose two ranks together
@@ -23,6 +23,7 @@ import shutil
 import sys
 
 import harness
+import sizing
 
 NAME = "capacity"
 TITLE = "ZeRO: memory per rank vs DDP, and the largest model in a budget"
@@ -56,7 +57,7 @@ def estimate(ctx: harness.Context, hidden: int, layers: int) -> dict[str, tuple[
     from finetune import memory
 
     cfg = planner_config(ctx)
-    shape = memory.shape_from_config(cfg, config=memory.llama_config(hidden, layers))
+    shape = memory.shape_from_config(cfg, config=sizing.llama_config(hidden, layers))
     machines = memory.Machines(num_gpus=0, cpu_processes=2)
     out = {}
     for name in CONFIGS:
@@ -80,18 +81,17 @@ def refuse_unless_it_fits(what: str, planned_gb: float) -> None:
 
 
 def build_llama(ctx: harness.Context, hidden: int, layers: int) -> str:
-    """The planner's Llama shape (finetune.memory.llama_config: 32k vocabulary), randomly initialised, saved once."""
+    """The planner's Llama shape (finetune.sizing.llama_config: 32k vocabulary), randomly initialised, saved once."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune import memory
 
     path = ctx.work / f"llama_h{hidden}_l{layers}"
     if not (path / "config.json").exists():
         harness.log(f"  building a {hidden} x {layers} Llama under {path}")
         harness.assets(ctx)  # the tokenizer, under work/
         tok = AutoTokenizer.from_pretrained(ctx.work / "tokenizer")
-        config = memory.llama_config(hidden, layers)
+        config = sizing.llama_config(hidden, layers)
         config.pad_token_id, config.bos_token_id, config.eos_token_id = (
             tok.pad_token_id,
             tok.bos_token_id,
@@ -153,7 +153,7 @@ def capacity(ctx: harness.Context) -> dict:
     cfg, machines = planner_config(ctx), memory.Machines(num_gpus=0, cpu_processes=2)
     result = {"hidden": hidden, "budget_gb": budget, "configs": {}}
     for name in CONFIGS:
-        found = memory.largest_llama(
+        found = sizing.largest_llama(
             hidden, budget, cfg, harness.ROOT / "accelerate_configs" / f"{name}.yaml", machines
         )
         if found is None:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import harness
 
-from finetune import parity
+from finetune.commands import parity
 
 ROOT = harness.ROOT
 

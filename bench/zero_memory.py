@@ -16,7 +16,7 @@ import sys
 
 import harness
 
-from finetune import parity
+from finetune.commands import parity
 
 NAME = "zero_memory"
 TITLE = "ZeRO: train peak per rank vs DDP"

@@ -33,8 +33,8 @@ from typing import Any
 
 import yaml
 
-from finetune.cluster import fault_point
 from finetune.config import ConfigError
+from finetune.faults import fault_point
 
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"

@@ -6,17 +6,16 @@ accelerate launch --config_file accelerate_configs/ddp.yaml finetune --config RU
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
 
 from finetune.checkpoint import CheckpointWriteError
-from finetune.cluster import STOP, Diverged, Preempted, Stopped
 from finetune.config import ConfigError
 from finetune.config.load import parse
 from finetune.launcher_report import write_error_file
 from finetune.report import PushFailed
+from finetune.stop import STOP, Diverged, Preempted, Stopped
 
 
 def _is_main_rank() -> bool:
@@ -31,21 +30,23 @@ def run_cli(argv: list[str] | None = None) -> int:
     """
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["parity"]:
-        from finetune.parity import main as parity
+        from finetune.commands.parity import main as parity
 
         return parity(argv[1:])
     if argv[:1] == ["merge"]:
+        from finetune.commands.merge import main as merge
+
         return merge(argv[1:])
     if argv[:1] == ["plan"]:
-        from finetune.memory import main as plan
+        from finetune.commands.plan import main as plan
 
         return plan(argv[1:])
     if argv[:1] == ["plot"]:
-        from finetune.report import plot_main
+        from finetune.commands.plot import main as plot
 
-        return plot_main(argv[1:])
+        return plot(argv[1:])
     if argv[:1] == ["check"]:
-        from finetune.check import main as check
+        from finetune.commands.check import main as check
 
         return check(argv[1:])
     cfg = None
@@ -97,7 +98,7 @@ def _stopping(e: BaseException, rank: str, cfg) -> int | None:
 
     if not is_peer_failure(e):
         return None
-    from finetune.cluster import explain_hang
+    from finetune.watchdog import explain_hang
 
     first = (str(e).strip().splitlines() or [""])[0][:300]
     message = (
@@ -164,29 +165,3 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def merge(argv: list[str]) -> int:
-    """`finetune merge ADAPTER_DIR [--output DIR]`: base model + adapter -> one plain model directory."""
-    parser = argparse.ArgumentParser(prog="finetune merge", description=merge.__doc__)
-    parser.add_argument("adapter", help="an adapter directory written by finetune (e.g. outputs/run/final)")
-    parser.add_argument("--output", help="where to write the merged model (default: ADAPTER/merged)")
-    args = parser.parse_args(argv)
-    if not os.path.isfile(os.path.join(args.adapter, "adapter_config.json")):
-        print(
-            ConfigError(
-                [
-                    (
-                        "adapter",
-                        f"{args.adapter!r} has no adapter_config.json; give the final/ directory of an adapter run",
-                    )
-                ]
-            ).render(),
-            file=sys.stderr,
-        )
-        return 2
-    from finetune.export import merge_adapter
-
-    out = merge_adapter(args.adapter, args.output or os.path.join(args.adapter, "merged"))
-    print(f"merged model saved to {os.path.abspath(out)} (load it with from_pretrained)")
-    return 0

@@ -5,23 +5,17 @@
   fetch_model(...)     Hub downloads: each machine's local main first, the others from its cache
   probe_storage(...)   is output_dir one filesystem every machine sees, or one per machine?
   describe(...)        machines, processes per machine, hosts and the rendezvous, for the start log
-  Watchdog             hang forensics: a rank stuck past ddp_timeout writes its Python stack to
-                       output_dir/logs/, and the message names the ranks that did not answer
-  STOP                 preemption: SIGTERM or train.preemption_signal ends the run at a step boundary,
-                       with a checkpoint
   from_writer(...)     a value computed by the process that writes a machine's files, for every process
 
-On one machine all of this reduces to what a single-node run did before (one writer, no probe).
+On one machine all of this reduces to what a single-node run did before (one writer, no probe). Stopping a run is
+in stop.py, hang forensics in watchdog.py, fault injection (tests) in faults.py.
 """
 
 from __future__ import annotations
 
-import faulthandler
 import logging
 import os
-import signal
 import socket
-import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -67,9 +61,6 @@ def fetch_model(acc, name: str) -> None:
 
 # What from_pretrained reads for a model and its tokenizer (no .bin/.h5/.msgpack/.onnx duplicates).
 FETCHED_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja", "*.py"]
-
-
-# ---------------------------------------------------------------- storage
 
 
 @dataclass(frozen=True)
@@ -189,62 +180,6 @@ def from_writer(acc, storage: Storage, compute):
     return mine
 
 
-# ---------------------------------------------------------------- preemption
-
-
-class Stopped(BaseException):
-    """A stop signal before training started (or after it ended): the launcher ends the survivors when a rank
-    dies, or the job was cancelled. A BaseException, as KeyboardInterrupt is: it arrives anywhere (in the middle of
-    reading the data, say), and no `except Exception` on the way may take it for that code's own failure (a
-    damaged data file was reported once)."""
-
-
-class Preempted(Exception):
-    """The run stopped at a step boundary on a stop signal, after writing a checkpoint."""
-
-    def __init__(self, signame: str, step: int, checkpoint: str):
-        super().__init__(f"{signame} at step {step}")
-        self.signame, self.step, self.checkpoint = signame, step, checkpoint
-
-
-class Diverged(Exception):
-    """A non-finite loss or gradient norm: the run stops at that step and exports nothing."""
-
-
-class StopRequest:
-    """SIGTERM (a scheduler's preemption; torchrun forwards it to every rank and waits 30 s before SIGKILL) and
-    train.preemption_signal. Before training starts, a signal stops the process at once (Stopped). While it
-    trains, the signal is only noted: the flag rides on the all-reduce every optimizer step starts with, so
-    all ranks see it at the same step boundary, write a checkpoint there and stop (loop.train)."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self.armed = False
-
-    def install(self, *names: str) -> None:
-        for name in {"SIGTERM", *names}:
-            signal.signal(getattr(signal, name), self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        if not self.armed:
-            raise Stopped()
-        self.signum = signum
-
-    @property
-    def requested(self) -> bool:
-        return self.signum is not None
-
-    @property
-    def signame(self) -> str:
-        return signal.Signals(self.signum).name if self.signum else ""
-
-
-STOP = StopRequest()
-
-
-# ---------------------------------------------------------------- the start log
-
-
 def describe(acc, num_machines: int) -> str:
     """Machines, processes per machine, hosts and rendezvous: one line for the start log."""
     from accelerate.utils import gather_object
@@ -262,106 +197,3 @@ def describe(acc, num_machines: int) -> str:
         f"machines: {num_machines} x {per_machine} process(es) per machine = {acc.num_processes} "
         f"(hosts {names}); {rendezvous}"
     )
-
-
-# ---------------------------------------------------------------- hang forensics
-
-
-class Watchdog:
-    """Hang forensics for multi-process runs.
-
-    Every optimizer step re-arms a timer (faulthandler, a C thread that runs even while Python is stuck
-    in a collective or in I/O). A process that makes no progress for `timeout` seconds, which is the
-    collective timeout (ddp_timeout), writes the Python stack of every thread to
-    output_dir/logs/stacks_rank<N>.txt. When a collective then fails, `not_answering` names the ranks
-    that never reported the failure themselves: the stuck or dead ones.
-    """
-
-    def __init__(self, acc, output_dir: str, timeout: float):
-        import torch.distributed as dist
-
-        self.rank, self.world, self.timeout = acc.process_index, acc.num_processes, timeout
-        self.store = dist.distributed_c10d._get_default_store() if self.world > 1 and dist.is_initialized() else None
-        self.prefix = f"finetune/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
-        self.file = None
-        if self.store is not None:
-            logs = os.path.join(output_dir, "logs")
-            os.makedirs(logs, exist_ok=True)
-            self.path = os.path.join(logs, f"stacks_rank{self.rank}.txt")
-            self.file = open(self.path, "w")
-
-    def beat(self) -> None:
-        """Progress: restart the clock."""
-        if self.file is not None:
-            faulthandler.dump_traceback_later(self.timeout * 0.9, exit=False, file=self.file)
-
-    def stop(self) -> None:
-        if self.file is not None:
-            faulthandler.cancel_dump_traceback_later()
-
-    def not_answering(self, wait: float = 5.0) -> list[int]:
-        """After a failed collective: ranks that did not report the same failure within `wait` seconds."""
-        if self.store is None:
-            return []
-        self.stop()
-        faulthandler.dump_traceback(file=self.file, all_threads=True)
-        self.file.flush()
-        self.store.set(f"{self.prefix}/failed/{self.rank}", "1")
-        keys = {r: f"{self.prefix}/failed/{r}" for r in range(self.world)}
-        deadline = time.monotonic() + wait
-        while True:
-            missing = [r for r, k in keys.items() if not self.store.check([k])]
-            if not missing or time.monotonic() > deadline:
-                return missing
-            time.sleep(0.2)
-
-    def describe(self, missing: list[int]) -> str:
-        where = os.path.dirname(self.path) if self.file is not None else "output_dir/logs"
-        if not missing:
-            return f"Every rank saw the failure; Python stacks: {where}/stacks_rank*.txt."
-        ranks = ", ".join(str(r) for r in missing)
-        return (
-            f"Rank(s) {ranks} did not answer (stuck or dead); the stacks of the ranks that were still alive are "
-            f"in {where}/stacks_rank*.txt (a stuck rank's shows where it waits)."
-        )
-
-
-def fault_point(name: str, step: int) -> None:
-    """Fault injection for the crash, hang and storage tests: FINETUNE_FAULT=<name>:<step>[:<rank>]. A name
-    starting with "hang-" makes that process stop answering (sleep), "enospc-" raises the error a full disk
-    gives; any other name kills it (SIGKILL) there."""
-    spec = os.environ.get("FINETUNE_FAULT", "").split(":")
-    if len(spec) < 2 or spec[0] != name or int(spec[1]) != step:
-        return
-    if len(spec) >= 3 and spec[2] != os.environ.get("RANK", "0"):
-        return
-    if name.startswith("hang-"):  # until the launcher stops the job (SIGTERM), as it would kill a stuck process
-        while not STOP.requested:
-            time.sleep(0.2)
-        os._exit(143)
-    if name.startswith("enospc-"):
-        import errno
-
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"(injected at {name} {step})")
-    os.kill(os.getpid(), 9)
-
-
-_active: Watchdog | None = None  # the run's watchdog, for the error report in finetune.cli
-
-
-def start_watchdog(acc, output_dir: str, timeout: float) -> Watchdog:
-    global _active
-    _active = Watchdog(acc, output_dir, timeout)
-    return _active
-
-
-def explain_hang() -> str:
-    """For the message after a failed collective: who did not answer, where the stacks are."""
-    if _active is None or _active.store is None:
-        return ""
-    try:
-        return _active.describe(_active.not_answering())
-    except Stopped:  # the launcher ends the survivors while this rank waits for their answers
-        return "(the launcher stopped this rank while it asked the other ranks)"
-    except Exception as e:  # the store may be gone with the launcher
-        return f"(could not ask the other ranks: {type(e).__name__})"

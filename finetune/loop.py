@@ -18,12 +18,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from finetune.cluster import STOP, Diverged, Preempted, fault_point
 from finetune.config import TrainArgs
+from finetune.faults import fault_point
 from finetune.metrics import MetricsLog
 from finetune.mixture import summarize_by_source
 from finetune.parallel import Plan, global_batch_index
 from finetune.report import CURVES_EVERY_S, write_curves
+from finetune.stop import STOP, Diverged, Preempted
 
 logger = logging.getLogger("finetune")
 
@@ -60,7 +61,7 @@ class Run:
     n_labels: int | None
     log: MetricsLog
     checkpointer: Any  # finetune.checkpoint.Checkpointer
-    watchdog: Any  # finetune.cluster.Watchdog: hang forensics
+    watchdog: Any  # finetune.watchdog.Watchdog: hang forensics
     extra: dict[str, Any] = field(default_factory=dict)  # constant facts added to every log row
     flops_per_token: float = 0.0  # model FLOPs per trained token (model.ModelFacts)
     peak_flops: float | None = None  # all devices together; None: MFU not reported
@@ -138,7 +139,7 @@ class _Window:
 
 def train(run: Run, state: TrainState) -> dict[str, float]:
     """Run optimizer steps from state.step to plan.total_steps; log, evaluate and checkpoint. A stop signal
-    (cluster.STOP) ends it at the next step boundary with a checkpoint; a non-finite step ends it at once."""
+    (stop.STOP) ends it at the next step boundary with a checkpoint; a non-finite step ends it at once."""
     STOP.armed = True
     try:
         return _train(run, state)

@@ -100,7 +100,7 @@ def peak_memory(device: torch.device) -> dict[str, float]:
 
 def report_memory(accelerator, log, step: int, startup: dict, training: dict, estimate: dict | None = None) -> None:
     """Every rank's peak memory per phase (loading/preparing, training, save and export): logged and in metrics.jsonl,
-    with the run's own estimate of the training peak next to them (estimate_train_peak_gb, finetune/memory.py)."""
+    with the run's own estimate of the training peak next to them (estimate_train_peak_gb, finetune/memory/)."""
     from accelerate.utils import gather_object
 
     phases = {"startup": startup, "train": training, "save_export": peak_memory(accelerator.device)}

@@ -40,6 +40,7 @@ from finetune import (
     optim,
     parallel,
     report,
+    watchdog,
 )
 from finetune.config import RUN_MARKERS, ConfigError, RunConfig
 
@@ -327,7 +328,7 @@ def build_loop(
         n_labels=len(ds.label_names) if ds.label_names else None,
         log=metrics.MetricsLog(t.output_dir, enabled=acc.is_main_process),
         checkpointer=ckpt,
-        watchdog=cluster.start_watchdog(acc, t.output_dir, parallel.collective_timeout(t)),
+        watchdog=watchdog.start_watchdog(acc, t.output_dir, parallel.collective_timeout(t)),
         extra={"world_size": topo.num_processes, "distributed_type": topo.distributed_type, **observed},
         flops_per_token=facts.flops_per_token,
         peak_flops=peak,

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 from conftest import ROOT, run_killing_the_group, two_machines
 
-from finetune import check
+from finetune.commands import check
 from finetune.launching import finetune_command
 
 REAL_TRANSFORMERS = metadata.version("transformers")

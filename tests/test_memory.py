@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,7 @@ GRID = [
 ]
 DEFAULT = {("large", "ddp", "no"), ("large", "zero3", "no"), ("small", "zero3", "bf16")}
 # `cpu_allocator: release`: glibc returns freed blocks to the system at once (what the estimate assumes on a CPU,
-# finetune/memory.py); with its default dynamic thresholds it keeps freed blocks under 32 MiB, and ZeRO-3's per-step
+# finetune/memory/); with its default dynamic thresholds it keeps freed blocks under 32 MiB, and ZeRO-3's per-step
 # gathers left 0.25-0.33 GB per rank more resident at 35M parameters.
 
 
@@ -292,20 +293,23 @@ def test_largest_llama_in_a_budget():
     """For a capacity benchmark: the most layers that fit a per-rank budget; one more does not; ZeRO-3 fits more
     than DDP in the same budget (not 2x: with the shipped stage3_max_reuse_distance every parameter stays gathered
     from its forward to its backward, 4 of ZeRO-3's 12 bytes per parameter at 2 ranks)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import sizing  # bench/sizing.py: a benchmark's helper, tested here
+
     cfg = run_config("(config given)", max_seq_length=256)
     machines = memory.Machines(cpu_processes=2)
     found = {}
     for name in ("ddp", "zero3"):
         path = ROOT / "accelerate_configs" / f"{name}.yaml"
-        layers, shape, est = memory.largest_llama(1024, 6.0, cfg, path, machines)
+        layers, shape, est = sizing.largest_llama(1024, 6.0, cfg, path, machines)
         assert est.host_gb <= 6.0 and shape.layers == layers
-        exact = memory.shape_from_config(cfg, config=memory.llama_config(1024, layers))  # built, not extrapolated
+        exact = memory.shape_from_config(cfg, config=sizing.llama_config(1024, layers))  # built, not extrapolated
         assert exact == shape
-        bigger = memory.shape_from_config(cfg, config=memory.llama_config(1024, layers + 1))
+        bigger = memory.shape_from_config(cfg, config=sizing.llama_config(1024, layers + 1))
         assert memory.plan_config(bigger, cfg, path, machines).host_gb > 6.0
         found[name] = shape.total
     assert found["zero3"] > 1.1 * found["ddp"]
-    assert memory.largest_llama(1024, 0.1, cfg, ROOT / "accelerate_configs" / "ddp.yaml", machines) is None
+    assert sizing.largest_llama(1024, 0.1, cfg, ROOT / "accelerate_configs" / "ddp.yaml", machines) is None
 
 
 # ---------------------------------------------------------------- the command

@@ -196,7 +196,7 @@ def test_finetune_plot_overlays_runs_in_one_png(tmp_path, capsys):
     assert code == 0 and "(3 runs)" in capsys.readouterr().out
     width, height = png_size(out)
     assert (width, height) == (1200, 750) and out.stat().st_size > 20_000
-    runs = [(report._label(tmp_path / n), report.read_rows(tmp_path / n)) for n in ("ddp", "zero2", "zero3")]
+    runs = [(report.run_label(tmp_path / n), report.read_rows(tmp_path / n)) for n in ("ddp", "zero2", "zero3")]
     assert [label for label, _ in runs] == ["ddp", "zero2", "zero3 offload"]
     assert len(report.build_figure(runs).axes[0].lines) == 6
     assert run_cli(["plot", str(tmp_path / "nothing")]) == 2

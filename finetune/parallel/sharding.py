@@ -1,6 +1,6 @@
 """Memory facts of each backend: how a rank holds its share of the model states, and the buffers the backend adds.
 
-`finetune plan` (finetune/memory.py) asks this module, and only this module, what differs between DDP, the
+`finetune plan` (finetune/memory/) asks this module, and only this module, what differs between DDP, the
 ZeRO stages, FSDP2, tensor parallelism and Megatron-LM. It works from an Accelerate config file without
 launching anything (`read_config_file`), or from a running job's Topology (`from_topology`).
 

@@ -24,17 +24,13 @@ MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0, what `cpu_allocator: rele
 Llama with a 32k vocabulary, micro batch 16 x 128, one process, peaked at 2.02 GB with keep, 1.47 with release and
 1.57 with glibc's defaults, against an estimate of 1.51. With glibc's default dynamic thresholds freed blocks under
 32 MiB stay resident; ZeRO-3, which gathers and frees every parameter each step, then measured 13-17% above the
-estimate at 35M parameters on 2 ranks (1.84-1.93 GB against 1.60; 1.60 with the settings above).
-"""
+estimate at 35M parameters on 2 ranks (1.84-1.93 GB against 1.60; 1.60 with the settings above)."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import math
-import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,8 +39,13 @@ from finetune.parallel import sharding
 from finetune.parallel.topology import Topology
 
 logger = logging.getLogger("finetune")
-ROOT = Path(__file__).resolve().parents[1]
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
 GB = 1e9
+
 
 # A CPU rank's resident size in the training phase besides its model states, activations and buffers: the Python
 # interpreter with torch, transformers, accelerate, datasets, the model code, the tokenized data and the process
@@ -52,10 +53,19 @@ GB = 1e9
 # README "Plan memory"): 0.56 GB per DDP rank; a DeepSpeed rank 0.03 GB more (deepspeed's import and its engine;
 # it was 0.08 until finetune.parallel.deepspeed.compile_on_first_call kept torch's compiler from loading).
 FRAMEWORK_GB = 0.56
+
+
 DEEPSPEED_EXTRA_GB = 0.03
+
+
 CUDA_CONTEXT_GB = 0.75  # the CUDA context and kernels of torch on one GPU (0.5-1 GB depending on the GPU)
+
+
 GPU_HEADROOM = 0.9  # a GPU config fits when its device estimate is under 90% of the GPU's memory
+
+
 HOST_HEADROOM = 0.9  # and the host estimate of all ranks of a machine under 90% of its memory
+
 
 # The order of preference among the shipped configs: the fastest first (least sharding, no offload).
 PREFERENCE = [
@@ -73,10 +83,9 @@ PREFERENCE = [
     "fsdp2_offload",
     "zero3_offload",
 ]
+
+
 GPU_ONLY = ("megatron_tp2", "megatron_tp2_pp2")
-
-
-# ---------------------------------------------------------------- the model's shape, from its config
 
 
 @dataclass(frozen=True)
@@ -189,78 +198,6 @@ def shape_from_config(cfg: RunConfig, num_labels: int = 2, config=None) -> Model
     return ModelShape.of_model(net, config, weight_bytes)
 
 
-def llama_config(hidden: int, layers: int, vocab: int = 32000, head_dim: int = 64):
-    """A Llama-shaped transformers config: SwiGLU MLP of ~8/3 x hidden (rounded to 64), one head per 64 dims."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=64 * round(8 * hidden / 3 / 64),
-        num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // head_dim),
-        num_key_value_heads=max(1, hidden // head_dim),
-        vocab_size=vocab,
-        max_position_embeddings=131072,
-        tie_word_embeddings=False,
-    )
-
-
-def with_layers(one: ModelShape, two: ModelShape, layers: int) -> ModelShape:
-    """The shape of the same model with `layers` decoder layers, from its 1- and 2-layer shapes (everything but the
-    root grows by one layer's worth per layer): no need to build a deep model to size it."""
-    from collections import Counter
-
-    per_layer = Counter(two.tensor_sizes) - Counter(one.tensor_sizes)
-    root = Counter(one.tensor_sizes) - per_layer
-    sizes = sorted(root.elements()) + sorted(n for n in per_layer.elements() for _ in range(layers))
-    grow = layers - 1
-    return dataclasses.replace(
-        one,
-        total=one.total + grow * one.layer_params,
-        trainable=one.trainable + grow * (two.trainable - one.trainable),
-        layers=layers,
-        tp_splittable=one.tp_splittable + grow * (two.tp_splittable - one.tp_splittable),
-        tensor_sizes=tuple(sorted(sizes)),
-    )
-
-
-def largest_llama(
-    hidden: int,
-    budget_gb: float,
-    cfg: RunConfig,
-    accelerate_config: Path,
-    machines: Machines,
-    vocab: int = 32000,
-    max_layers: int = 1024,
-) -> tuple[int, ModelShape, Estimate] | None:
-    """The most layers a Llama of this width can have and still train within `budget_gb` per rank (device memory on
-    GPUs, resident memory on CPUs) under this Accelerate config; None when even one layer does not fit. For
-    capacity benchmarks: the peak memory grows with the layers, so a bisection finds the boundary."""
-
-    one, two = (shape_from_config(cfg, config=llama_config(hidden, n, vocab)) for n in (1, 2))
-
-    def trial(layers: int) -> tuple[ModelShape, Estimate]:
-        shape = with_layers(one, two, layers)
-        return shape, plan_config(shape, cfg, accelerate_config, machines)
-
-    def within(est: Estimate) -> bool:
-        return est.topology is not None and (est.device_gb if machines.on_gpu else est.host_gb) <= budget_gb
-
-    lo, hi = 0, max_layers + 1  # within(lo) holds (0: nothing yet), within(hi) does not
-    best = None
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        shape, est = trial(mid)
-        if within(est):
-            lo, best = mid, (mid, shape, est)
-        else:
-            hi = mid
-    return best
-
-
-# ---------------------------------------------------------------- activations and logits
-
-
 def activation_elements(s: ModelShape, batch: int, seq: int, tp: int = 1, eager_attention: bool = False) -> float:
     """Elements autograd saves per decoder layer for backward, for a pre-norm decoder (Llama, Mistral, Qwen, GPT-2).
 
@@ -320,9 +257,6 @@ def peak_bytes(parts: list, on_host: bool) -> float:
     mine = [p for p in parts if p.on_host == on_host]
     always = sum(p.bytes for p in mine if p.phase == sharding.ALWAYS)
     return always + max(sum(p.bytes for p in mine if p.phase == phase) for phase in (sharding.BACKWARD, sharding.STEP))
-
-
-# ---------------------------------------------------------------- the estimate of one config on some machines
 
 
 @dataclass(frozen=True)
@@ -466,77 +400,6 @@ def plan(shape: ModelShape, cfg: RunConfig, machines: Machines, configs: list[Pa
     return [plan_config(shape, cfg, p, machines) for p in configs or shipped_configs()]
 
 
-@dataclass
-class Recommendation:
-    config: str
-    micro_batch: int
-    gradient_accumulation_steps: int
-    gradient_checkpointing: bool
-    estimate: Estimate | None
-    why: str
-
-
-def recommend(
-    shape: ModelShape,
-    cfg: RunConfig,
-    machines: Machines,
-    global_batch: int | None = None,
-    configs: list[Path] | None = None,
-) -> Recommendation:
-    """The fastest config that fits (PREFERENCE: least sharding, no offload) and the largest micro batch that fits
-    for the target global batch (micro x accumulation x data parallel); gradient checkpointing only when nothing
-    fits without it."""
-    paths = configs or shipped_configs()
-    t = cfg.train
-    target = global_batch or t.per_device_train_batch_size * t.gradient_accumulation_steps * machines.processes
-    for checkpointing in sorted({cfg.model.gradient_checkpointing, True}):
-        run = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, gradient_checkpointing=checkpointing))
-        for path in paths:
-            if path.stem == "single" and machines.processes > 1:  # plan for every device the job has
-                continue
-            first = plan_config(shape, run, path, machines, micro_batch=1)
-            if first.topology is None:
-                continue
-            dp = first.topology.dp
-            if target % dp:
-                continue
-            per_rank = target // dp
-            for micro in sorted((d for d in range(1, per_rank + 1) if per_rank % d == 0), reverse=True):
-                est = plan_config(shape, run, path, machines, micro, per_rank // micro)
-                if est.fits:
-                    faster = [
-                        p.stem for p in paths[: paths.index(path)] if p.stem != "single" or machines.processes == 1
-                    ]
-                    why = _why(est, machines, faster)
-                    return Recommendation(path.stem, micro, per_rank // micro, checkpointing, est, why)
-    return Recommendation(
-        "",
-        0,
-        0,
-        True,
-        None,
-        f"nothing fits on {machines.describe()}, even at micro batch 1 with gradient checkpointing and offload: "
-        "use more or larger devices, a shorter max_seq_length, or LoRA (peft.method: lora)",
-    )
-
-
-def _why(est: Estimate, machines: Machines, faster: list[str]) -> str:
-    where = (
-        f"{est.device_gb:.1f} GB of {machines.gpu_memory_gb:g} GB per GPU"
-        if machines.on_gpu
-        else f"{est.host_gb:.2f} GB per process"
-    )
-    reason = f"it needs {where}"
-    if faster:
-        reason += f"; the faster {', '.join(faster)} {'does' if len(faster) == 1 else 'do'} not fit at this batch"
-    if est.gradient_checkpointing:
-        reason += "; only with gradient checkpointing (recomputes activations: ~30% more compute)"
-    return reason
-
-
-# ---------------------------------------------------------------- the run's own estimate (run.py)
-
-
 def run_estimate(cfg: RunConfig, accelerator, backend, net) -> Estimate:
     """This run's per-rank estimate for its own topology, from the built model (logged at start)."""
     import torch
@@ -559,241 +422,3 @@ def train_peak_estimate(est: Estimate, device) -> dict[str, float]:
     """What metrics.report_memory logs next to the measured training peak: on a GPU the device estimate (compare
     peak_gpu_allocated), on the CPU the resident-size estimate (compare peak_rss)."""
     return {"estimate_train_peak_gb": round(est.device_gb if device.type == "cuda" else est.host_gb, 4)}
-
-
-# ---------------------------------------------------------------- `finetune plan`
-
-PLAN_DESCRIPTION = """\
-Plan memory: for every shipped Accelerate config, what one rank needs to train this model (parameters,
-gradients, optimizer states, master copies, activations, logits, buffers, overhead), on the device and on
-the host, whether it fits, and the config and micro batch x accumulation to use. Reads only the model's
-config: no weights, no GPU needed.
-
-  finetune plan --config examples/sft.yaml
-  finetune plan --model meta-llama/Llama-3.1-8B --max_seq_length 4096 --per_device_train_batch_size 2 \\
-      --num_gpus 16 --gpus_per_node 8 --gpu_memory 80GB --host_memory 1TB --global_batch_size 64
-  finetune plan --model ./my_model --peft.method lora --num_gpus 1 --gpu_memory 24GB
-
-Without --num_gpus on a machine without a GPU it plans for this machine: 2 processes sharing its memory.
-Every run config field works as a flag (see finetune --help); dataset is not needed."""
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from finetune.config import build_parser as run_parser
-
-    parser = run_parser()
-    parser.prog = "finetune plan"
-    parser.description = PLAN_DESCRIPTION
-    parser.epilog = (
-        "Sizes take a unit (80GB, 80GiB, 1TB; a bare number is GB). Exit code 2 means bad input. "
-        "The estimate formulas and their sources: finetune/memory.py and finetune/parallel/sharding.py."
-    )
-    group = parser.add_argument_group("plan (the machines to plan for)")
-    group.add_argument("--num_gpus", type=str, help="GPUs in the job (default: this machine's; none: CPU processes)")
-    group.add_argument("--gpus_per_node", type=str, help="GPUs per machine (default: min(num_gpus, 8))")
-    group.add_argument("--gpu_memory", help="memory of one GPU, e.g. 80GB (required with --num_gpus)")
-    group.add_argument(
-        "--host_memory",
-        help="memory of one machine, e.g. 512GB (default: this machine's MemTotal for CPU processes; unchecked for GPUs)",
-    )
-    group.add_argument("--num_processes", type=str, help="CPU processes when planning without GPUs (default: 2)")
-    group.add_argument(
-        "--global_batch_size", type=str, help="target rows per optimizer step (default: the run config's batch)"
-    )
-    group.add_argument(
-        "--configs",
-        help="comma-separated Accelerate configs (names or files) to plan, the preferred first (default: every shipped one, fastest first)",
-    )
-    return parser
-
-
-def parse_size_gb(key: str, text: str) -> float:
-    """'80GB', '80GiB', '1TB', '80' (GB) -> GB."""
-    import re
-
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]i?[bB]?)?\s*", text or "")
-    if not m or float(m.group(1)) <= 0:
-        raise ConfigError([(key, f"{text!r} is not a memory size; write it like 80GB, 80GiB or 1TB")])
-    value, unit = float(m.group(1)), (m.group(2) or "GB").upper().rstrip("B")
-    scale = {"K": 1e-6, "M": 1e-3, "G": 1.0, "T": 1e3, "KI": 2**10 / GB, "MI": 2**20 / GB, "GI": 2**30 / GB}
-    scale["TI"] = 2**40 / GB
-    return value * scale[unit]
-
-
-def _positive_int(problems: list, key: str, text: str | None) -> int | None:
-    if text is None:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        problems.append((key, f"must be a whole number >= 1, got {text!r}"))
-        return None
-    return value
-
-
-def host_memory_gb() -> float | None:
-    """This machine's MemTotal."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("MemTotal:")) * 1024 / GB
-    except (OSError, StopIteration):
-        return None
-
-
-def parse(argv: list[str]) -> tuple[RunConfig, Machines, int | None, list[Path] | None]:
-    """argv -> (run config, machines, target global batch, configs); every problem in one ConfigError."""
-    from finetune.config import build_config, load_yaml, parse_cli_value, unknown_option_problems
-    from finetune.parity import accelerate_config_path
-
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    plan_keys = (
-        "num_gpus",
-        "gpus_per_node",
-        "gpu_memory",
-        "host_memory",
-        "num_processes",
-        "global_batch_size",
-    )
-    problems = unknown_option_problems(unknown, tuple(f"--{k}" for k in (*plan_keys, "configs")))
-    opts = {k: getattr(args, k) for k in (*plan_keys, "configs")}
-    values = load_yaml(args.config) if args.config else {}
-    overrides = {k: parse_cli_value(k, v) for k, v in vars(args).items() if k not in ("config", *plan_keys, "configs")}
-    values = {**values, **overrides}
-    values.setdefault("dataset", "(not needed to plan)")
-    if not values.get("model"):
-        problems.append(("model", "is required: give --model ID|PATH, or --config with a model"))
-    cfg = None
-    try:
-        cfg = build_config(values, check_filesystem=False)
-    except ConfigError as e:
-        problems += e.problems
-    gpus = _positive_int(problems, "--num_gpus", opts["num_gpus"])
-    per_node = _positive_int(problems, "--gpus_per_node", opts["gpus_per_node"])
-    procs = _positive_int(problems, "--num_processes", opts["num_processes"])
-    target = _positive_int(problems, "--global_batch_size", opts["global_batch_size"])
-    sizes = {}
-    for key in ("gpu_memory", "host_memory"):
-        if opts[key] is not None:
-            try:
-                sizes[key] = parse_size_gb(f"--{key}", opts[key])
-            except ConfigError as e:
-                problems += e.problems
-    if gpus is None and (per_node or "gpu_memory" in sizes):
-        problems.append(("--num_gpus", "is required with --gpus_per_node/--gpu_memory: say how many GPUs to plan for"))
-    # the run config's mixed_precision (--mixed_precision), as `accelerate launch --mixed_precision` would give it;
-    # auto: each Accelerate config's own, else bf16 on GPUs and fp32 on CPUs (default_precision)
-    mixed = cfg.model.mixed_precision if cfg is not None and cfg.model.mixed_precision != "auto" else None
-    configs = None
-    if opts["configs"]:
-        try:
-            configs = [accelerate_config_path(n) for n in opts["configs"].split(",") if n]
-        except ConfigError as e:
-            problems += e.problems
-    machines = None
-    if gpus is None:
-        gpus, memory = _local_gpus()
-        sizes.setdefault("gpu_memory", memory)
-    if gpus:
-        if not sizes.get("gpu_memory"):
-            problems.append(("--gpu_memory", "is required with --num_gpus: the memory of one GPU, e.g. 80GB"))
-        else:
-            host = sizes.get("host_memory")
-            machines = Machines(gpus, per_node or min(gpus, 8), sizes["gpu_memory"], host, mixed_precision=mixed)
-    else:
-        machines = Machines(0, 0, 0.0, sizes.get("host_memory") or host_memory_gb(), procs or 2, mixed)
-    if cfg is not None and problems == [] and target is not None:
-        dp_max = machines.processes
-        if target % dp_max and target < dp_max:
-            problems.append(
-                ("--global_batch_size", f"{target} is smaller than the {dp_max} processes; give at least {dp_max}")
-            )
-    if problems:
-        raise ConfigError(problems)
-    return cfg, machines, target, configs
-
-
-def _local_gpus() -> tuple[int, float]:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            n = torch.cuda.device_count()
-            return n, torch.cuda.get_device_properties(0).total_memory / GB
-    except Exception:  # noqa: BLE001 -- no usable CUDA: plan for CPU processes
-        pass
-    return 0, 0.0
-
-
-def render(shape: ModelShape, cfg: RunConfig, machines: Machines, rows: list[Estimate], rec: Recommendation) -> str:
-    """The table (one row per config) and the recommendation."""
-    gpu = machines.on_gpu
-    lines = [
-        f"model: {cfg.model.model}: {shape.total / 1e6:,.1f}M parameters, {shape.trainable / 1e6:,.1f}M trainable; "
-        f"{shape.layers} layers, hidden {shape.hidden}, vocab {shape.vocab}",
-        f"batch: micro {cfg.train.per_device_train_batch_size} x seq {cfg.data.max_seq_length}"
-        f"{', gradient checkpointing' if cfg.model.gradient_checkpointing else ''}"
-        f"{', mixed precision ' + machines.mixed_precision if machines.mixed_precision else ''}; "
-        f"on {machines.describe()}",
-        "",
-    ]
-    kinds = ["parameters", "gradients", "optimizer", "master copy", "activations", "logits", "buffers", "overhead"]
-    short = {"parameters": "params", "gradients": "grads", "optimizer": "optim", "master copy": "master"}
-    head = f"{'config':<17} {'procs':>5} " + " ".join(f"{short.get(k, k)[:7]:>7}" for k in kinds)
-    head += f" {'device GB' if gpu else '':>9} {'host GB':>8}  {'fits':<4}  notes"
-    lines += [head, "-" * len(head)]
-    for e in rows:
-        if e.topology is None:
-            lines.append(
-                f"{e.config:<17} {'-':>5} " + " ".join(f"{'':>7}" for _ in kinds) + f" {'':>9} {'':>8}  no    {e.note}"
-            )
-            continue
-        k = e.by_kind()
-        device = f"{e.device_gb:9.2f}" if gpu else f"{'':>9}"
-        cells = " ".join(f"{k.get(kind, 0.0):7.2f}" for kind in kinds)
-        lines.append(
-            f"{e.config:<17} {e.topology.num_processes:>5} {cells} {device} {e.host_gb:8.2f}  {'yes' if e.fits else 'no':<4}  {e.note}"
-        )
-    lines.append("")
-    lines.append(
-        "(per rank, GB; total = the parts that always exist + the larger of the forward/backward parts (activations,"
-        " logits, gathers) and the optimizer-step parts (gradients freed after each step, their flat copies))"
-    )
-    if rec.config:
-        launch = f"accelerate launch --config_file accelerate_configs/{rec.config}.yaml"
-        if machines.nodes > 1 and (ROOT / "accelerate_configs" / f"multinode_{rec.config}.yaml").exists():
-            launch = (
-                f"accelerate launch --config_file accelerate_configs/multinode_{rec.config}.yaml "
-                f"--num_machines {machines.nodes} --machine_rank R --main_process_ip HOST"
-            )
-        gc = " --gradient_checkpointing true" if rec.gradient_checkpointing else ""
-        lines.append(
-            f"recommended: {rec.config}, micro batch {rec.micro_batch} x gradient accumulation "
-            f"{rec.gradient_accumulation_steps}{' with gradient checkpointing' if rec.gradient_checkpointing else ''}: "
-            f"{rec.why}."
-        )
-        lines.append(
-            f"  {launch} --num_processes {rec.estimate.topology.num_processes} -m finetune ... "
-            f"--per_device_train_batch_size {rec.micro_batch} --gradient_accumulation_steps "
-            f"{rec.gradient_accumulation_steps}{gc}"
-        )
-    else:
-        lines.append(f"recommended: none: {rec.why}.")
-    return "\n".join(lines)
-
-
-def main(argv: list[str]) -> int:
-    """`finetune plan`: exit 0 with a plan, 1 when nothing fits, 2 on bad input."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        cfg, machines, target, configs = parse(argv)
-        shape = shape_from_config(cfg)
-    except ConfigError as e:
-        print(e.render(), file=sys.stderr)
-        return 2
-    rows = plan(shape, cfg, machines, configs)
-    rec = recommend(shape, cfg, machines, target, configs)
-    print(render(shape, cfg, machines, rows, rec))
-    return 0 if rec.config else 1

@@ -35,8 +35,8 @@ from collections import defaultdict
 from datetime import timedelta
 from importlib import metadata
 
-from finetune.cluster import fault_point
 from finetune.config import ConfigError
+from finetune.faults import fault_point
 
 PACKAGES = ("accelerate", "deepspeed", "transformers")
 VERDICT_MARGIN_S = 10  # how much longer than rank 0 the other ranks wait for its verdict

@@ -31,7 +31,7 @@ from finetune import launching
 from finetune.config import ConfigError, build_config, load_yaml, parse_cli_value
 from finetune.parallel.topology import describe_observed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SINGLE_NODE = ["single", "ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "fsdp2", "fsdp2_offload"]
 
 

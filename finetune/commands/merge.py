@@ -1,0 +1,35 @@
+"""`finetune merge`: an adapter and its base model -> one plain model directory."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from finetune.config import ConfigError
+
+
+def main(argv: list[str]) -> int:
+    """`finetune merge ADAPTER_DIR [--output DIR]`: base model + adapter -> one plain model directory."""
+    parser = argparse.ArgumentParser(prog="finetune merge", description=main.__doc__)
+    parser.add_argument("adapter", help="an adapter directory written by finetune (e.g. outputs/run/final)")
+    parser.add_argument("--output", help="where to write the merged model (default: ADAPTER/merged)")
+    args = parser.parse_args(argv)
+    if not os.path.isfile(os.path.join(args.adapter, "adapter_config.json")):
+        print(
+            ConfigError(
+                [
+                    (
+                        "adapter",
+                        f"{args.adapter!r} has no adapter_config.json; give the final/ directory of an adapter run",
+                    )
+                ]
+            ).render(),
+            file=sys.stderr,
+        )
+        return 2
+    from finetune.export import merge_adapter
+
+    out = merge_adapter(args.adapter, args.output or os.path.join(args.adapter, "merged"))
+    print(f"merged model saved to {os.path.abspath(out)} (load it with from_pretrained)")
+    return 0
