@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from finetune.config import ConfigError, ModelArgs, PeftArgs
+from finetune.config import AUTO_CLASSES, ConfigError, ModelArgs, PeftArgs
 
 logger = logging.getLogger("finetune")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
@@ -131,7 +131,8 @@ def build_model(
 ):
     """Load the model for the task; a classifier gets a head sized to the labels in the data; adapters on top.
     load_weights False: the architecture only, on the meta device (the backend brings its own weights)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSequenceClassification
+    import transformers
+    from transformers import AutoConfig
 
     from finetune.config import encoder_decoder_problems
 
@@ -164,16 +165,14 @@ def build_model(
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
         )
+    cls = getattr(transformers, AUTO_CLASSES[m.task])
     if label_names is not None:
-        cls = AutoModelForSequenceClassification
         kwargs.update(
             num_labels=len(label_names),
             id2label=dict(enumerate(label_names)),
             label2id={n: i for i, n in enumerate(label_names)},
             ignore_mismatched_sizes=True,
         )
-    else:
-        cls = AutoModelForSeq2SeqLM if m.task == "seq2seq" else AutoModelForCausalLM
     try:
         if load_weights:
             model = cls.from_pretrained(m.model, **kwargs, **(extra_kwargs or {}))

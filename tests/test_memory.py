@@ -78,6 +78,16 @@ def test_meta_count_matches_the_real_model_with_and_without_lora(assets):
     assert shape.trainable == sum(p.numel() for p in peft_model.parameters() if p.requires_grad) < shape.total / 5
 
 
+def test_plan_builds_an_encoder_decoder_as_one(assets):
+    """task seq2seq is planned with the class training builds (AutoModelForSeq2SeqLM: config.AUTO_CLASSES), not as
+    a causal LM (no T5 causal-LM class exists: the planner used to fail on it)."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    real = AutoModelForSeq2SeqLM.from_pretrained(assets.t5)
+    shape = memory.shape_from_config(run_config(assets.t5, task="seq2seq", format="instruction"))
+    assert shape.total == shape.trainable == sum(p.numel() for p in real.parameters()) > 0
+
+
 def test_every_shipped_config_is_read_without_launching():
     """Each shipped Accelerate config becomes the topology its comments promise."""
     seen = {}

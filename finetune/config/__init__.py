@@ -22,6 +22,7 @@ from finetune.config.load import (
 from finetune.config.preflight import data_files, looks_local, previous_run_in
 from finetune.config.rules import encoder_decoder_problems
 from finetune.config.schema import (
+    AUTO_CLASSES,
     CPU_ALLOCATORS,
     DATA_EXTENSIONS,
     DEFAULT_METRICS,
@@ -49,7 +50,7 @@ from finetune.config.schema import (
 from finetune.config.sources import SOURCE_FIELDS, Source, has_eval_data, sources_of
 
 __all__ = [
-    "CPU_ALLOCATORS",
+    "AUTO_CLASSES", "CPU_ALLOCATORS",
     "DATA_EXTENSIONS",
     "DEFAULT_METRICS",
     "DTYPES",

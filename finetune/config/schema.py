@@ -48,6 +48,12 @@ DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet":
 SHIPPED_METRICS = Path(__file__).parents[1] / "metric_modules"  # evaluate modules that load offline
 
 
+# The transformers Auto class of each task: the model finetune builds, plans and tells users to load.
+AUTO_CLASSES = {
+    "causal_lm": "AutoModelForCausalLM",
+    "classification": "AutoModelForSequenceClassification",
+    "seq2seq": "AutoModelForSeq2SeqLM",
+}
 DEFAULT_METRICS = {"causal_lm": [], "classification": ["accuracy", "f1"], "seq2seq": []}  # eval metrics by task
 
 

@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune.config import ConfigError, RunConfig
+from finetune.config import AUTO_CLASSES, ConfigError, RunConfig
 from finetune.parallel import sharding
 from finetune.parallel.topology import Topology
 
@@ -168,8 +168,8 @@ WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 def shape_from_config(cfg: RunConfig, num_labels: int = 2, config=None) -> ModelShape:
     """The ModelShape of the run's model (or of `config`, a transformers config object): its config only, built
     empty on the meta device, adapters applied."""
+    import transformers
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from finetune import model as model_lib
 
@@ -190,9 +190,11 @@ def shape_from_config(cfg: RunConfig, num_labels: int = 2, config=None) -> Model
     classify = cfg.model.task == "classification"
     if classify:
         config.num_labels = num_labels
-    cls = AutoModelForSequenceClassification if classify else AutoModelForCausalLM
+    cls = getattr(transformers, AUTO_CLASSES[cfg.model.task])  # finetune.model builds the same
     with init_empty_weights():
         net = cls.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+    net.tie_weights()  # under init_empty_weights T5's embeddings come out untied (and tie_weights does nothing there)
+    with init_empty_weights():
         if cfg.peft.method != "none" and not cfg.peft.adapter:
             net = model_lib.apply_peft(net, cfg.peft, cfg.model.task)
     return ModelShape.of_model(net, config, weight_bytes)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.checkpoint import write_atomic
-from finetune.config import RunConfig, hub_repo_id, looks_local, sources_of
+from finetune.config import AUTO_CLASSES, RunConfig, hub_repo_id, looks_local, sources_of
 from finetune.report.outcome import memory_text, outcome
 from finetune.report.trackers import run_name
 
@@ -25,11 +25,6 @@ PIPELINE_TAGS = {
 ADAPTER_NAMES = {"lora": "LoRA", "dora": "DoRA"}
 
 
-AUTO_CLASSES = {
-    "causal_lm": "AutoModelForCausalLM",
-    "classification": "AutoModelForSequenceClassification",
-    "seq2seq": "AutoModelForSeq2SeqLM",
-}
 
 
 def _base_model_card(model: str) -> dict[str, Any]:

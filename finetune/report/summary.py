@@ -6,8 +6,8 @@ import logging
 import os
 from typing import Any
 
-from finetune.config import RunConfig
-from finetune.report.card import AUTO_CLASSES, write_card
+from finetune.config import AUTO_CLASSES, RunConfig
+from finetune.report.card import write_card
 from finetune.report.curves import read_rows, write_curves
 from finetune.report.hub import push
 from finetune.report.outcome import allocator_note, memory_text, outcome
