@@ -16,15 +16,21 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from accelerate import Accelerator
 from tqdm.auto import tqdm
 
+from finetune.best import BestRule
+from finetune.checkpoint import Checkpointer
 from finetune.config import TrainArgs
 from finetune.faults import fault_point
-from finetune.metrics import MetricsLog
-from finetune.mixture import summarize_by_source
+from finetune.generate import GenerationEval
+from finetune.metrics import MetricsLog, PrecisionProbe
+from finetune.mixture import MixtureSampler, summarize_by_source
 from finetune.parallel import Plan, global_batch_index
+from finetune.parallel.ddp import Backend
 from finetune.report import CURVES_EVERY_S, write_curves
 from finetune.stop import STOP, Diverged, Preempted
+from finetune.watchdog import Watchdog
 
 logger = logging.getLogger("finetune")
 
@@ -44,31 +50,32 @@ class TrainState:
 
 @dataclass
 class Run:
-    """The prepared objects and settings the loop needs, built by run.py."""
+    """The prepared objects and settings the loop needs, built by run.py. The model, optimizer, scheduler and
+    loaders are what backend.prepare returned (accelerate's wrappers, or the backend's own)."""
 
-    accelerator: Any
-    backend: Any  # finetune.parallel: the named differences between backends
-    model: Any
-    optimizer: Any
-    scheduler: Any
-    train_loader: Any
-    sampler: Any  # finetune.mixture.MixtureSampler: the order of an epoch depends only on (seed, epoch)
-    eval_loader: Any | None
+    accelerator: Accelerator
+    backend: Backend  # finetune.parallel: the named differences between backends
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any  # accelerate's AcceleratedScheduler (or the backend's): .step() once per optimizer step
+    train_loader: torch.utils.data.DataLoader
+    sampler: MixtureSampler  # the order of an epoch depends only on (seed, epoch)
+    eval_loader: torch.utils.data.DataLoader | None
     plan: Plan
     args: TrainArgs
     task: str
-    metrics: dict[str, Any]
+    metrics: dict[str, Any]  # evaluate modules by name (metrics.load_metrics)
     n_labels: int | None
     log: MetricsLog
-    checkpointer: Any  # finetune.checkpoint.Checkpointer
-    watchdog: Any  # finetune.watchdog.Watchdog: hang forensics
+    checkpointer: Checkpointer
+    watchdog: Watchdog  # hang forensics
     extra: dict[str, Any] = field(default_factory=dict)  # constant facts added to every log row
     flops_per_token: float = 0.0  # model FLOPs per trained token (model.ModelFacts)
     peak_flops: float | None = None  # all devices together; None: MFU not reported
     sources: list[str] | None = None  # a mixture's source names: eval is also reported per source
-    best: Any = None  # finetune.best.BestRule: best checkpoint and early stopping (None: off)
-    generation: Any | None = None  # finetune.generate.GenerationEval: scores what the model writes
-    precision: Any = None  # finetune.metrics.PrecisionProbe: the dtypes the model really trains in
+    best: BestRule | None = None  # best checkpoint and early stopping (None: off)
+    generation: GenerationEval | None = None  # scores what the model writes
+    precision: PrecisionProbe | None = None  # the dtypes the model really trains in
 
 
 def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: int):
@@ -136,6 +143,10 @@ class _Window:
         self.nll, self.count, self.tokens, self.positions, self.steps = 0.0, 0.0, 0, 0, 0
         self.t0 = time.perf_counter()
 
+    def add(self, nll, count, tokens: int, positions: int) -> None:
+        self.nll, self.count = self.nll + nll, self.count + count
+        self.tokens, self.positions, self.steps = self.tokens + tokens, self.positions + positions, self.steps + 1
+
 
 def train(run: Run, state: TrainState) -> dict[str, float]:
     """Run optimizer steps from state.step to plan.total_steps; log, evaluate and checkpoint. A stop signal
@@ -149,84 +160,104 @@ def train(run: Run, state: TrainState) -> dict[str, float]:
 
 
 def _train(run: Run, state: TrainState) -> dict[str, float]:
-    acc, plan, args = run.accelerator, run.plan, run.args
-    bar = tqdm(
-        total=plan.total_steps,
-        initial=state.step,
-        unit="step",
-        dynamic_ncols=True,
-        disable=not acc.is_main_process or args.disable_tqdm,
-    )
+    p = _Progress(run, state)
     last_eval: dict[str, float] = {}
-    if args.eval_on_start and state.step == 0 and run.eval_loader is not None:
-        last_eval = _log_eval(run, state, bar)
+    if run.args.eval_on_start and state.step == 0 and run.eval_loader is not None:
+        last_eval = _log_eval(run, state, p.bar)
     run.model.train()
-    win = _Window()
-    health = _Health()
+    plan, args = run.plan, run.args
     stopped = False  # early stopping
-    precision_unlogged = True
     while state.step < plan.total_steps and not stopped:
         epoch, start = divmod(state.step, plan.steps_per_epoch)
-        skip = start * plan.gradient_accumulation_steps  # resuming inside an epoch
-        loader = acc.skip_first_batches(run.train_loader, skip) if skip else run.train_loader
-        # accelerate's loader re-applies its own epoch counter to the sampler at every iter(); it
-        # only advances when an iteration runs to exhaustion (ours stop at the last whole global
-        # batch) and starts at 0 in a skipping loader. Set it explicitly, on the loader itself.
-        loader.set_epoch(epoch)
-        run.sampler.set_epoch(epoch)
-        batches = iter(loader)
+        batches = _epoch_batches(run, epoch, start)
         for step_in_epoch in range(start, plan.steps_per_epoch):
-            run.watchdog.beat()
-            fault_point("hang-before-step", state.step + 1)
-            micro = [next(batches) for _ in range(plan.gradient_accumulation_steps)]
-            out = train_step(run, micro, epoch, step_in_epoch)
-            if out is None:  # every rank saw the stop request at this step boundary
-                path = run.checkpointer.save(state_dict_of(state))
-                raise Preempted(STOP.signame, state.step, path)
-            nll, count, tokens, positions, grad_norm, skipped = out
-            state.step += 1
-            if skipped:
-                state.skipped_steps += 1
-                logger.warning("step %d: the fp16 loss scaler skipped the update (gradient overflow)", state.step)
-            if precision_unlogged and run.precision is not None:
-                precision_unlogged = False
-                logger.info(
-                    "precision (observed in the first training forward): weights %s, compute %s",
-                    run.precision.weights,
-                    run.precision.compute,
-                )
-            health.check(state.step, grad_norm, run.checkpointer.output_dir, skipped)
-            win.nll, win.count, win.tokens, win.positions, win.steps = (
-                win.nll + nll,
-                win.count + count,
-                win.tokens + tokens,
-                win.positions + positions,
-                win.steps + 1,
-            )
+            grad_norm = _optimizer_step(run, state, p, batches, epoch, step_in_epoch)
             done = state.step == plan.total_steps
-            bar.update(1)
+            p.bar.update(1)
             if state.step % args.logging_steps == 0 or done:
-                _log_train(run, state, win, grad_norm, bar)
-                win = _Window()
+                _log_train(run, state, p.win, grad_norm, p.bar)
+                p.win = _Window()
             save = bool(args.save_steps and state.step % args.save_steps == 0)
             if run.eval_loader is not None and (done or (args.eval_steps and state.step % args.eval_steps == 0)):
-                run.watchdog.beat()
-                paused = time.perf_counter()
-                last_eval = _log_eval(run, state, bar)
-                win.t0 += time.perf_counter() - paused  # eval and curves.png are not training time (tokens/s)
-                if run.best is not None:
-                    verdict = _judge(run, state, last_eval)
-                    save = save or (verdict.new_best and run.best.load_best)  # the best always has a checkpoint
-                    stopped = verdict.stop
-                    if stopped and win.steps:  # the steps since the last train row
-                        _log_train(run, state, win, grad_norm, bar)
+                last_eval, save, stopped = _eval_in_training(run, state, p, grad_norm, save)
             if not done and not stopped and save:
                 run.watchdog.beat()
                 run.checkpointer.save(state_dict_of(state))  # the last step's checkpoint is run.py's
             if done or stopped:
                 break
-    bar.close()
+    p.bar.close()
     return last_eval
+
+
+class _Progress:
+    """What the loop carries from step to step: the progress bar, the window of the next log row, the health
+    checks, and whether the observed precision was logged yet."""
+
+    def __init__(self, run: Run, state: TrainState) -> None:
+        self.bar = tqdm(
+            total=run.plan.total_steps,
+            initial=state.step,
+            unit="step",
+            dynamic_ncols=True,
+            disable=not run.accelerator.is_main_process or run.args.disable_tqdm,
+        )
+        self.win = _Window()
+        self.health = _Health()
+        self.precision_logged = False
+
+
+def _epoch_batches(run: Run, epoch: int, start: int):
+    """The batches of an epoch from optimizer step `start` on (a resume inside an epoch skips the others)."""
+    skip = start * run.plan.gradient_accumulation_steps
+    loader = run.accelerator.skip_first_batches(run.train_loader, skip) if skip else run.train_loader
+    # accelerate's loader re-applies its own epoch counter to the sampler at every iter(); it
+    # only advances when an iteration runs to exhaustion (ours stop at the last whole global
+    # batch) and starts at 0 in a skipping loader. Set it explicitly, on the loader itself.
+    loader.set_epoch(epoch)
+    run.sampler.set_epoch(epoch)
+    return iter(loader)
+
+
+def _optimizer_step(run: Run, state: TrainState, p: _Progress, batches, epoch: int, step_in_epoch: int):
+    """One optimizer step and its bookkeeping (a stop request checkpoints and ends the run here); its grad norm."""
+    run.watchdog.beat()
+    fault_point("hang-before-step", state.step + 1)
+    micro = [next(batches) for _ in range(run.plan.gradient_accumulation_steps)]
+    out = train_step(run, micro, epoch, step_in_epoch)
+    if out is None:  # every rank saw the stop request at this step boundary
+        path = run.checkpointer.save(state_dict_of(state))
+        raise Preempted(STOP.signame, state.step, path)
+    nll, count, tokens, positions, grad_norm, skipped = out
+    state.step += 1
+    if skipped:
+        state.skipped_steps += 1
+        logger.warning("step %d: the fp16 loss scaler skipped the update (gradient overflow)", state.step)
+    if not p.precision_logged and run.precision is not None:
+        p.precision_logged = True
+        logger.info(
+            "precision (observed in the first training forward): weights %s, compute %s",
+            run.precision.weights,
+            run.precision.compute,
+        )
+    p.health.check(state.step, grad_norm, run.checkpointer.output_dir, skipped)
+    p.win.add(nll, count, tokens, positions)
+    return grad_norm
+
+
+def _eval_in_training(run: Run, state: TrainState, p: _Progress, grad_norm, save: bool):
+    """An evaluation between steps, judged for the best checkpoint and early stopping: (metrics, save, stop)."""
+    run.watchdog.beat()
+    paused = time.perf_counter()
+    result = _log_eval(run, state, p.bar)
+    p.win.t0 += time.perf_counter() - paused  # eval and curves.png are not training time (tokens/s)
+    stopped = False
+    if run.best is not None:
+        verdict = _judge(run, state, result)
+        save = save or (verdict.new_best and run.best.load_best)  # the best always has a checkpoint
+        stopped = verdict.stop
+        if stopped and p.win.steps:  # the steps since the last train row
+            _log_train(run, state, p.win, grad_norm, p.bar)
+    return result, save, stopped
 
 
 class _Health:
