@@ -94,43 +94,25 @@ def host_memory_gb() -> float | None:
         return None
 
 
+PLAN_KEYS = ("num_gpus", "gpus_per_node", "gpu_memory", "host_memory", "num_processes", "global_batch_size")
+
+
 def parse(argv: list[str]) -> tuple[RunConfig, Machines, int | None, list[Path] | None]:
     """argv -> (run config, machines, target global batch, configs); every problem in one ConfigError."""
-    from finetune.commands.parity import accelerate_config_path
-    from finetune.config import build_config, load_yaml, parse_cli_value, unknown_option_problems
+    from finetune.config import unknown_option_problems
 
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    plan_keys = (
-        "num_gpus",
-        "gpus_per_node",
-        "gpu_memory",
-        "host_memory",
-        "num_processes",
-        "global_batch_size",
+    args, unknown = build_parser().parse_known_args(argv)
+    problems = unknown_option_problems(unknown, tuple(f"--{k}" for k in (*PLAN_KEYS, "configs")))
+    cfg = _run_config(args, problems)
+    gpus, per_node, procs, target = (
+        _positive_int(problems, f"--{k}", getattr(args, k))
+        for k in ("num_gpus", "gpus_per_node", "num_processes", "global_batch_size")
     )
-    problems = unknown_option_problems(unknown, tuple(f"--{k}" for k in (*plan_keys, "configs")))
-    opts = {k: getattr(args, k) for k in (*plan_keys, "configs")}
-    values = load_yaml(args.config) if args.config else {}
-    overrides = {k: parse_cli_value(k, v) for k, v in vars(args).items() if k not in ("config", *plan_keys, "configs")}
-    values = {**values, **overrides}
-    values.setdefault("dataset", "(not needed to plan)")
-    if not values.get("model"):
-        problems.append(("model", "is required: give --model ID|PATH, or --config with a model"))
-    cfg = None
-    try:
-        cfg = build_config(values, check_filesystem=False)
-    except ConfigError as e:
-        problems += e.problems
-    gpus = _positive_int(problems, "--num_gpus", opts["num_gpus"])
-    per_node = _positive_int(problems, "--gpus_per_node", opts["gpus_per_node"])
-    procs = _positive_int(problems, "--num_processes", opts["num_processes"])
-    target = _positive_int(problems, "--global_batch_size", opts["global_batch_size"])
     sizes = {}
     for key in ("gpu_memory", "host_memory"):
-        if opts[key] is not None:
+        if getattr(args, key) is not None:
             try:
-                sizes[key] = parse_size_gb(f"--{key}", opts[key])
+                sizes[key] = parse_size_gb(f"--{key}", getattr(args, key))
             except ConfigError as e:
                 problems += e.problems
     if gpus is None and (per_node or "gpu_memory" in sizes):
@@ -138,24 +120,8 @@ def parse(argv: list[str]) -> tuple[RunConfig, Machines, int | None, list[Path] 
     # the run config's mixed_precision (--mixed_precision), as `accelerate launch --mixed_precision` would give it;
     # auto: each Accelerate config's own, else bf16 on GPUs and fp32 on CPUs (default_precision)
     mixed = cfg.model.mixed_precision if cfg is not None and cfg.model.mixed_precision != "auto" else None
-    configs = None
-    if opts["configs"]:
-        try:
-            configs = [accelerate_config_path(n) for n in opts["configs"].split(",") if n]
-        except ConfigError as e:
-            problems += e.problems
-    machines = None
-    if gpus is None:
-        gpus, memory = _local_gpus()
-        sizes.setdefault("gpu_memory", memory)
-    if gpus:
-        if not sizes.get("gpu_memory"):
-            problems.append(("--gpu_memory", "is required with --num_gpus: the memory of one GPU, e.g. 80GB"))
-        else:
-            host = sizes.get("host_memory")
-            machines = Machines(gpus, per_node or min(gpus, 8), sizes["gpu_memory"], host, mixed_precision=mixed)
-    else:
-        machines = Machines(0, 0, 0.0, sizes.get("host_memory") or host_memory_gb(), procs or 2, mixed)
+    configs = _configs(args, problems)
+    machines = _machines(gpus, per_node, procs, sizes, problems, mixed)
     if cfg is not None and problems == [] and target is not None:
         dp_max = machines.processes
         if target % dp_max and target < dp_max:
@@ -165,6 +131,51 @@ def parse(argv: list[str]) -> tuple[RunConfig, Machines, int | None, list[Path] 
     if problems:
         raise ConfigError(problems)
     return cfg, machines, target, configs
+
+
+def _run_config(args: argparse.Namespace, problems: list) -> RunConfig | None:
+    """The run config of the plan: --config and the run-config overrides; no dataset needed, nothing read from disk."""
+    from finetune.config import build_config, load_yaml, parse_cli_value
+
+    values = load_yaml(args.config) if args.config else {}
+    overrides = {k: parse_cli_value(k, v) for k, v in vars(args).items() if k not in ("config", *PLAN_KEYS, "configs")}
+    values = {**values, **overrides}
+    values.setdefault("dataset", "(not needed to plan)")
+    if not values.get("model"):
+        problems.append(("model", "is required: give --model ID|PATH, or --config with a model"))
+    try:
+        return build_config(values, check_filesystem=False)
+    except ConfigError as e:
+        problems += e.problems
+        return None
+
+
+def _configs(args: argparse.Namespace, problems: list) -> list[Path] | None:
+    """--configs: shipped names or paths (None: every shipped config)."""
+    from finetune.commands.parity import accelerate_config_path
+
+    if not args.configs:
+        return None
+    try:
+        return [accelerate_config_path(n) for n in args.configs.split(",") if n]
+    except ConfigError as e:
+        problems += e.problems
+        return None
+
+
+def _machines(gpus, per_node, procs, sizes: dict, problems: list, mixed: str | None) -> Machines | None:
+    """The machines to plan for: the GPUs given (else this machine's), or CPU processes."""
+    if gpus is None:
+        gpus, memory = _local_gpus()
+        sizes.setdefault("gpu_memory", memory)
+    if not gpus:
+        return Machines(0, 0, 0.0, sizes.get("host_memory") or host_memory_gb(), procs or 2, mixed)
+    if not sizes.get("gpu_memory"):
+        problems.append(("--gpu_memory", "is required with --num_gpus: the memory of one GPU, e.g. 80GB"))
+        return None
+    return Machines(
+        gpus, per_node or min(gpus, 8), sizes["gpu_memory"], sizes.get("host_memory"), mixed_precision=mixed
+    )
 
 
 def _local_gpus() -> tuple[int, float]:
