@@ -24,7 +24,7 @@ import datetime
 
 from finetune.config import RunConfig
 from finetune.parallel import ddp, tensor
-from finetune.parallel.topology import env_tp_size, env_world_size
+from finetune.parallel.topology import env_tp_size, env_world_size, fsdp_offloads
 
 
 def environment(cfg: RunConfig) -> None:
@@ -105,15 +105,6 @@ def mixed_precision_policy(mixed_precision: str):
     return MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32, output_dtype=None)
 
 
-def offloads(plugin) -> bool:
-    """Whether accelerate's FSDP plugin keeps parameters on the CPU (FSDP2: a CPUOffloadPolicy; FSDP1:
-    CPUOffload(offload_params=True)); its default is an OffloadPolicy that offloads nothing."""
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    policy = plugin.cpu_offload
-    return isinstance(policy, CPUOffloadPolicy) or bool(getattr(policy, "offload_params", False))
-
-
 def tensor_parallel_on(model, tp_mesh) -> None:
     """Workaround (transformers 5.23): from_pretrained(tp_plan=..., device_mesh=...) ignores device_mesh and
     builds its own mesh over every rank (modeling_utils: `device_mesh = mesh_manager.get_mesh(...)`), so
@@ -151,7 +142,7 @@ class Backend(ddp.Backend):
         plugin = self.acc.state.fsdp_plugin
         if self.mixed_precision in ("bf16", "fp16"):
             plugin.mixed_precision_policy = mixed_precision_policy(self.mixed_precision)
-        if offloads(plugin) and not ddp.has_accelerator_device():
+        if fsdp_offloads(plugin) and not ddp.has_accelerator_device():
             # CPUOffloadPolicy pins host memory by default, which needs an accelerator (part of come_up_on_cpu's
             # workaround: there is no device to offload from on a CPU-only machine, so nothing is lost)
             from torch.distributed.fsdp import CPUOffloadPolicy
@@ -168,7 +159,7 @@ class Backend(ddp.Backend):
         params = list(net.parameters())
         return {
             "fsdp_version": 2 if all(isinstance(p, DTensor) for p in params) and self.acc.is_fsdp2 else 0,
-            "offload_params": offloads(self.acc.state.fsdp_plugin),
+            "offload_params": fsdp_offloads(self.acc.state.fsdp_plugin),
             "parameter_shard": ddp.local_fraction(params, self.numel),
         }
 

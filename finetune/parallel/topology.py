@@ -125,10 +125,8 @@ class Topology:
             optimizer, params = deepspeed_offloads(plugin.deepspeed_config.get("zero_optimization", {}))
             kw.update(zero_stage=int(plugin.zero_stage), offload_optimizer=optimizer, offload_params=params)
         elif family == "fsdp":
-            from finetune.parallel.fsdp import offloads
-
             plugin = state.fsdp_plugin
-            offload = offloads(plugin)  # FSDP's CPU offload moves parameters, gradients and optimizer states
+            offload = fsdp_offloads(plugin)  # FSDP's CPU offload moves parameters, gradients and optimizer states
             kw.update(fsdp_version=int(plugin.fsdp_version), offload_params=offload, offload_optimizer=offload)
         if family == "megatron":
             tp = int(env.get("MEGATRON_LM_TP_DEGREE", 1))
@@ -148,6 +146,15 @@ class Topology:
             process_index=rank,
             **kw,
         )
+
+
+def fsdp_offloads(plugin) -> bool:
+    """Whether accelerate's FSDP plugin keeps parameters on the CPU (FSDP2: a CPUOffloadPolicy; FSDP1:
+    CPUOffload(offload_params=True)); its default is an OffloadPolicy that offloads nothing."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    policy = plugin.cpu_offload
+    return isinstance(policy, CPUOffloadPolicy) or bool(getattr(policy, "offload_params", False))
 
 
 def describe_layout(layout: dict) -> str:
