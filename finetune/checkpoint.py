@@ -34,9 +34,9 @@ from typing import Any
 import yaml
 
 from finetune.config import ConfigError
+from finetune.config.preflight import LATEST, resolve_resume
 from finetune.faults import fault_point
 
-LATEST = "latest"
 STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "run_config.yaml"
 PORTABLE = "portable"
@@ -277,16 +277,6 @@ def resume_hint(output_dir: str) -> str:
     if last is None:
         return "No checkpoint was completed; start the run again."
     return f"Last complete checkpoint: {last}. Continue with the same command plus --resume_from_checkpoint latest."
-
-
-def resolve_resume(output_dir: str, spec: str | None) -> str | None:
-    """The checkpoint directory that `resume_from_checkpoint` (latest, auto or a path) names; None: start fresh."""
-    if spec == "auto":
-        spec = LATEST if os.path.exists(os.path.join(checkpoints_dir(output_dir), LATEST)) else None
-    if spec != LATEST:
-        return spec
-    with open(os.path.join(checkpoints_dir(output_dir), LATEST)) as f:
-        return os.path.join(checkpoints_dir(output_dir), f.read().strip())
 
 
 def choose(output_dir: str, spec: str | None) -> tuple[str | None, list[tuple[str, str]]]:

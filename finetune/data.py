@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from finetune.config import DATA_EXTENSIONS, ConfigError, DataArgs, data_files, looks_local
+from finetune.config import DATA_EXTENSIONS, TASK_FORMATS, ConfigError, DataArgs, data_files, looks_local
 
 IGNORE = -100
 logger = logging.getLogger("finetune")
@@ -121,16 +121,16 @@ def detect_format(columns: list[str], data: DataArgs, task: str) -> str:
     """The format named in config, or the one the columns imply."""
     if data.format != "auto":
         return data.format
-    if task == "classification":
-        return "classification"
-    if task == "seq2seq" and data.source_column in columns and data.target_column in columns:
-        return "source_target"
-    if data.messages_column in columns and task != "seq2seq":
-        return "chat"
-    if data.prompt_column in columns or "instruction" in columns:
-        return "instruction"
-    if data.text_column in columns and task != "seq2seq":
-        return "text"
+    present = {  # in the order auto tries them, among the task's formats (TASK_FORMATS)
+        "classification": True,
+        "source_target": data.source_column in columns and data.target_column in columns,
+        "chat": data.messages_column in columns,
+        "instruction": data.prompt_column in columns or "instruction" in columns,
+        "text": data.text_column in columns,
+    }
+    for fmt, found in present.items():
+        if found and fmt in TASK_FORMATS[task]:
+            return fmt
     raise ConfigError(
         [
             (

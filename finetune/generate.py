@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from finetune.config import ConfigError, RunConfig
+from finetune.config import PROMPT_FORMATS, ConfigError, RunConfig
 from finetune.data import IGNORE
 
 logger = logging.getLogger("finetune")
@@ -153,7 +153,7 @@ def build_generation(cfg: RunConfig, ds, tokenizer) -> GenerationEval | None:
     t = cfg.train
     if not t.generation_max_new_tokens or ds.eval is None:
         return None
-    if ds.format in ("text", "classification"):
+    if ds.format not in PROMPT_FORMATS:
         raise ConfigError(
             [
                 (

@@ -7,7 +7,16 @@ import os
 from pathlib import Path
 
 from finetune.config.rules import encoder_decoder_problems
-from finetune.config.schema import DATA_EXTENSIONS, HUB_REPO_ID, RUN_MARKERS, TrainArgs, hub_repo_id, shipped_metrics
+from finetune.config.schema import (
+    DATA_EXTENSIONS,
+    HUB_REPO_ID,
+    RUN_MARKERS,
+    PeftArgs,
+    RunConfig,
+    TrainArgs,
+    hub_repo_id,
+    shipped_metrics,
+)
 
 
 def looks_local(spec: str) -> bool:
@@ -153,3 +162,112 @@ def check_hub(problems: list, t: TrainArgs) -> None:
 def previous_run_in(output_dir: str) -> list[str]:
     """The markers of a previous run found in output_dir (empty if none)."""
     return [m for m in RUN_MARKERS if os.path.exists(os.path.join(output_dir, m))]
+
+
+def adapter_problems(pe: PeftArgs) -> list[tuple[str, str]]:
+    if pe.adapter and not os.path.isfile(os.path.join(pe.adapter, "adapter_config.json")):
+        return [("peft.adapter", f"{pe.adapter!r} has no adapter_config.json; give a directory saved by PEFT")]
+    return []
+
+
+def filesystem_problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    """What the values say about the disk and the environment: the model directory, the chat template file, the data
+    files, the metrics that load offline, the checkpoint to resume from, a previous run in output_dir."""
+    m, d, t = cfg.model, cfg.data, cfg.train
+    p = model_dir_problems(m.model, d.max_seq_length, m.task)
+    if m.chat_template and len(m.chat_template) < 256 and "{" not in m.chat_template:
+        if not os.path.isfile(m.chat_template):
+            p.append(
+                (
+                    "chat_template",
+                    f"{m.chat_template!r} is neither a Jinja template nor an existing file; "
+                    "give the template text or the path of a template file",
+                )
+            )
+    if d.dataset and not d.datasets:
+        check_data_path(p, "dataset", d.dataset)
+    if d.eval_dataset and not d.datasets:
+        check_data_path(p, "eval_dataset", d.eval_dataset)
+    if t.metrics:
+        check_metrics(p, t.metrics)
+    if t.generation_max_new_tokens and t.generation_metrics:
+        check_metrics(p, t.generation_metrics, "generation_metrics")
+    return p + resume_problems(t) + output_dir_problems(t)
+
+
+def model_dir_problems(model: str, max_seq_length: int, task: str) -> list[tuple[str, str]]:
+    p: list[tuple[str, str]] = []
+    if model and looks_local(model) and not os.path.isdir(os.path.expanduser(model)):
+        p.append(
+            ("model", f"directory {model!r} does not exist; give a model directory (with config.json) or a Hub id")
+        )
+    elif model and os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json")):
+        p.append(("model", f"{model!r} has no config.json; point at a directory saved with save_pretrained"))
+    elif model and os.path.isdir(model):
+        check_model_config(p, model, max_seq_length, task)
+    return p
+
+
+# ---------------------------------------------------------------- resume_from_checkpoint and output_dir
+
+LATEST = "latest"  # checkpoints/latest names the newest complete checkpoint
+
+
+def resume_spec(output_dir: str, spec: str | None) -> str | None:
+    """resume_from_checkpoint as it applies: auto is latest when output_dir has a checkpoint, else None (fresh)."""
+    if spec == "auto":
+        return LATEST if os.path.exists(os.path.join(output_dir, "checkpoints", LATEST)) else None
+    return spec
+
+
+def resolve_resume(output_dir: str, spec: str | None) -> str | None:
+    """The checkpoint directory that `resume_from_checkpoint` (latest, auto or a path) names; None: start fresh."""
+    spec = resume_spec(output_dir, spec)
+    if spec != LATEST:
+        return spec
+    with open(os.path.join(output_dir, "checkpoints", LATEST)) as f:
+        return os.path.join(output_dir, "checkpoints", f.read().strip())
+
+
+def resume_problems(t: TrainArgs) -> list[tuple[str, str]]:
+    resume = resume_spec(t.output_dir, t.resume_from_checkpoint)
+    latest = os.path.join(t.output_dir, "checkpoints", LATEST)
+    if resume and resume != LATEST and not os.path.isdir(resume):
+        return [
+            ("resume_from_checkpoint", f"{resume!r} is not a directory; give 'latest' or a checkpoints/step_N path")
+        ]
+    if resume == LATEST and not os.path.exists(latest):
+        why = (
+            f"'latest' but {t.output_dir}/checkpoints has no complete checkpoint; "
+            "drop resume_from_checkpoint to start fresh"
+        )
+        return [("resume_from_checkpoint", why)]
+    if resume == LATEST:
+        try:
+            named = resolve_resume(t.output_dir, LATEST)
+        except (OSError, UnicodeDecodeError) as e:
+            named, why = None, f"cannot read {latest} ({e})"
+        else:
+            why = f"{latest} names {named}, which is not a directory"
+        if named is None or not os.path.isdir(named):
+            why = f"'latest' but {why}; give a checkpoints/step_N directory, or drop resume_from_checkpoint to start fresh"
+            return [("resume_from_checkpoint", why)]
+    return []
+
+
+def output_dir_problems(t: TrainArgs) -> list[tuple[str, str]]:
+    """output_dir is a directory, and holds no previous run unless this one resumes or replaces it."""
+    if t.output_dir and os.path.isfile(t.output_dir):
+        return [("output_dir", f"{t.output_dir!r} is a file; give a directory")]
+    if not t.output_dir or resume_spec(t.output_dir, t.resume_from_checkpoint) or t.overwrite_output_dir:
+        return []
+    found = previous_run_in(t.output_dir)
+    if t.resume_from_checkpoint == "auto":  # nothing checkpointed: a run that died that early left nothing but final/
+        found = [m for m in found if m == "final"]
+    if not found:
+        return []
+    why = (
+        f"{t.output_dir!r} holds a previous run ({', '.join(found)}); pick a new output_dir, "
+        "resume it with --resume_from_checkpoint latest, or replace it with --overwrite_output_dir"
+    )
+    return [("output_dir", why)]

@@ -3,10 +3,29 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import typing
 
-from finetune.config.schema import DEFAULT_METRICS, GENERATION_METRICS, RunConfig, TrainArgs, shipped_metrics
+from finetune.config.schema import (
+    CPU_ALLOCATORS,
+    DEFAULT_METRICS,
+    DTYPES,
+    FORMATS,
+    GENERATION_METRICS,
+    MIXED_PRECISIONS,
+    NO_EVAL_DATA,
+    PEFT_METHODS,
+    PREEMPTION_SIGNALS,
+    SCHEDULERS,
+    TASKS,
+    PeftArgs,
+    RunConfig,
+    TrainArgs,
+    choice,
+    format_misfits,
+    shipped_metrics,
+)
 from finetune.config.sources import has_eval_data, sources_of
 
 
@@ -27,77 +46,167 @@ def encoder_decoder_problems(task: str, encoder_decoder: bool, model: str, model
     return []
 
 
-def task_problems(cfg: RunConfig, given: typing.Iterable[str]) -> list[tuple[str, str]]:
-    """Formats and generation eval that the task cannot use: seq2seq needs input -> target pairs, generation
-    needs eval examples whose answer is text."""
+def required_problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    p = []
+    if not cfg.model.model:
+        p.append(("model", "is required: set it to a Hub model id or a local model directory"))
+    if not cfg.data.dataset and cfg.data.datasets is None:
+        p.append(("dataset", "is required: set it to a Hub dataset id or local data files (or give datasets:)"))
+    return p
+
+
+def choice_problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    """Fields that take one of a few values."""
     m, d, t = cfg.model, cfg.data, cfg.train
     p: list[tuple[str, str]] = []
-    if m.task == "seq2seq" and d.format not in ("auto", "instruction", "source_target"):
-        p.append(
-            (
-                "format",
-                f"{d.format!r} has no input -> target pairs for task seq2seq; set format: instruction (prompt -> "
-                "response) or source_target (source_column -> target_column), or task: causal_lm",
-            )
-        )
-    if m.task != "seq2seq" and d.format == "source_target":
-        p.append(
-            (
-                "format",
-                "source_target is the encoder-decoder format; set task: seq2seq, or (causal LM) format: instruction "
-                "with prompt_column and response_column",
-            )
-        )
+    choice(p, "task", m.task, TASKS)
+    choice(p, "torch_dtype", m.torch_dtype, DTYPES)
+    choice(p, "mixed_precision", m.mixed_precision, MIXED_PRECISIONS)
+    choice(p, "save_dtype", m.save_dtype, DTYPES)
+    choice(p, "format", d.format, FORMATS)
+    choice(p, "lr_scheduler_type", t.lr_scheduler_type, SCHEDULERS)
+    choice(p, "cpu_allocator", t.cpu_allocator, CPU_ALLOCATORS)
+    return p
+
+
+def peft_problems(pe: PeftArgs) -> list[tuple[str, str]]:
+    p: list[tuple[str, str]] = []
+    choice(p, "peft.method", pe.method, PEFT_METHODS)
+    if pe.method != "none":
+        if pe.r < 1:
+            p.append(("peft.r", f"must be >= 1, got {pe.r}"))
+        if not 0 <= pe.dropout < 1:
+            p.append(("peft.dropout", f"must be in [0, 1), got {pe.dropout}"))
+        if not pe.target_modules:
+            p.append(("peft.target_modules", "must name at least one module, or [all-linear]"))
+    elif pe.adapter or pe.merge or pe.load_in_4bit:
+        p.append(("peft.method", "is none but adapter/merge/load_in_4bit is set; set peft.method: lora (or dora)"))
+    return p
+
+
+def data_problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    p = []
+    if "{prompt}" not in cfg.data.prompt_template:
+        p.append(("prompt_template", "must contain the placeholder {prompt}"))
+    if cfg.data.packing and cfg.model.task != "causal_lm":
+        p.append(("packing", "packing applies to causal LM only; set packing: false"))
+    return p
+
+
+AT_LEAST_ONE = (
+    "per_device_train_batch_size",
+    "per_device_eval_batch_size",
+    "gradient_accumulation_steps",
+    "max_seq_length",
+    "logging_steps",
+)
+AT_LEAST_ONE_OR_NULL = (
+    "ddp_timeout",
+    "eval_steps",
+    "save_steps",
+    "save_total_limit",
+    "max_train_samples",
+    "preprocessing_num_workers",
+)
+NON_NEGATIVE = ("weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon", "dataloader_num_workers")
+
+
+def number_problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    """Counts, steps, rates and fractions out of range."""
+    d, t = cfg.data, cfg.train
+    p: list[tuple[str, str]] = []
+    values = {**dataclasses.asdict(d), **dataclasses.asdict(t)}
+    p += [(key, f"must be >= 1, got {values[key]}") for key in AT_LEAST_ONE if values[key] < 1]
+    for key in AT_LEAST_ONE_OR_NULL:
+        if values[key] is not None and values[key] < 1:
+            p.append((key, f"must be >= 1 or null (off), got {values[key]}"))
+    if t.preemption_signal not in PREEMPTION_SIGNALS:
+        p.append(("preemption_signal", f"must be one of {', '.join(PREEMPTION_SIGNALS)}, got {t.preemption_signal!r}"))
+    if t.max_steps == 0 or t.max_steps < -1:
+        p.append(("max_steps", f"must be >= 1, or -1 to use num_train_epochs; got {t.max_steps}"))
+    if t.max_steps == -1 and t.num_train_epochs <= 0:
+        p.append(("num_train_epochs", f"must be > 0 when max_steps is -1; got {t.num_train_epochs}"))
+    if not t.learning_rate > 0:
+        p.append(("learning_rate", f"must be > 0, got {t.learning_rate}"))
+    p += [(key, f"must be >= 0, got {values[key]}") for key in NON_NEGATIVE if (values[key] or 0) < 0]
+    for key in ("adam_beta1", "adam_beta2", "warmup_ratio", "eval_fraction"):
+        if not 0 <= values[key] < 1:
+            p.append((key, f"must be in [0, 1), got {values[key]}"))
+    return p
+
+
+def eval_problems(t: TrainArgs, has_eval: bool) -> list[tuple[str, str]]:
+    return [(key, NO_EVAL_DATA) for key in ("eval_steps", "eval_on_start") if getattr(t, key) and not has_eval]
+
+
+FORMAT_FIXES = {  # format_misfits' reasons, as the top-level `format:` says them
+    "needs_label": "{fmt!r} is a causal-LM format; task classification needs format classification: set format: "
+    "classification (or auto), or task: causal_lm",
+    "is_label": "classification data needs task classification: set task: classification",
+    "needs_pairs": "{fmt!r} has no input -> target pairs for task seq2seq; set format: instruction (prompt -> "
+    "response) or source_target (source_column -> target_column), or task: causal_lm",
+    "is_pairs": "source_target is the encoder-decoder format; set task: seq2seq, or (causal LM) format: instruction "
+    "with prompt_column and response_column",
+}
+
+
+def format_problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    """The data format against the task (schema.TASK_FORMATS)."""
+    fmt = cfg.data.format
+    return [("format", FORMAT_FIXES[why].format(fmt=fmt)) for why in format_misfits(cfg.model.task, fmt)]
+
+
+def task_problems(cfg: RunConfig, given: typing.Iterable[str]) -> list[tuple[str, str]]:
+    """Generation eval that the task or data cannot use: it needs eval examples whose answer is text, and
+    metrics that score generated text need it on."""
+    return generation_problems(cfg, given) + generated_metric_problems(cfg)
+
+
+def generation_problems(cfg: RunConfig, given: typing.Iterable[str]) -> list[tuple[str, str]]:
+    m, d, t = cfg.model, cfg.data, cfg.train
+    p: list[tuple[str, str]] = []
     gen = t.generation_max_new_tokens
-    has_eval = has_eval_data(d)  # a mixture's sources too
     if gen is not None and gen < 0:
         p.append(("generation_max_new_tokens", f"must be >= 1, or null/0 (off); got {gen}"))
     elif gen and m.task == "classification":
-        p.append(
-            (
-                "generation_max_new_tokens",
-                "a classifier predicts a label and generates no text; drop generation_max_new_tokens (eval reports "
-                "accuracy and f1), or use task causal_lm or seq2seq with text answers",
-            )
+        why = (
+            "a classifier predicts a label and generates no text; drop generation_max_new_tokens (eval reports "
+            "accuracy and f1), or use task causal_lm or seq2seq with text answers"
         )
+        p.append(("generation_max_new_tokens", why))
     elif gen and d.format == "text":
-        p.append(
-            (
-                "generation_max_new_tokens",
-                "raw text data (format text) has no prompt/answer split to generate and score; use instruction, "
-                "chat (or source_target) data, or drop generation_max_new_tokens",
-            )
+        why = (
+            "raw text data (format text) has no prompt/answer split to generate and score; use instruction, "
+            "chat (or source_target) data, or drop generation_max_new_tokens"
         )
-    elif gen and not has_eval:
-        p.append(
-            (
-                "generation_max_new_tokens",
-                "is set but there is no eval data; give eval_dataset, eval_split or eval_fraction > 0",
-            )
-        )
+        p.append(("generation_max_new_tokens", why))
+    elif gen and not has_eval_data(d):  # a mixture's sources too
+        p.append(("generation_max_new_tokens", NO_EVAL_DATA))
     if t.generation_num_examples is not None and t.generation_num_examples < 1:
         p.append(("generation_num_examples", f"must be >= 1 or null (all), got {t.generation_num_examples}"))
     if "generation_metrics" in given and not gen:
         p.append(("generation_metrics", "is set but generation eval is off; set generation_max_new_tokens (e.g. 32)"))
     elif gen and not t.generation_metrics:
         p.append(("generation_metrics", f"must name at least one metric, e.g. [{', '.join(GENERATION_METRICS)}]"))
-    for name in t.metrics or []:
-        if name in GENERATION_METRICS and m.task == "classification":
-            p.append(
-                (
-                    "metrics",
-                    f"{name!r} scores generated text and a classifier generates none; use accuracy or f1 "
-                    "(or task causal_lm/seq2seq with generation_max_new_tokens)",
-                )
+    return p
+
+
+def generated_metric_problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    """metrics that score generated text belong in generation_metrics."""
+    p = []
+    for name in cfg.train.metrics or []:
+        if name in GENERATION_METRICS and cfg.model.task == "classification":
+            why = (
+                f"{name!r} scores generated text and a classifier generates none; use accuracy or f1 "
+                "(or task causal_lm/seq2seq with generation_max_new_tokens)"
             )
+            p.append(("metrics", why))
         elif name in GENERATION_METRICS:
-            p.append(
-                (
-                    "metrics",
-                    f"{name!r} scores generated text; remove it from metrics and set generation_max_new_tokens "
-                    f"(generation_metrics defaults to {', '.join(GENERATION_METRICS)})",
-                )
+            why = (
+                f"{name!r} scores generated text; remove it from metrics and set generation_max_new_tokens "
+                f"(generation_metrics defaults to {', '.join(GENERATION_METRICS)})"
             )
+            p.append(("metrics", why))
     return p
 
 
@@ -150,51 +259,45 @@ def best_problems(cfg: RunConfig, has_eval: bool | None = None) -> list[tuple[st
     if t.metric_for_best_model is not None:
         keys, prefixes = computed_metrics(cfg)
         if not has_eval:
-            p.append(
-                (
-                    "metric_for_best_model",
-                    "is set but there is no eval data; give eval_dataset, eval_split or eval_fraction > 0",
-                )
-            )
+            p.append(("metric_for_best_model", NO_EVAL_DATA))
         elif metric not in keys and not metric.startswith(tuple(prefixes)):
-            p.append(
-                (
-                    "metric_for_best_model",
-                    f"{t.metric_for_best_model!r} is never computed: this run's eval reports {', '.join(keys)}"
-                    f"{' and the keys of ' + ', '.join(prefixes) if prefixes else ''}; set one of them",
-                )
+            why = (
+                f"{t.metric_for_best_model!r} is never computed: this run's eval reports {', '.join(keys)}"
+                f"{' and the keys of ' + ', '.join(prefixes) if prefixes else ''}; set one of them"
             )
+            p.append(("metric_for_best_model", why))
     if t.load_best_model_at_end:
-        if not has_eval:
-            p.append(("load_best_model_at_end", "needs eval data: give eval_dataset, eval_split or eval_fraction > 0"))
-        elif not t.eval_steps:
-            p.append(("load_best_model_at_end", "needs evaluations during training: set eval_steps"))
-        elif not t.save_steps:
-            p.append(
-                (
-                    "load_best_model_at_end",
-                    "needs checkpoints to load the best from: set save_steps (a multiple of eval_steps)",
-                )
-            )
-        elif t.save_steps % t.eval_steps:
-            up = -(-t.save_steps // t.eval_steps) * t.eval_steps
-            p.append(
-                (
-                    "save_steps",
-                    f"must be a multiple of eval_steps ({t.eval_steps}) with load_best_model_at_end (as in transformers: "
-                    f"every regular checkpoint is an evaluated one), got {t.save_steps}; set save_steps: {up}",
-                )
-            )
+        p += _load_best_problems(t, has_eval)
+    return p + _early_stopping_problems(t, metric, has_eval)
+
+
+def _load_best_problems(t: TrainArgs, has_eval: bool) -> list[tuple[str, str]]:
+    """load_best_model_at_end needs evaluations and checkpoints at the evaluated steps."""
+    if not has_eval:
+        return [("load_best_model_at_end", "needs eval data: give eval_dataset, eval_split or eval_fraction > 0")]
+    if not t.eval_steps:
+        return [("load_best_model_at_end", "needs evaluations during training: set eval_steps")]
+    if not t.save_steps:
+        why = "needs checkpoints to load the best from: set save_steps (a multiple of eval_steps)"
+        return [("load_best_model_at_end", why)]
+    if t.save_steps % t.eval_steps:
+        up = -(-t.save_steps // t.eval_steps) * t.eval_steps
+        why = (
+            f"must be a multiple of eval_steps ({t.eval_steps}) with load_best_model_at_end (as in transformers: "
+            f"every regular checkpoint is an evaluated one), got {t.save_steps}; set save_steps: {up}"
+        )
+        return [("save_steps", why)]
+    return []
+
+
+def _early_stopping_problems(t: TrainArgs, metric: str | None, has_eval: bool) -> list[tuple[str, str]]:
+    p = []
     if t.early_stopping_patience is not None:
         if t.early_stopping_patience < 1:
             p.append(("early_stopping_patience", f"must be >= 1 or null (off), got {t.early_stopping_patience}"))
         elif metric is None:
-            p.append(
-                (
-                    "early_stopping_patience",
-                    "needs the metric that must keep improving: set metric_for_best_model (e.g. eval_loss)",
-                )
-            )
+            why = "needs the metric that must keep improving: set metric_for_best_model (e.g. eval_loss)"
+            p.append(("early_stopping_patience", why))
         elif not has_eval or not t.eval_steps:
             p.append(("early_stopping_patience", "needs evaluations during training: set eval_steps (and eval data)"))
     if t.early_stopping_threshold < 0:

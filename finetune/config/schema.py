@@ -48,6 +48,35 @@ DATA_EXTENSIONS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet":
 SHIPPED_METRICS = Path(__file__).parents[1] / "metric_modules"  # evaluate modules that load offline
 
 
+# The data formats each task trains on (format: auto picks one of them from the columns, data.detect_format).
+TASK_FORMATS = {
+    "causal_lm": ("text", "instruction", "chat"),
+    "classification": ("classification",),
+    "seq2seq": ("instruction", "source_target"),
+}
+PROMPT_FORMATS = ("instruction", "chat", "source_target")  # a prompt -> answer split: generation eval scores them
+
+
+def format_misfits(task: str, fmt: str) -> list[str]:
+    """Why `fmt` cannot train `task` (TASK_FORMATS), most telling first; [] when it fits (or is auto):
+    "needs_label" (classification with another format), "is_label" (classification data for causal LM),
+    "needs_pairs" (seq2seq without input -> target pairs), "is_pairs" (source_target data for another task)."""
+    if fmt == "auto":
+        return []
+    fits = fmt in TASK_FORMATS.get(task, ())
+    homes = {other for other, formats in TASK_FORMATS.items() if fmt in formats}
+    out = []
+    if task == "classification" and not fits:
+        out.append("needs_label")
+    if task == "causal_lm" and homes == {"classification"}:
+        out.append("is_label")
+    if task == "seq2seq" and not fits:
+        out.append("needs_pairs")
+    if task != "seq2seq" and homes == {"seq2seq"}:
+        out.append("is_pairs")
+    return out
+
+
 # The transformers Auto class of each task: the model finetune builds, plans and tells users to load.
 AUTO_CLASSES = {
     "causal_lm": "AutoModelForCausalLM",
@@ -57,6 +86,8 @@ AUTO_CLASSES = {
 DEFAULT_METRICS = {"causal_lm": [], "classification": ["accuracy", "f1"], "seq2seq": []}  # eval metrics by task
 
 
+# What every setting that needs eval data says when there is none.
+NO_EVAL_DATA = "is set but there is no eval data; give eval_dataset, eval_split or eval_fraction > 0"
 # Files whose presence in output_dir means "a previous run lives here".
 RUN_MARKERS = ("metrics.jsonl", "checkpoints", "final", "run_config.yaml", "logs", "curves.png", "runs")
 

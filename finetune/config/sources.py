@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune.config.schema import DATA_EXTENSIONS, FORMATS, DataArgs, choice, coerce
+from finetune.config.schema import DATA_EXTENSIONS, FORMATS, TASK_FORMATS, DataArgs, choice, coerce, format_misfits
 
 # The data fields a source of a mixture may set for itself; the others (max_seq_length, packing, ...) hold for all.
 SOURCE_FIELDS = (
@@ -33,17 +33,15 @@ SOURCE_FIELDS = (
 SOURCE_KEYS = (*SOURCE_FIELDS, "weight", "name")
 
 
-# What each format tokenizes to: sources mix when their rows have the same schema for the task.
-ROW_SCHEMA = {
-    "text": "tokens",
-    "instruction": "tokens",
-    "chat": "tokens",
-    "classification": "label",
-    "source_target": "tokens",
+# What each format tokenizes to: sources mix when their rows have the same schema (a label, or tokens).
+ROW_SCHEMA = {fmt: "label" if fmt in TASK_FORMATS["classification"] else "tokens" for fmt in FORMATS if fmt != "auto"}
+# format_misfits' reasons, as a source's `datasets[i].format` says them
+SOURCE_FORMAT_FIXES = {
+    "needs_label": "{fmt!r} is a causal-LM format; task classification needs format classification: set it (or auto)",
+    "is_label": "classification data needs task classification: set task: classification",
+    "needs_pairs": "{fmt!r} has no input -> target pairs for task seq2seq; use instruction or source_target sources",
+    "is_pairs": "source_target is the encoder-decoder format; set task: seq2seq",
 }
-
-
-SEQ2SEQ_FORMATS = ("instruction", "source_target")  # the formats with input -> target pairs
 
 
 @dataclass(frozen=True)
@@ -108,89 +106,79 @@ def source_problems(
         if not isinstance(entry, dict):
             p.append((at, f"must be a mapping like {{dataset: data/chat.jsonl, weight: 0.6}}, got {entry!r}"))
             continue
-        ok = True
-        for key, value in entry.items():
-            if key in SOURCE_FIELDS:
-                value, err = coerce("data", key, value)
-                if err:
-                    p.append((f"{at}.{key}", err))
-                    ok = False
-            elif key not in ("weight", "name"):
-                if key in {f.name for f in dataclasses.fields(DataArgs)}:
-                    hint = "; it applies to every source: set it at the top level"
-                else:
-                    close = difflib.get_close_matches(str(key), SOURCE_KEYS, n=1, cutoff=0.6)
-                    hint = f"; did you mean {close[0]!r}?" if close else f"; a source takes {', '.join(SOURCE_KEYS)}"
-                p.append((f"{at}.{key}", f"unknown field{hint}"))
-        weight = entry.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0 or weight == float("inf"):
-            p.append((f"{at}.weight", f"must be a number > 0 (its share is weight / sum of weights), got {weight!r}"))
-        name = entry.get("name")
-        if name is not None and (
-            not isinstance(name, str) or not name or any(not (c.isalnum() or c in "_-") for c in name)
-        ):
-            p.append((f"{at}.name", f"must be letters, digits, _ or - (it names eval_<name>_loss), got {name!r}"))
+        ok = _entry_field_problems(p, at, entry)
         if not entry.get("dataset"):
             p.append((f"{at}.dataset", "is required: a Hub dataset id or local data files"))
             continue
-        if not ok:
-            continue
-        source = sources_of(dataclasses.replace(d, datasets=[entry]))[0]
-        s = source.args
-        if name is None or isinstance(name, str):
-            first = names.setdefault(source.name, i)
-            if first != i:
-                p.append(
-                    (
-                        f"{at}.name",
-                        f"{source.name!r} is also datasets[{first}]'s name (from the file name when not given); "
-                        "set name: to tell them apart",
-                    )
-                )
-        if s.format not in FORMATS:
-            choice(p, f"{at}.format", s.format, FORMATS)
-        elif s.format != "auto":
-            schema = ROW_SCHEMA[s.format]
-            first = kinds.setdefault(schema, i)
-            other = next((j for k, j in kinds.items() if k != schema), None)
-            if other is not None and first == i:
-                was = d.datasets[other].get("format") or d.format
-                p.append(
-                    (
-                        f"{at}.format",
-                        f"{s.format!r} rows cannot mix with datasets[{other}]'s {was!r} rows: the sources of a mixture "
-                        "must tokenize to the same rows (causal_lm: text, instruction, chat; classification: "
-                        "classification); set a format of one kind, or train them in separate runs",
-                    )
-                )
-            elif task == "classification" and schema != "label":
-                p.append(
-                    (
-                        f"{at}.format",
-                        f"{s.format!r} is a causal-LM format; task classification needs format "
-                        "classification: set it (or auto)",
-                    )
-                )
-            elif task == "causal_lm" and schema == "label":
-                p.append((f"{at}.format", "classification data needs task classification: set task: classification"))
-            elif task == "seq2seq" and s.format not in SEQ2SEQ_FORMATS:
-                p.append(
-                    (
-                        f"{at}.format",
-                        f"{s.format!r} has no input -> target pairs for task seq2seq; use instruction or "
-                        "source_target sources",
-                    )
-                )
-            elif task != "seq2seq" and s.format == "source_target":
-                p.append((f"{at}.format", "source_target is the encoder-decoder format; set task: seq2seq"))
-        if not 0 <= s.eval_fraction < 1:
-            p.append((f"{at}.eval_fraction", f"must be in [0, 1), got {s.eval_fraction}"))
-        if s.max_train_samples is not None and s.max_train_samples < 1:
-            p.append((f"{at}.max_train_samples", f"must be >= 1 or null (off), got {s.max_train_samples}"))
-        if "{prompt}" not in s.prompt_template:
-            p.append((f"{at}.prompt_template", "must contain the placeholder {prompt}"))
-        if check_path:
-            check_path(p, f"{at}.dataset", s.dataset)
-            if s.eval_dataset:
-                check_path(p, f"{at}.eval_dataset", s.eval_dataset)
+        if ok:
+            _source_problems(p, d, task, i, entry, names, kinds, check_path)
     return p
+
+
+def _entry_field_problems(p: list, at: str, entry: dict) -> bool:
+    """A source's own fields: known, typed, a positive weight, a usable name. False when a field is mistyped."""
+    ok = True
+    for key, value in entry.items():
+        if key in SOURCE_FIELDS:
+            value, err = coerce("data", key, value)
+            if err:
+                p.append((f"{at}.{key}", err))
+                ok = False
+        elif key not in ("weight", "name"):
+            if key in {f.name for f in dataclasses.fields(DataArgs)}:
+                hint = "; it applies to every source: set it at the top level"
+            else:
+                close = difflib.get_close_matches(str(key), SOURCE_KEYS, n=1, cutoff=0.6)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; a source takes {', '.join(SOURCE_KEYS)}"
+            p.append((f"{at}.{key}", f"unknown field{hint}"))
+    weight = entry.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0 or weight == float("inf"):
+        p.append((f"{at}.weight", f"must be a number > 0 (its share is weight / sum of weights), got {weight!r}"))
+    name = entry.get("name")
+    if name is not None and (
+        not isinstance(name, str) or not name or any(not (c.isalnum() or c in "_-") for c in name)
+    ):
+        p.append((f"{at}.name", f"must be letters, digits, _ or - (it names eval_<name>_loss), got {name!r}"))
+    return ok
+
+
+def _source_problems(p: list, d: DataArgs, task: str, i: int, entry: dict, names: dict, kinds: dict, check_path):
+    """One well-typed source against the others and the task: a distinct name, a format that fits, its files."""
+    at, name = f"datasets[{i}]", entry.get("name")
+    source = sources_of(dataclasses.replace(d, datasets=[entry]))[0]
+    s = source.args
+    if name is None or isinstance(name, str):
+        first = names.setdefault(source.name, i)
+        if first != i:
+            why = (
+                f"{source.name!r} is also datasets[{first}]'s name (from the file name when not given); "
+                "set name: to tell them apart"
+            )
+            p.append((f"{at}.name", why))
+    if s.format not in FORMATS:
+        choice(p, f"{at}.format", s.format, FORMATS)
+    elif s.format != "auto":
+        schema = ROW_SCHEMA[s.format]
+        first = kinds.setdefault(schema, i)
+        other = next((j for k, j in kinds.items() if k != schema), None)
+        misfits = format_misfits(task, s.format)
+        if other is not None and first == i:
+            was = d.datasets[other].get("format") or d.format
+            why = (
+                f"{s.format!r} rows cannot mix with datasets[{other}]'s {was!r} rows: the sources of a mixture "
+                "must tokenize to the same rows (causal_lm: text, instruction, chat; classification: "
+                "classification); set a format of one kind, or train them in separate runs"
+            )
+            p.append((f"{at}.format", why))
+        elif misfits:
+            p.append((f"{at}.format", SOURCE_FORMAT_FIXES[misfits[0]].format(fmt=s.format)))
+    if not 0 <= s.eval_fraction < 1:
+        p.append((f"{at}.eval_fraction", f"must be in [0, 1), got {s.eval_fraction}"))
+    if s.max_train_samples is not None and s.max_train_samples < 1:
+        p.append((f"{at}.max_train_samples", f"must be >= 1 or null (off), got {s.max_train_samples}"))
+    if "{prompt}" not in s.prompt_template:
+        p.append((f"{at}.prompt_template", "must contain the placeholder {prompt}"))
+    if check_path:
+        check_path(p, f"{at}.dataset", s.dataset)
+        if s.eval_dataset:
+            check_path(p, f"{at}.eval_dataset", s.eval_dataset)
