@@ -223,10 +223,24 @@ def _heads_layers(config) -> tuple[int | None, int | None, int | None]:
 
 def megatron_problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> list:
     """Everything that keeps this run from starting under Megatron-LM, as (key, message with the fix)."""
+    p: list[tuple[str, str]] = []
+    layout = MegatronLayout.from_env(env)
+    _environment_problems(p)
+    _setting_problems(p, cfg, layout)
+    _unsupported_problems(p, cfg)
+    _layout_problems(p, cfg, layout, env)
+    config = model_config(cfg.model)
+    if config is None:
+        return p
+    _model_problems(p, cfg, config, layout, env)
+    _converted_problems(p, cfg, layout)
+    return p
+
+
+def _environment_problems(p: list) -> None:
+    """GPUs and the Megatron-LM source tree."""
     import torch
 
-    p: list[tuple[str, str]] = []
-    t, layout = cfg.train, MegatronLayout.from_env(env)
     if not torch.cuda.is_available():
         p.append(
             (
@@ -247,6 +261,11 @@ def megatron_problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> li
                 f"(see {DOCS})",
             )
         )
+
+
+def _setting_problems(p: list, cfg: RunConfig, layout: MegatronLayout) -> None:
+    """The batch settings Megatron-LM through accelerate needs."""
+    t = cfg.train
     if t.gradient_accumulation_steps != 1:
         p.append(
             (
@@ -266,6 +285,11 @@ def megatron_problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> li
                 "Megatron's micro batch, for training too",
             )
         )
+
+
+def _unsupported_problems(p: list, cfg: RunConfig) -> None:
+    """Features of finetune that do not run under Megatron-LM."""
+    t = cfg.train
     if cfg.peft.method != "none":
         p.append(
             (
@@ -306,6 +330,9 @@ def megatron_problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> li
                 "size); set length_aware_batching: false",
             )
         )
+
+
+def _layout_problems(p: list, cfg: RunConfig, layout: MegatronLayout, env: Mapping[str, str]) -> None:
     n = env_world_size(env)
     if n % (layout.tp * layout.pp):
         p.append(
@@ -323,9 +350,10 @@ def megatron_problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> li
                 f"{cfg.data.max_seq_length}",
             )
         )
-    config = model_config(cfg.model)
-    if config is None:
-        return p
+
+
+def _model_problems(p: list, cfg: RunConfig, config, layout: MegatronLayout, env: Mapping[str, str]) -> None:
+    """The model: a type accelerate's Megatron integration builds, as a causal LM, split evenly by TP and PP."""
     model_type = getattr(config, "model_type", "") or ""
     family = megatron_family(model_type)
     if family is None:
@@ -337,7 +365,7 @@ def megatron_problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> li
                 "train this model with accelerate_configs/tp2.yaml, ddp.yaml or a zero*.yaml config instead",
             )
         )
-        return p
+        return
     if cfg.model.task != "causal_lm" or family not in CAUSAL_LM_FAMILIES:
         p.append(
             (
@@ -361,6 +389,10 @@ def megatron_problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> li
     heads, kv, _ = _heads_layers(config)
     if kv and kv % layout.tp:
         p.append((KEY, f"megatron_lm_tp_degree {layout.tp} must divide the model's {kv} key/value heads"))
+
+
+def _converted_problems(p: list, cfg: RunConfig, layout: MegatronLayout) -> None:
+    """The converted Megatron-LM checkpoint of the model, when one exists already: complete, for this layout."""
     converted = converted_checkpoint(cfg.model.model)
     if not os.path.isdir(converted):  # finetune converts the HF weights at start (ensure_converted)
         local = os.path.expanduser(cfg.model.model)
@@ -394,7 +426,6 @@ def megatron_problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> li
                     "remove it and finetune converts the HF weights itself",
                 )
             )
-    return p
 
 
 # ---------------------------------------------------------------- the MegatronLMPlugin finetune builds
@@ -848,20 +879,7 @@ def megatron_to_hf(shards: list[dict], config) -> dict:
         qkv = cat(pre + "self_attention.linear_qkv.weight", 0)
         fc1 = [s[pre + "mlp.linear_fc1.weight"] for s in shards]
         if gpt2:
-            to = f"transformer.h.{i}."
-            out[to + "ln_1.weight"] = one(pre + attn_norm + "weight")
-            out[to + "ln_1.bias"] = one(pre + attn_norm + "bias")
-            out[to + "attn.c_attn.weight"] = qkv.view(nq, 3, d, h).transpose(0, 1).reshape(3 * h, h).T
-            bias = cat(pre + "self_attention.linear_qkv.bias", 0)
-            out[to + "attn.c_attn.bias"] = bias.view(nq, 3, d).transpose(0, 1).reshape(3 * h)
-            out[to + "attn.c_proj.weight"] = cat(pre + "self_attention.linear_proj.weight", 1).T
-            out[to + "attn.c_proj.bias"] = one(pre + "self_attention.linear_proj.bias")
-            out[to + "ln_2.weight"] = one(pre + mlp_norm + "weight")
-            out[to + "ln_2.bias"] = one(pre + mlp_norm + "bias")
-            out[to + "mlp.c_fc.weight"] = torch.cat(fc1, 0).T
-            out[to + "mlp.c_fc.bias"] = cat(pre + "mlp.linear_fc1.bias", 0)
-            out[to + "mlp.c_proj.weight"] = cat(pre + "mlp.linear_fc2.weight", 1).T
-            out[to + "mlp.c_proj.bias"] = one(pre + "mlp.linear_fc2.bias")
+            out |= _gpt2_layer_to_hf(shards, i, qkv, (h, nq, d), te)
             continue
         w = qkv.view(ng, nq // ng + 2, d, h)
         to = f"model.layers.{i}."
@@ -886,6 +904,34 @@ def megatron_to_hf(shards: list[dict], config) -> dict:
     untied = not getattr(config, "tie_word_embeddings", False) and "output_layer.weight" in shards[0]
     out["lm_head.weight"] = cat("output_layer.weight", 0)[:vocab] if untied else embed
     return out
+
+
+def _gpt2_layer_to_hf(shards: list[dict], i: int, qkv, dims: tuple[int, int, int], te: bool) -> dict:
+    """Layer i of a Megatron-Core GPT (TP shards, qkv already joined) under GPT-2's names (Conv1D: transposed)."""
+    import torch
+
+    h, nq, d = dims
+    attn_norm, mlp_norm = norm_names(te)
+    pre, to = f"decoder.layers.{i}.", f"transformer.h.{i}."
+
+    def cat(name: str, dim: int):
+        return torch.cat([s[name] for s in shards], dim=dim)
+
+    bias = cat(pre + "self_attention.linear_qkv.bias", 0)
+    return {
+        to + "ln_1.weight": shards[0][pre + attn_norm + "weight"],
+        to + "ln_1.bias": shards[0][pre + attn_norm + "bias"],
+        to + "attn.c_attn.weight": qkv.view(nq, 3, d, h).transpose(0, 1).reshape(3 * h, h).T,
+        to + "attn.c_attn.bias": bias.view(nq, 3, d).transpose(0, 1).reshape(3 * h),
+        to + "attn.c_proj.weight": cat(pre + "self_attention.linear_proj.weight", 1).T,
+        to + "attn.c_proj.bias": shards[0][pre + "self_attention.linear_proj.bias"],
+        to + "ln_2.weight": shards[0][pre + mlp_norm + "weight"],
+        to + "ln_2.bias": shards[0][pre + mlp_norm + "bias"],
+        to + "mlp.c_fc.weight": cat(pre + "mlp.linear_fc1.weight", 0).T,
+        to + "mlp.c_fc.bias": cat(pre + "mlp.linear_fc1.bias", 0),
+        to + "mlp.c_proj.weight": cat(pre + "mlp.linear_fc2.weight", 1).T,
+        to + "mlp.c_proj.bias": shards[0][pre + "mlp.linear_fc2.bias"],
+    }
 
 
 # ---------------------------------------------------------------- HF weights -> Megatron-Core (the inverse)
@@ -913,23 +959,7 @@ def hf_to_megatron(hf: Mapping[str, Any], config, tp: int, te: bool) -> list[dic
     for i in range(layers):
         pre = f"decoder.layers.{i}."
         if gpt2:
-            at = f"transformer.h.{i}."
-            qkv = hf[at + "attn.c_attn.weight"].T.reshape(3, nq, d, h).transpose(0, 1).reshape(3 * h, h)
-            bias = hf[at + "attn.c_attn.bias"].view(3, nq, d).transpose(0, 1).reshape(3 * h)
-            full |= {
-                pre + attn_norm + "weight": (hf[at + "ln_1.weight"], None),
-                pre + attn_norm + "bias": (hf[at + "ln_1.bias"], None),
-                pre + "self_attention.linear_qkv.weight": (qkv, 0),
-                pre + "self_attention.linear_qkv.bias": (bias, 0),
-                pre + "self_attention.linear_proj.weight": (hf[at + "attn.c_proj.weight"].T, 1),
-                pre + "self_attention.linear_proj.bias": (hf[at + "attn.c_proj.bias"], None),
-                pre + mlp_norm + "weight": (hf[at + "ln_2.weight"], None),
-                pre + mlp_norm + "bias": (hf[at + "ln_2.bias"], None),
-                pre + "mlp.linear_fc1.weight": (hf[at + "mlp.c_fc.weight"].T, 0),
-                pre + "mlp.linear_fc1.bias": (hf[at + "mlp.c_fc.bias"], 0),
-                pre + "mlp.linear_fc2.weight": (hf[at + "mlp.c_proj.weight"].T, 1),
-                pre + "mlp.linear_fc2.bias": (hf[at + "mlp.c_proj.bias"], None),
-            }
+            full |= _gpt2_layer_to_megatron(hf, i, (h, nq, d), te)
             continue
         at = f"model.layers.{i}."
         q = hf[at + "self_attn.q_proj.weight"].view(ng, nq // ng, d, h)
@@ -963,6 +993,29 @@ def hf_to_megatron(hf: Mapping[str, Any], config, tp: int, te: bool) -> list[dic
             for r, s in enumerate(shards):
                 s[f"decoder.layers.{i}.mlp.linear_fc1.weight"] = torch.cat([gate[r], up[r]], 0)
     return shards
+
+
+def _gpt2_layer_to_megatron(hf: Mapping[str, Any], i: int, dims: tuple[int, int, int], te: bool) -> dict:
+    """Layer i of a GPT-2 (Conv1D weights: transposed) under Megatron-Core names, as (whole tensor, TP split dim)."""
+    h, nq, d = dims
+    attn_norm, mlp_norm = norm_names(te)
+    pre, at = f"decoder.layers.{i}.", f"transformer.h.{i}."
+    qkv = hf[at + "attn.c_attn.weight"].T.reshape(3, nq, d, h).transpose(0, 1).reshape(3 * h, h)
+    bias = hf[at + "attn.c_attn.bias"].view(3, nq, d).transpose(0, 1).reshape(3 * h)
+    return {
+        pre + attn_norm + "weight": (hf[at + "ln_1.weight"], None),
+        pre + attn_norm + "bias": (hf[at + "ln_1.bias"], None),
+        pre + "self_attention.linear_qkv.weight": (qkv, 0),
+        pre + "self_attention.linear_qkv.bias": (bias, 0),
+        pre + "self_attention.linear_proj.weight": (hf[at + "attn.c_proj.weight"].T, 1),
+        pre + "self_attention.linear_proj.bias": (hf[at + "attn.c_proj.bias"], None),
+        pre + mlp_norm + "weight": (hf[at + "ln_2.weight"], None),
+        pre + mlp_norm + "bias": (hf[at + "ln_2.bias"], None),
+        pre + "mlp.linear_fc1.weight": (hf[at + "mlp.c_fc.weight"].T, 0),
+        pre + "mlp.linear_fc1.bias": (hf[at + "mlp.c_fc.bias"], 0),
+        pre + "mlp.linear_fc2.weight": (hf[at + "mlp.c_proj.weight"].T, 1),
+        pre + "mlp.linear_fc2.bias": (hf[at + "mlp.c_proj.bias"], None),
+    }
 
 
 def pipeline_stage(shard: dict, layers: int, pp: int, stage: int, tied: bool) -> dict:
