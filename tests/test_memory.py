@@ -14,7 +14,7 @@ from conftest import ROOT, base_args, finetune
 from finetune import memory
 from finetune.cli import run_cli
 from finetune.config import build_config
-from finetune.parallel import sharding
+from finetune.parallel import sharding, topology
 
 pytestmark = pytest.mark.xdist_group("memory")  # one worker: the sized models are built once
 TOLERANCE = 0.15  # the estimate of the training-phase peak RSS per rank, relative to the measurement
@@ -92,7 +92,7 @@ def test_every_shipped_config_is_read_without_launching():
     """Each shipped Accelerate config becomes the topology its comments promise."""
     seen = {}
     for path in sorted((ROOT / "accelerate_configs").glob("*.yaml")):
-        topo, _, mixed = sharding.read_config_file(path)
+        topo, _, mixed = topology.read_config_file(path)
         seen[path.stem] = (topo.family, topo.zero_stage, topo.offload_params, topo.tp, topo.pp, topo.num_processes)
         assert mixed is None  # the run config's mixed_precision decides (environment.set_mixed_precision)
     assert seen["ddp"] == ("ddp", 0, False, 1, 1, 2)
@@ -113,7 +113,7 @@ def test_sharding_saves_what_the_zero_paper_says(assets):
     for n in (2, 8):
         per_param = {}
         for name in ("ddp", "zero1", "zero2", "zero3"):
-            topo, ds, mixed = sharding.read_config_file(ROOT / "accelerate_configs" / f"{name}.yaml", num_processes=n)
+            topo, ds, mixed = topology.read_config_file(ROOT / "accelerate_configs" / f"{name}.yaml", num_processes=n)
             parts = sharding.model_states(topo, shape, mixed or "no", sharding.Buckets())
             per_param[name] = sum(x.bytes for x in parts if x.name != "buffers") / p
         assert per_param["ddp"] == pytest.approx(16)

@@ -25,11 +25,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 from finetune import launching
 from finetune.config import ConfigError, build_config, load_yaml, parse_cli_value
-from finetune.parallel.topology import describe_observed
+from finetune.parallel.topology import describe_observed, read_config_file
 
 ROOT = Path(__file__).resolve().parents[2]
 SINGLE_NODE = ["single", "ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "fsdp2", "fsdp2_offload"]
@@ -60,13 +58,6 @@ def accelerate_config_path(name: str) -> Path:
         names = sorted(p.stem for p in (ROOT / "accelerate_configs").glob("*.yaml"))
         raise ConfigError([("--configs", f"{name!r} is neither a file nor a shipped config ({', '.join(names)})")])
     return shipped
-
-
-def data_parallel_size(path: Path) -> int:
-    """Ranks of an Accelerate config that hold different batches (a tensor-parallel group holds the same)."""
-    raw = yaml.safe_load(path.read_text()) or {}
-    tp = int((raw.get("parallelism_config") or {}).get("parallelism_config_tp_size", 1))
-    return int(raw.get("num_processes", 1)) // tp
 
 
 def run_one(name: str, path: Path, ga: int, args: argparse.Namespace, overrides: list[str], out: Path) -> Outcome:
@@ -211,7 +202,7 @@ def main(argv: list[str]) -> int:
         print(e.render(), file=sys.stderr)
         return 2
     # Same global batch everywhere: fewer processes, more accumulation.
-    worlds = {name: data_parallel_size(p) for name, p in paths.items()}
+    worlds = {name: read_config_file(p)[0].dp for name, p in paths.items()}  # ranks holding different batches
     target = cfg.train.gradient_accumulation_steps * max(worlds.values())
     bad = [n for n, w in worlds.items() if target % w]
     if bad:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from finetune.config import AUTO_CLASSES, ConfigError, RunConfig
 from finetune.parallel import sharding
-from finetune.parallel.topology import Topology
+from finetune.parallel.topology import Topology, launch_size, read_config_file
 
 logger = logging.getLogger("finetune")
 
@@ -379,10 +379,10 @@ def plan_config(
     name = path.stem
     if name in GPU_ONLY and not machines.on_gpu:
         return Estimate(name, None, note="GPU only (Megatron-LM)")
-    n, why = sharding.launch_size(path, machines.processes)
+    n, why = launch_size(path, machines.processes)
     if not n:
         return Estimate(name, None, note=why)
-    topo, ds, mixed = sharding.read_config_file(path, num_processes=n, num_machines=math.ceil(n / machines.per_node))
+    topo, ds, mixed = read_config_file(path, num_processes=n, num_machines=math.ceil(n / machines.per_node))
     mixed = machines.mixed_precision or mixed or default_precision(cfg, machines)
     buckets = sharding.buckets_for(topo, ds, shape.hidden)
     est = estimate(shape, cfg, topo, mixed, buckets, machines, micro_batch, name, accumulation)

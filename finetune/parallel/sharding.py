@@ -2,7 +2,7 @@
 
 `finetune plan` (finetune/memory/) asks this module, and only this module, what differs between DDP, the
 ZeRO stages, FSDP2, tensor parallelism and Megatron-LM. It works from an Accelerate config file without
-launching anything (`read_config_file`), or from a running job's Topology (`from_topology`).
+launching anything (`topology.read_config_file`), or from a running job's Topology (`from_topology`).
 
 `model_states(topology, shape, precision, buckets)` lists a rank's parts in bytes, each placed on the device
 or on the host (CPU offload). Per parameter, with P trainable and T total parameters, N ranks sharding them,
@@ -51,9 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from finetune.parallel.topology import Topology, _true, deepspeed_offloads
+from finetune.parallel.topology import Topology, _true
 
 ALWAYS, BACKWARD, STEP = "always", "backward", "step"
 
@@ -257,93 +255,8 @@ def layers_per_rank(topology: Topology, layers: int) -> float:
     return layers / topology.pp
 
 
-# ---------------------------------------------------------------- Accelerate config files, without launching
-
-
-def read_config_file(
-    path: str | os.PathLike, num_processes: int | None = None, num_machines: int | None = None
-) -> tuple[Topology, dict, str | None]:
-    """(Topology, DeepSpeed JSON or {}, mixed precision) an Accelerate config file asks for, read like
-    `accelerate launch` would (num_processes/num_machines as its flags override the file's). The mixed precision
-    is None when the file says nothing (then the run config's mixed_precision decides)."""
-    p = Path(path)
-    raw = yaml.safe_load(p.read_text()) or {}
-    n = int(num_processes or raw.get("num_processes", 1) or 1)
-    machines = int(num_machines or raw.get("num_machines", 1) or 1)
-    kind = str(raw.get("distributed_type", "NO"))
-    mixed = str(raw["mixed_precision"]) if raw.get("mixed_precision") else None
-    ds: dict = {}
-    kw: dict = {}
-    family = "ddp"
-    if kind == "DEEPSPEED":
-        family = "deepspeed"
-        dcfg = raw.get("deepspeed_config") or {}
-        file = dcfg.get("deepspeed_config_file")
-        if file:
-            file_path = Path(file) if Path(file).is_absolute() else p.resolve().parents[1] / file
-            ds = json.loads(file_path.read_text())
-        else:  # inline keys of `accelerate config`
-            ds = {
-                "zero_optimization": {
-                    "stage": dcfg.get("zero_stage", 2),
-                    "offload_optimizer": {"device": dcfg.get("offload_optimizer_device", "none")},
-                    "offload_param": {"device": dcfg.get("offload_param_device", "none")},
-                }
-            }
-        zero = ds.get("zero_optimization", {})
-        optimizer, params = deepspeed_offloads(zero)
-        kw.update(zero_stage=int(zero.get("stage", 0)), offload_optimizer=optimizer, offload_params=params)
-        for key in ("bf16", "fp16"):
-            if mixed in (None, "no") and str((ds.get(key) or {}).get("enabled")).lower() == "true":
-                mixed = key
-    elif kind == "FSDP":
-        family = "fsdp"
-        fcfg = raw.get("fsdp_config") or {}
-        offload = str(fcfg.get("fsdp_offload_params", False)).lower() == "true"
-        kw.update(fsdp_version=int(fcfg.get("fsdp_version", 1)), offload_params=offload, offload_optimizer=offload)
-    elif kind == "MEGATRON_LM":
-        family = "megatron"
-        mcfg = raw.get("megatron_lm_config") or {}
-        tp, pp = int(mcfg.get("megatron_lm_tp_degree", 1)), int(mcfg.get("megatron_lm_pp_degree", 1))
-        kw.update(tp=tp, pp=pp, num_micro_batches=int(mcfg.get("megatron_lm_num_micro_batches", 1)))
-        ds = {"megatron_distributed_optimizer": bool(mcfg.get("megatron_lm_use_distributed_optimizer", False))}
-    tp_size = int((raw.get("parallelism_config") or {}).get("parallelism_config_tp_size", 1))
-    if family in ("ddp", "fsdp") and tp_size > 1:
-        family = family if family == "fsdp" else "tensor"
-        kw["tp"] = tp_size
-    tp = kw.get("tp", 1) * kw.get("pp", 1)
-    topo = Topology(
-        family=family,
-        distributed_type=kind,
-        num_processes=n,
-        num_machines=machines,
-        process_index=0,
-        dp=max(1, n // tp),
-        **kw,
-    )
-    return topo, ds, mixed
-
-
-def launch_size(path: str | os.PathLike, wanted: int) -> tuple[int, str]:
-    """How many processes to launch an Accelerate config with on `wanted` devices, and why when it is not all of
-    them; (0, why) when it cannot run there. TP alone needs exactly tp_size; TP x FSDP2 and Megatron-LM need a
-    multiple of their model-parallel size; one process stays one."""
-    raw = yaml.safe_load(Path(path).read_text()) or {}
-    if int(raw.get("num_processes", 1) or 1) == 1 and str(raw.get("distributed_type", "NO")) == "NO":
-        return 1, "1 process"
-    pc = raw.get("parallelism_config") or {}
-    mcfg = raw.get("megatron_lm_config") or {}
-    tp = int(pc.get("parallelism_config_tp_size", 1)) * int(mcfg.get("megatron_lm_tp_degree", 1))
-    group = tp * int(mcfg.get("megatron_lm_pp_degree", 1)) * int(pc.get("parallelism_config_dp_shard_size", 1))
-    if tp > 1 and not pc.get("parallelism_config_dp_shard_size") and not mcfg:
-        return (tp, f"{tp} processes (TP alone)") if wanted >= tp else (0, f"needs {tp} processes")
-    if wanted < group or wanted % (group // int(pc.get("parallelism_config_dp_shard_size", 1))):
-        return 0, f"needs a multiple of {group} processes"
-    return wanted, ""
-
-
 def buckets_for(topology: Topology, ds_config: Mapping, hidden: int) -> Buckets:
-    """Buckets of a config read from a file (read_config_file) for a model of this hidden size."""
+    """Buckets of a config read from a file (topology.read_config_file) for a model of this hidden size."""
     env = {"MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER": str(ds_config.get("megatron_distributed_optimizer", ""))}
     return Buckets.read(topology, ds_config, hidden, env)
 

@@ -8,9 +8,13 @@ after, `Topology.read` records the sizes the run really has. Every other module 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
 
 # The backend families, one module each under finetune/parallel/.
 FAMILIES = ("ddp", "deepspeed", "fsdp", "tensor", "megatron")
@@ -179,3 +183,92 @@ def describe_observed(row: dict) -> str:
 def _machines(env: Mapping[str, str], num_processes: int) -> int:
     local = int(env.get("LOCAL_WORLD_SIZE", num_processes) or num_processes)
     return max(1, num_processes // max(1, local))
+
+
+# ---------------------------------------------------------------- Accelerate config files, without launching
+
+
+def read_config_file(
+    path: str | os.PathLike, num_processes: int | None = None, num_machines: int | None = None
+) -> tuple[Topology, dict, str | None]:
+    """(Topology, DeepSpeed JSON or {}, mixed precision) an Accelerate config file asks for, read like
+    `accelerate launch` would (num_processes/num_machines as its flags override the file's). The mixed precision
+    is None when the file says nothing (then the run config's mixed_precision decides)."""
+    p = Path(path)
+    raw = yaml.safe_load(p.read_text()) or {}
+    n = int(num_processes or raw.get("num_processes", 1) or 1)
+    machines = int(num_machines or raw.get("num_machines", 1) or 1)
+    kind = str(raw.get("distributed_type", "NO"))
+    mixed = str(raw["mixed_precision"]) if raw.get("mixed_precision") else None
+    ds: dict = {}
+    kw: dict = {}
+    family = {"DEEPSPEED": "deepspeed", "FSDP": "fsdp", "MEGATRON_LM": "megatron"}.get(kind, "ddp")
+    if family == "deepspeed":
+        ds, mixed = _deepspeed_file(raw, p, mixed, kw)
+    elif family == "fsdp":
+        fcfg = raw.get("fsdp_config") or {}
+        offload = str(fcfg.get("fsdp_offload_params", False)).lower() == "true"
+        kw.update(fsdp_version=int(fcfg.get("fsdp_version", 1)), offload_params=offload, offload_optimizer=offload)
+    elif family == "megatron":
+        mcfg = raw.get("megatron_lm_config") or {}
+        tp, pp = int(mcfg.get("megatron_lm_tp_degree", 1)), int(mcfg.get("megatron_lm_pp_degree", 1))
+        kw.update(tp=tp, pp=pp, num_micro_batches=int(mcfg.get("megatron_lm_num_micro_batches", 1)))
+        ds = {"megatron_distributed_optimizer": bool(mcfg.get("megatron_lm_use_distributed_optimizer", False))}
+    tp_size = int((raw.get("parallelism_config") or {}).get("parallelism_config_tp_size", 1))
+    if family in ("ddp", "fsdp") and tp_size > 1:
+        family = family if family == "fsdp" else "tensor"
+        kw["tp"] = tp_size
+    tp = kw.get("tp", 1) * kw.get("pp", 1)
+    topo = Topology(
+        family=family,
+        distributed_type=kind,
+        num_processes=n,
+        num_machines=machines,
+        process_index=0,
+        dp=max(1, n // tp),
+        **kw,
+    )
+    return topo, ds, mixed
+
+
+def _deepspeed_file(raw: dict, path: Path, mixed: str | None, kw: dict) -> tuple[dict, str | None]:
+    """A DeepSpeed config's JSON (its file, or the inline keys of `accelerate config`), its ZeRO stage and
+    offloads (into kw), and the mixed precision its JSON enables when the YAML says none."""
+    dcfg = raw.get("deepspeed_config") or {}
+    file = dcfg.get("deepspeed_config_file")
+    if file:
+        file_path = Path(file) if Path(file).is_absolute() else path.resolve().parents[1] / file
+        ds = json.loads(file_path.read_text())
+    else:  # inline keys of `accelerate config`
+        ds = {
+            "zero_optimization": {
+                "stage": dcfg.get("zero_stage", 2),
+                "offload_optimizer": {"device": dcfg.get("offload_optimizer_device", "none")},
+                "offload_param": {"device": dcfg.get("offload_param_device", "none")},
+            }
+        }
+    zero = ds.get("zero_optimization", {})
+    optimizer, params = deepspeed_offloads(zero)
+    kw.update(zero_stage=int(zero.get("stage", 0)), offload_optimizer=optimizer, offload_params=params)
+    for key in ("bf16", "fp16"):
+        if mixed in (None, "no") and str((ds.get(key) or {}).get("enabled")).lower() == "true":
+            mixed = key
+    return ds, mixed
+
+
+def launch_size(path: str | os.PathLike, wanted: int) -> tuple[int, str]:
+    """How many processes to launch an Accelerate config with on `wanted` devices, and why when it is not all of
+    them; (0, why) when it cannot run there. TP alone needs exactly tp_size; TP x FSDP2 and Megatron-LM need a
+    multiple of their model-parallel size; one process stays one."""
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    if int(raw.get("num_processes", 1) or 1) == 1 and str(raw.get("distributed_type", "NO")) == "NO":
+        return 1, "1 process"
+    pc = raw.get("parallelism_config") or {}
+    mcfg = raw.get("megatron_lm_config") or {}
+    tp = int(pc.get("parallelism_config_tp_size", 1)) * int(mcfg.get("megatron_lm_tp_degree", 1))
+    group = tp * int(mcfg.get("megatron_lm_pp_degree", 1)) * int(pc.get("parallelism_config_dp_shard_size", 1))
+    if tp > 1 and not pc.get("parallelism_config_dp_shard_size") and not mcfg:
+        return (tp, f"{tp} processes (TP alone)") if wanted >= tp else (0, f"needs {tp} processes")
+    if wanted < group or wanted % (group // int(pc.get("parallelism_config_dp_shard_size", 1))):
+        return 0, f"needs a multiple of {group} processes"
+    return wanted, ""
