@@ -148,7 +148,7 @@ def base_weights(model: str) -> dict | None:
     return {k: v for f in files for k, v in load_file(str(f)).items()} or None
 
 
-def main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="finetune parity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -180,7 +180,11 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--output_dir", default="outputs/parity", help="where each run writes (default: %(default)s)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds allowed per run (default: %(default)s)")
-    args, overrides = parser.parse_known_args(argv)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args, overrides = build_parser().parse_known_args(argv)
     overrides = [o for o in overrides if o != "--"]
     half = args.mixed_precision in ("bf16", "fp16")
     defaults = {"loss_rtol": 3e-3, "weight_atol": float("inf"), "update_rtol": 0.06} if half else {
