@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from finetune.config import AUTO_CLASSES, ConfigError, ModelArgs, PeftArgs
+from finetune.config.rules import encoder_decoder_problems, position_problems
 
 logger = logging.getLogger("finetune")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
@@ -134,45 +135,9 @@ def build_model(
     import transformers
     from transformers import AutoConfig
 
-    from finetune.config import encoder_decoder_problems
-
-    try:
-        config = AutoConfig.from_pretrained(m.model, trust_remote_code=m.trust_remote_code)
-    except (OSError, ValueError, KeyError) as e:
-        raise _load_error("model config", m.model, e) from None
-    mismatch = encoder_decoder_problems(
-        m.task, bool(getattr(config, "is_encoder_decoder", False)), m.model, getattr(config, "model_type", None)
-    )
-    if mismatch:  # a Hub model: its config.json was not there to check before
-        raise ConfigError(mismatch)
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if limit and max_seq_length > limit:
-        raise ConfigError(
-            [
-                (
-                    "max_seq_length",
-                    f"{max_seq_length} is beyond what {m.model!r} supports "
-                    f"(max_position_embeddings={limit}); set max_seq_length <= {limit}",
-                )
-            ]
-        )
-    kwargs = {"dtype": DTYPES[m.torch_dtype], "trust_remote_code": m.trust_remote_code}
-    if m.attn_implementation:
-        kwargs["attn_implementation"] = m.attn_implementation
-    if pe is not None and pe.load_in_4bit:
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
-        )
+    _check_config(m, max_seq_length)
+    kwargs = _load_kwargs(m, pe, label_names)
     cls = getattr(transformers, AUTO_CLASSES[m.task])
-    if label_names is not None:
-        kwargs.update(
-            num_labels=len(label_names),
-            id2label=dict(enumerate(label_names)),
-            label2id={n: i for i, n in enumerate(label_names)},
-            ignore_mismatched_sizes=True,
-        )
     try:
         if load_weights:
             model = cls.from_pretrained(m.model, **kwargs, **(extra_kwargs or {}))
@@ -195,6 +160,45 @@ def build_model(
         if reentrant_checkpointing:  # reentrant checkpoints need an input that requires grad (frozen embeddings)
             model.enable_input_require_grads()
     return apply_peft(model, pe, "classification" if label_names is not None else m.task) if pe else model
+
+
+def _check_config(m: ModelArgs, max_seq_length: int) -> None:
+    """What the model's config says before its weights load (a Hub model's config.json was not there to check
+    at validation): the task's kind of model, and enough positions for max_seq_length."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(m.model, trust_remote_code=m.trust_remote_code)
+    except (OSError, ValueError, KeyError) as e:
+        raise _load_error("model config", m.model, e) from None
+    problems = encoder_decoder_problems(
+        m.task, bool(getattr(config, "is_encoder_decoder", False)), m.model, getattr(config, "model_type", None)
+    )
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    problems = problems or position_problems(m.model, limit, max_seq_length)
+    if problems:
+        raise ConfigError(problems)
+
+
+def _load_kwargs(m: ModelArgs, pe: PeftArgs | None, label_names: list[str] | None) -> dict:
+    """from_pretrained's arguments: dtype, attention, 4-bit quantization, a classifier head for the labels."""
+    kwargs = {"dtype": DTYPES[m.torch_dtype], "trust_remote_code": m.trust_remote_code}
+    if m.attn_implementation:
+        kwargs["attn_implementation"] = m.attn_implementation
+    if pe is not None and pe.load_in_4bit:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+        )
+    if label_names is not None:
+        kwargs.update(
+            num_labels=len(label_names),
+            id2label=dict(enumerate(label_names)),
+            label2id={n: i for i, n in enumerate(label_names)},
+            ignore_mismatched_sizes=True,
+        )
+    return kwargs
 
 
 @dataclass(frozen=True)

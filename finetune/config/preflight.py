@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from finetune.config.rules import encoder_decoder_problems
+from finetune.config.rules import encoder_decoder_problems, position_problems
 from finetune.config.schema import (
     DATA_EXTENSIONS,
     HUB_REPO_ID,
@@ -91,15 +91,9 @@ def check_model_config(problems: list, model_dir: str, max_seq_length: int, task
     problems += encoder_decoder_problems(
         task, bool(config.get("is_encoder_decoder")), model_dir, config.get("model_type")
     )
-    limit = config.get("max_position_embeddings") or config.get("n_positions")
-    if isinstance(limit, int) and not isinstance(limit, bool) and max_seq_length > limit:
-        problems.append(
-            (
-                "max_seq_length",
-                f"{max_seq_length} is beyond what {model_dir!r} supports "
-                f"(max_position_embeddings={limit}); set max_seq_length <= {limit}",
-            )
-        )
+    problems += position_problems(
+        model_dir, config.get("max_position_embeddings") or config.get("n_positions"), max_seq_length
+    )
 
 
 def hub_offline() -> bool:

@@ -46,6 +46,17 @@ def encoder_decoder_problems(task: str, encoder_decoder: bool, model: str, model
     return []
 
 
+def position_problems(model: str, limit, max_seq_length: int) -> list[tuple[str, str]]:
+    """max_seq_length within the model's positions (max_position_embeddings, or n_positions; None: no limit)."""
+    if isinstance(limit, int) and not isinstance(limit, bool) and max_seq_length > limit:
+        why = (
+            f"{max_seq_length} is beyond what {model!r} supports "
+            f"(max_position_embeddings={limit}); set max_seq_length <= {limit}"
+        )
+        return [("max_seq_length", why)]
+    return []
+
+
 def required_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     p = []
     if not cfg.model.model:
