@@ -517,10 +517,49 @@ def build_datasets(
     data: DataArgs, task: str, tokenizer, seed: int, main_first: Callable[[], AbstractContextManager]
 ) -> Datasets:
     """Load, format, tokenize (main process first, so the others hit the datasets cache), filter, pack."""
-    from datasets.fingerprint import Hasher
-
     with main_first():
         train_raw, eval_raw = load_splits(data, seed)
+    fmt = _checked_format(train_raw, eval_raw, data, task, tokenizer)
+    label_names, label_ids = _labels(train_raw, eval_raw, data) if fmt == "classification" else (None, None)
+    max_len = data.max_seq_length
+    if task == "seq2seq":  # validate() and detect_format() leave only instruction or source_target here
+        fn, batched = _seq2seq(tokenizer, data, max_len, fmt), False
+    else:
+        fn, batched = {
+            "text": (_text(tokenizer, data, max_len), True),
+            "instruction": (_instruction(tokenizer, data, max_len), False),
+            "chat": (_chat(tokenizer, data, max_len), False),
+            "classification": (_classification(tokenizer, data, max_len, label_ids), True),
+        }[fmt]
+    with main_first():
+        train = _tokenize(train_raw, "train", fn, batched, data, fmt, task)
+        evalset = _tokenize(eval_raw, "eval", fn, batched, data, fmt, task) if eval_raw is not None else None
+        dropped = len(train_raw) - len(train) if fmt != "text" else 0
+        if len(train) == 0:
+            raise ConfigError(
+                [
+                    (
+                        "dataset",
+                        "no training example has a supervised token left after truncation to "
+                        f"max_seq_length={max_len}; raise max_seq_length or check the response columns",
+                    )
+                ]
+            )
+        if dropped:
+            logger.warning(
+                "dropped %d of %d training examples with no supervised token (truncated away?)", dropped, len(train_raw)
+            )
+        if data.packing:
+            train = _packed(train, max_len)
+    if fmt == "classification":
+        n_super = len(train)
+    else:
+        n_super = sum(supervised_count(lab, task) for lab in train["labels"])
+    return Datasets(train=train, eval=evalset, format=fmt, label_names=label_names, supervised_tokens=n_super)
+
+
+def _checked_format(train_raw, eval_raw, data: DataArgs, task: str, tokenizer) -> str:
+    """The data's format, with the columns it needs in train and eval, and a chat template for chat data."""
     columns = list(train_raw.column_names)
     fmt = detect_format(columns, data, task)
     problems = required_columns(fmt, columns, data)
@@ -540,7 +579,12 @@ def build_datasets(
                 )
             ]
         )
-    label_names, label_ids = label_names_of(train_raw, data) if fmt == "classification" else (None, None)
+    return fmt
+
+
+def _labels(train_raw, eval_raw, data: DataArgs):
+    """A classifier's label names and ids, from train; eval may use no label that train lacks."""
+    label_names, label_ids = label_names_of(train_raw, data)
     if label_names and eval_raw is not None:
         unknown = set(_unique(eval_raw, data.label_column)) - set(label_ids or range(len(label_names)))
         if unknown:
@@ -553,69 +597,42 @@ def build_datasets(
                     )
                 ]
             )
-    max_len = data.max_seq_length
-    if task == "seq2seq":  # validate() and detect_format() leave only instruction or source_target here
-        fn, batched = _seq2seq(tokenizer, data, max_len, fmt), False
-    else:
-        fn, batched = {
-            "text": (_text(tokenizer, data, max_len), True),
-            "instruction": (_instruction(tokenizer, data, max_len), False),
-            "chat": (_chat(tokenizer, data, max_len), False),
-            "classification": (_classification(tokenizer, data, max_len, label_ids), True),
-        }[fmt]
+    return label_names, label_ids
 
-    def tokenize(ds, name: str):
-        try:
-            ds = ds.map(
-                fn,
-                batched=batched,
-                remove_columns=ds.column_names,
-                num_proc=data.preprocessing_num_workers,
-                desc=f"tokenizing {name}",
-            )
-        except BadExample as e:
-            raise ConfigError([(e.key, e.message)]) from None
-        except (KeyError, TypeError, ValueError) as e:
-            raise ConfigError(
-                [("dataset" if name == "train" else "eval_dataset", f"{fmt} formatting failed: {_first_line(e)}")]
-            ) from None
-        ds = ds.filter(
-            lambda ex: supervised_count(ex["labels"], task) > 0, desc=f"dropping {name} examples with nothing to learn"
+
+def _tokenize(ds, name: str, fn, batched: bool, data: DataArgs, fmt: str, task: str):
+    """Rows -> tokens and labels; rows left with nothing to learn are dropped."""
+    try:
+        ds = ds.map(
+            fn,
+            batched=batched,
+            remove_columns=ds.column_names,
+            num_proc=data.preprocessing_num_workers,
+            desc=f"tokenizing {name}",
         )
-        return ds
+    except BadExample as e:
+        raise ConfigError([(e.key, e.message)]) from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(
+            [("dataset" if name == "train" else "eval_dataset", f"{fmt} formatting failed: {_first_line(e)}")]
+        ) from None
+    return ds.filter(
+        lambda ex: supervised_count(ex["labels"], task) > 0, desc=f"dropping {name} examples with nothing to learn"
+    )
 
-    with main_first():
-        train = tokenize(train_raw, "train")
-        evalset = tokenize(eval_raw, "eval") if eval_raw is not None else None
-        dropped = len(train_raw) - len(train) if fmt != "text" else 0
-        if len(train) == 0:
-            raise ConfigError(
-                [
-                    (
-                        "dataset",
-                        "no training example has a supervised token left after truncation to "
-                        f"max_seq_length={max_len}; raise max_seq_length or check the response columns",
-                    )
-                ]
-            )
-        if dropped:
-            logger.warning(
-                "dropped %d of %d training examples with no supervised token (truncated away?)", dropped, len(train_raw)
-            )
-        if data.packing:
-            # datasets hashes a module-level function by name, not code: put the code in the cache key,
-            # so a changed packing algorithm never reuses rows packed by an older one.
-            fingerprint = Hasher.hash([train._fingerprint, inspect.getsource(pack), max_len])
-            train = train.map(
-                pack,
-                batched=True,
-                batch_size=1000,
-                fn_kwargs={"max_len": max_len},
-                desc="packing",
-                new_fingerprint=fingerprint,
-            )
-    if fmt == "classification":
-        n_super = len(train)
-    else:
-        n_super = sum(supervised_count(lab, task) for lab in train["labels"])
-    return Datasets(train=train, eval=evalset, format=fmt, label_names=label_names, supervised_tokens=n_super)
+
+def _packed(train, max_len: int):
+    """Rows packed into sequences of max_len (greedy, in order: pack)."""
+    from datasets.fingerprint import Hasher
+
+    # datasets hashes a module-level function by name, not code: put the code in the cache key,
+    # so a changed packing algorithm never reuses rows packed by an older one.
+    fingerprint = Hasher.hash([train._fingerprint, inspect.getsource(pack), max_len])
+    return train.map(
+        pack,
+        batched=True,
+        batch_size=1000,
+        fn_kwargs={"max_len": max_len},
+        desc="packing",
+        new_fingerprint=fingerprint,
+    )
