@@ -172,6 +172,9 @@ def required_columns(fmt: str, columns: list[str], data: DataArgs) -> list[tuple
     ]
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles chat templates know
+
+
 class BadExample(ValueError):
     """An example the format cannot use; `key` is the config field that points at the wrong data."""
 
@@ -240,6 +243,15 @@ def _chat(tokenizer, data: DataArgs, max_len: int) -> Callable:
                 "messages_column",
                 f"column {data.messages_column!r} must hold lists of {{role, content}} messages, got "
                 f"{str(messages)[:60]!r}; set messages_column to such a column, or a format that fits the data",
+            )
+        roles = {m["role"] for m in messages}
+        if "assistant" not in roles and roles - set(CHAT_ROLES):
+            raise BadExample(
+                "messages_column",
+                f"a conversation in {data.messages_column!r} has the role(s) "
+                f"{', '.join(map(repr, sorted(roles - set(CHAT_ROLES), key=str)))} and no 'assistant' turn, so nothing "
+                f"to learn (finetune learns the assistant's turns; roles: {', '.join(CHAT_ROLES)}); fix the data: "
+                "name the model's turns 'assistant' (e.g. bot -> assistant)",
             )
         ids: list[int] = []
         labels: list[int] = []
@@ -535,19 +547,13 @@ def build_datasets(
         train = _tokenize(train_raw, "train", fn, batched, data, fmt, task)
         evalset = _tokenize(eval_raw, "eval", fn, batched, data, fmt, task) if eval_raw is not None else None
         dropped = len(train_raw) - len(train) if fmt != "text" else 0
+        key, answer, nulls = _null_answers(train_raw, data, fmt)
         if len(train) == 0:
-            raise ConfigError(
-                [
-                    (
-                        "dataset",
-                        "no training example has a supervised token left after truncation to "
-                        f"max_seq_length={max_len}; raise max_seq_length or check the response columns",
-                    )
-                ]
-            )
+            raise ConfigError([_nothing_to_learn(len(train_raw), key, answer, nulls, max_len)])
         if dropped:
+            why = f"{nulls} with a null {answer!r}, the others truncated away?" if nulls else "truncated away?"
             logger.warning(
-                "dropped %d of %d training examples with no supervised token (truncated away?)", dropped, len(train_raw)
+                "dropped %d of %d training examples with no supervised token (%s)", dropped, len(train_raw), why
             )
         if data.packing:
             train = _packed(train, max_len)
@@ -556,6 +562,36 @@ def build_datasets(
     else:
         n_super = sum(supervised_count(lab, task) for lab in train["labels"])
     return Datasets(train=train, eval=evalset, format=fmt, label_names=label_names, supervised_tokens=n_super)
+
+
+def _null_answers(rows, data: DataArgs, fmt: str) -> tuple[str, str, int]:
+    """The answers to learn (instruction, source_target): (config key, column, how many rows have none)."""
+    columns = rows.column_names
+    if fmt == "source_target":
+        key, answer = "target_column", data.target_column
+    elif fmt == "instruction":
+        key, answer = "response_column", data.response_column if data.prompt_column in columns else "output"
+    else:
+        return "", "", 0
+    return key, answer, rows.with_format("arrow")[answer].null_count if answer in columns else 0
+
+
+def _nothing_to_learn(rows: int, key: str, answer: str, nulls: int, max_len: int) -> tuple[str, str]:
+    """The problem when no training example has a supervised token left: null answers, or truncation."""
+    if nulls == rows:
+        return key, (
+            f"every training example has a null {answer!r} (no answer to learn); fill in the answers, or set "
+            f"{key} to the column that holds them"
+        )
+    if nulls:
+        return "dataset", (
+            f"no training example has a supervised token left: {nulls} of {rows} have a null {answer!r} and the "
+            f"others were truncated away at max_seq_length={max_len}; raise max_seq_length, or fill in the answers"
+        )
+    return "dataset", (
+        f"no training example has a supervised token left after truncation to max_seq_length={max_len}; raise "
+        "max_seq_length or check the response columns"
+    )
 
 
 def _checked_format(train_raw, eval_raw, data: DataArgs, task: str, tokenizer) -> str:

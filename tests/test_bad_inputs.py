@@ -135,6 +135,11 @@ def rows_instruction(n: int, response="It is about tech.") -> list[dict]:
     return [{"prompt": f"Which topic is this about? item {i}", "response": response} for i in range(n)]
 
 
+def rows_chat(n: int, answer_role: str = "assistant") -> list[dict]:
+    turns = [{"role": "user", "content": "Which topic is this about?"}, {"role": answer_role, "content": "tech"}]
+    return [{"messages": [{**m, "content": f"{m['content']} {i}"} for m in turns]} for i in range(n)]
+
+
 LONG_PROMPT = "Which topic is this about? " + "the match was good and the team won again " * 6
 CLS = {"task": "classification"}
 
@@ -316,8 +321,15 @@ CASES = [
     Case(
         "responses_all_null",
         lambda c: c.yaml(dataset=c.jsonl("null.jsonl", rows_instruction(20, response=None))),
-        "dataset",
-        "response",
+        "response_column",
+        "null 'response'",
+        stage=DATA,
+    ),
+    Case(
+        "chat_role_not_assistant",
+        lambda c: c.yaml(format="chat", dataset=c.jsonl("bot.jsonl", rows_chat(20, "bot"))),
+        "messages_column",
+        "'bot'",
         stage=DATA,
     ),
     Case("labels_empty", lambda c: cls_data(c, [0, 1, None, 1] * 5), "label_column", "empty labels", stage=DATA),

@@ -203,6 +203,22 @@ def test_examples_truncated_to_no_response_are_dropped(assets, tmp_path):
     assert config_error_keys(info) == ["dataset"]
 
 
+def test_null_answers_are_named_not_blamed_on_truncation(assets, tmp_path, caplog):
+    """Rows whose response is null have nothing to learn: the warning counts them apart from truncated rows, and
+    when every row is null the problem names the null column, not max_seq_length."""
+    tok = assets.tokenizer
+    rows = [{"prompt": f"Which topic? {i}", "response": None if i % 2 else "sports"} for i in range(6)]
+    with caplog.at_level("WARNING", logger="finetune"):
+        ds = build(write_jsonl(rows, tmp_path / "some_null.jsonl"), tok)
+    assert len(ds.train) == 3
+    assert "dropped 3 of 6 training examples with no supervised token (3 with a null 'response'" in caplog.text
+    nothing = [{**r, "response": None} for r in rows]
+    with pytest.raises(ConfigError) as info:
+        build(write_jsonl(nothing, tmp_path / "all_null.jsonl"), tok)
+    assert config_error_keys(info) == ["response_column"]
+    assert "null 'response'" in str(info.value) and "max_seq_length" not in str(info.value)
+
+
 # ---------------------------------------------------------------- packing
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 TASKS = ("causal_lm", "classification", "seq2seq")
 
 
@@ -423,7 +425,12 @@ def coerce(section: str, name: str, value: Any) -> tuple[Any, str | None]:
             return value, f"expected a number, got {value!r}"
         return float(value), None
     if base is list:
-        if isinstance(value, str):
+        if isinstance(value, str) and value.strip().startswith("["):  # --metrics [accuracy, f1]: YAML's flow list
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError:
+                return value, f"expected a list like [a, b] or a,b; got {value!r}: close the bracket"
+        elif isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
             return value, f"expected a list of {item.__name__}, got {value!r}"
