@@ -74,14 +74,14 @@ def _run(cfg: RunConfig, acc, backend, storage) -> dict:
         acc, backend, parts.model, parts.optimizer, t.output_dir, run_config, layout, t.save_total_limit, storage.writes
     )
     r = build_loop(cfg, acc, backend, parts, ds, plan, facts, ckpt, eval_metrics, generation)
-    about = {
-        "data_format": ds.format,
-        "train_rows": len(ds.train),
-        "eval_rows": len(ds.eval) if ds.eval is not None else 0,
-        "label_names": ds.label_names,
-        "estimate": memory.train_peak_estimate(estimate, acc.device),
-    }
-    return train_and_export(cfg, r, state, tokenizer, run_config, about)
+    facts = report.RunFacts(
+        data_format=ds.format,
+        train_rows=len(ds.train),
+        eval_rows=len(ds.eval) if ds.eval is not None else 0,
+        label_names=ds.label_names,
+        estimate=memory.train_peak_estimate(estimate, acc.device),
+    )
+    return train_and_export(cfg, r, state, tokenizer, run_config, facts)
 
 
 def start(cfg: RunConfig):
@@ -340,7 +340,7 @@ def build_loop(
 
 
 def train_and_export(
-    cfg: RunConfig, r: loop.Run, state: loop.TrainState, tokenizer, run_config: dict, about: dict
+    cfg: RunConfig, r: loop.Run, state: loop.TrainState, tokenizer, run_config: dict, facts: report.RunFacts
 ) -> dict:
     """The loop, the end-of-run checkpoint, final/ (and merged/; the best checkpoint's weights with
     load_best_model_at_end), the memory report (next to the run's estimate), and report.finish: curves, model
@@ -362,25 +362,28 @@ def train_and_export(
     dtype = model.save_dtype(cfg.model)  # of final/ and merged/, whatever the layout
     if cfg.train.load_best_model_at_end and state.best_step is not None:
         path = best.best_checkpoint(cfg.train.output_dir, state)
-        weights_from = best.weights_writer(cfg, tokenizer, about["label_names"], path, dtype)
-        about["best"] = best.card_section(r.best, state, state.step)
+        weights_from = best.weights_writer(cfg, tokenizer, facts.label_names, path, dtype)
+        facts.best = best.card_section(r.best, state, state.step)
         logger.info("load_best_model_at_end: final/ gets the best checkpoint, %s: %s", r.best.describe(state), path)
     final = export.export(acc, backend, r.model, tokenizer, run_config, cfg.train.output_dir, dtype, weights_from)
     logger.info("final/ written in %s (save_dtype %s)", dtype, cfg.model.save_dtype)
-    about["save_dtype"] = dtype
+    facts.save_dtype = dtype
     if cfg.peft.merge:
         if acc.is_main_process:
             with backend.one_process_loading():
                 merged = export.merge_adapter(final, os.path.join(final, "merged"), dtype)
             logger.info("merged model saved to %s (%s)", os.path.abspath(merged), dtype)
         acc.wait_for_everyone()
-    metrics.report_memory(acc, r.log, state.step, startup, training, about["estimate"])
+    metrics.report_memory(acc, r.log, state.step, startup, training, facts.estimate)
     topo = backend.topology
-    about |= {"parallelism": topo.summary(), "world_size": topo.num_processes, "wall_time_s": console.wall_time()}
-    about |= {"distributed_type": topo.distributed_type, "mixed_precision": backend.mixed_precision}
-    about["global_batch_size"] = r.plan.global_batch_size
-    about["precision"] = r.precision.row()
+    facts.parallelism, facts.world_size, facts.distributed_type = (
+        topo.summary(),
+        topo.num_processes,
+        topo.distributed_type,
+    )
+    facts.mixed_precision, facts.global_batch_size = backend.mixed_precision, r.plan.global_batch_size
+    facts.precision, facts.wall_time_s = r.precision.row(), console.wall_time()
     for tracker in acc.trackers:  # accelerate's end_training, but for destroying the process group (see cli.main)
         tracker.finish()
-    report.finish(acc, cfg, final, about)
+    report.finish(acc, cfg, final, facts)
     return final_eval

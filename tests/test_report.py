@@ -6,6 +6,7 @@ rank logs, TensorBoard against metrics.jsonl, curves.png and the model card of a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -217,7 +218,7 @@ def test_model_card_metadata_and_loading(assets, tmp_path):
         {"model": str(base), "dataset": assets.instruction, "output_dir": str(tmp_path / "run"), "run_name": "sft-1",
          "peft": {"method": "lora", "merge": True}}
     )  # fmt: skip
-    text = report.card_text(cfg, rows_of(6, 3), {"parallelism": "ddp", "world_size": 2, "final_dir": "/x/final"})
+    text = report.card_text(cfg, rows_of(6, 3), report.RunFacts(parallelism="ddp", world_size=2, final_dir="/x/final"))
     meta = yaml.safe_load(text.split("---")[1])
     assert meta == {
         "library_name": "peft",
@@ -232,10 +233,21 @@ def test_model_card_metadata_and_loading(assets, tmp_path):
         and "subfolder='merged'" in text
     )
     assert "| eval_loss | 0.2500 |" in text and "| eval_accuracy | 1.0000 |" in text
+    # How to load it: no path of the training machine (the card travels with the model); the Hub repo when pushed.
+    loads = [line for line in text.splitlines() if "from_pretrained(" in line]
+    assert loads and all("'path/to/final'" in line for line in loads), loads
+    assert "/x/final" not in text
+    pushed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, push_to_hub=True, hub_model_id="org/sft-1"))
+    loads = [
+        line
+        for line in report.card_text(pushed, rows_of(2, 1), report.RunFacts()).splitlines()
+        if "from_pretrained(" in line
+    ]
+    assert loads and all("'org/sft-1'" in line for line in loads), loads
     hub = build_config(
         {"model": "org/base", "dataset": "org/data", "output_dir": str(tmp_path / "r")}, check_filesystem=False
     )
-    meta = yaml.safe_load(report.card_text(hub, rows_of(2, 1), {}).split("---")[1])
+    meta = yaml.safe_load(report.card_text(hub, rows_of(2, 1), report.RunFacts()).split("---")[1])
     assert (
         meta["base_model"] == "org/base" and meta["datasets"] == ["org/data"] and meta["library_name"] == "transformers"
     )

@@ -11,12 +11,14 @@ summary.py   the end of a run: curves, card, Hub, and one block in the log
 from finetune.report.card import card_text
 from finetune.report.curves import CURVES_EVERY_S, build_figure, read_rows, run_label, write_curves
 from finetune.report.hub import PushFailed, hub_preflight, push
+from finetune.report.outcome import RunFacts
 from finetune.report.summary import finish
 from finetune.report.trackers import flatten, init_trackers, tracked_config, tracker_problems
 
 __all__ = [
     "CURVES_EVERY_S",
     "PushFailed",
+    "RunFacts",
     "build_figure",
     "card_text",
     "finish",

@@ -9,7 +9,7 @@ from typing import Any
 
 from finetune.checkpoint import write_atomic
 from finetune.config import AUTO_CLASSES, RunConfig, hub_repo_id, looks_local, sources_of
-from finetune.report.outcome import memory_text, outcome
+from finetune.report.outcome import RunFacts, memory_text, outcome
 from finetune.report.trackers import run_name
 
 CARD = "README.md"
@@ -23,8 +23,6 @@ PIPELINE_TAGS = {
 
 
 ADAPTER_NAMES = {"lora": "LoRA", "dora": "DoRA"}
-
-
 
 
 def _base_model_card(model: str) -> dict[str, Any]:
@@ -83,39 +81,42 @@ def card_metadata(cfg: RunConfig) -> dict[str, Any]:
     return meta
 
 
-def _data_lines(d, about: dict[str, Any]) -> list[str]:
-    """Where the training and eval rows came from: one dataset, or a mixture's sources and weights."""
-    rows = f"{about.get('train_rows', '?')} train rows, {about.get('eval_rows', 0)} eval rows"
-    if d.datasets:
-        sources = sources_of(d)
-        total = sum(src.weight for src in sources)
-        lines = [f"- a mixture of {len(sources)} sources ({rows}; eval also reported per source):"]
-        return lines + [f"  - `{src.name}`: `{src.args.dataset}`, weight {src.weight / total:.2f}" for src in sources]
-    held_out = f", split `{d.eval_split}`" if d.eval_split else f", {d.eval_fraction:g} of train held out"
-    return [
-        f"- train: `{d.dataset}`"
-        + (f" (config `{d.dataset_config}`)" if d.dataset_config else "")
-        + f", split `{d.train_split}`, {about.get('train_rows', '?')} rows",
-        f"- eval: `{d.eval_dataset or d.dataset}`"
-        + (held_out if not d.eval_dataset or d.eval_split else "")
-        + f", {about.get('eval_rows', 0)} rows",
-    ]
-
-
-def card_text(cfg: RunConfig, rows: list[dict[str, Any]], about: dict[str, Any]) -> str:
+def card_text(cfg: RunConfig, rows: list[dict[str, Any]], facts: RunFacts) -> str:
     """final/README.md: Hub metadata (YAML header) and what a user of the model needs to know."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    m, d, t, pe = cfg.model, cfg.data, cfg.train, cfg.peft
-    peft_on = pe.method != "none"
+    m, d, pe = cfg.model, cfg.data, cfg.peft
     res = outcome(rows)
+    what = (
+        f"A {ADAPTER_NAMES.get(pe.method, pe.method)} adapter for" if pe.method != "none" else "A fine-tuned version of"
+    )
+    source = f"`{d.dataset}`." if d.dataset else f"a mixture of {len(d.datasets)} datasets."
+    lines = [
+        f"# {run_name(cfg.train)}",
+        "",
+        f"{what} `{m.model}` ({m.task.replace('_', ' ')}), trained with finetune on {source}",
+    ]
+    lines += ["", "## How to load it", "", "```python", _how_to_load(cfg), "```", "", "## Training data", ""]
+    lines += _data_lines(d, facts)
+    lines += ["", "## Hyperparameters", "", "| name | value |", "| --- | --- |"]
+    lines += [f"| {k} | {v} |" for k, v in _hyperparameters(cfg, facts, res["steps"]).items() if v is not None]
+    lines += ["", "The complete run config is in `run_config.yaml`.", "", "## Parallelism", ""]
+    lines += _parallelism_lines(m, facts, res)
+    lines += ["", "## Results", ""] + _result_lines(facts, res)
+    lines += ["", "## Framework versions", "", *(f"- {k} {v}" for k, v in _versions().items()), ""]
     meta = card_metadata(cfg)
-    name = run_name(t)
+    return str(ModelCard(f"---\n{ModelCardData(**meta).to_yaml()}\n---\n\n" + "\n".join(lines)))
+
+
+def _how_to_load(cfg: RunConfig) -> str:
+    """The Python that loads final/: from the Hub repo when the run pushes, else from a placeholder path (the card
+    travels with the model: a path of the machine it was trained on would mean nothing elsewhere)."""
+    m, t, pe = cfg.model, cfg.train, cfg.peft
     auto = AUTO_CLASSES[m.task]
-    repo = hub_repo_id(t) if t.push_to_hub else about.get("final_dir", "path/to/final")
-    if peft_on:
+    repo = hub_repo_id(t) if t.push_to_hub else "path/to/final"
+    if pe.method != "none":
         load = (
-            f"from peft import {AUTO_CLASSES[m.task].replace('AutoModel', 'AutoPeftModel')}"
+            f"from peft import {auto.replace('AutoModel', 'AutoPeftModel')}"
             f" as Auto\n\nmodel = Auto.from_pretrained({repo!r})  # loads the base model {m.model!r}, then the adapter"
         )
         if pe.merge:
@@ -123,7 +124,35 @@ def card_text(cfg: RunConfig, rows: list[dict[str, Any]], about: dict[str, Any])
             load += f"# model = {auto}.from_pretrained({repo!r}, subfolder='merged')"
     else:
         load = f"from transformers import {auto}\n\nmodel = {auto}.from_pretrained({repo!r})"
-    load += f"\nfrom transformers import AutoTokenizer\ntokenizer = AutoTokenizer.from_pretrained({repo!r})"
+    return load + f"\nfrom transformers import AutoTokenizer\ntokenizer = AutoTokenizer.from_pretrained({repo!r})"
+
+
+def _data_lines(d, facts: RunFacts) -> list[str]:
+    """Where the training and eval rows came from: one dataset, or a mixture's sources and weights; the format."""
+    train_rows = "?" if facts.train_rows is None else facts.train_rows
+    learned = " (loss on the responses / assistant turns only)" if facts.data_format in ("instruction", "chat") else ""
+    fmt = [f"- format: {facts.data_format or d.format}{learned}"]
+    rows = f"{train_rows} train rows, {facts.eval_rows} eval rows"
+    if d.datasets:
+        sources = sources_of(d)
+        total = sum(src.weight for src in sources)
+        lines = [f"- a mixture of {len(sources)} sources ({rows}; eval also reported per source):"]
+        lines += [f"  - `{src.name}`: `{src.args.dataset}`, weight {src.weight / total:.2f}" for src in sources]
+        return lines + fmt
+    held_out = f", split `{d.eval_split}`" if d.eval_split else f", {d.eval_fraction:g} of train held out"
+    return [
+        f"- train: `{d.dataset}`"
+        + (f" (config `{d.dataset_config}`)" if d.dataset_config else "")
+        + f", split `{d.train_split}`, {train_rows} rows",
+        f"- eval: `{d.eval_dataset or d.dataset}`"
+        + (held_out if not d.eval_dataset or d.eval_split else "")
+        + f", {facts.eval_rows} rows",
+        *fmt,
+    ]
+
+
+def _hyperparameters(cfg: RunConfig, facts: RunFacts, steps: int) -> dict[str, Any]:
+    m, d, t, pe = cfg.model, cfg.data, cfg.train, cfg.peft
     hyper = {
         "learning_rate": t.learning_rate,
         "lr_scheduler_type": t.lr_scheduler_type,
@@ -132,96 +161,52 @@ def card_text(cfg: RunConfig, rows: list[dict[str, Any]], about: dict[str, Any])
         "max_grad_norm": t.max_grad_norm,
         "per_device_train_batch_size": t.per_device_train_batch_size,
         "gradient_accumulation_steps": t.gradient_accumulation_steps,
-        "global_batch_size": about.get("global_batch_size"),
-        "optimizer steps": res["steps"],
+        "global_batch_size": facts.global_batch_size,
+        "optimizer steps": steps,
         "max_seq_length": d.max_seq_length,
         "packing": d.packing,
         "seed": t.seed,
         "torch_dtype (weights loaded in)": m.torch_dtype,
     }
-    if peft_on:
-        hyper.update(
-            {
-                "adapter": f"{pe.method} r={pe.r} alpha={pe.alpha} dropout={pe.dropout}",
-                "target_modules": ", ".join(pe.target_modules),
-            }
-        )
-    lines = [f"# {name}", ""]
-    lines += [
-        f"{'A ' + ADAPTER_NAMES.get(pe.method, pe.method) + ' adapter for' if peft_on else 'A fine-tuned version of'} "
-        f"`{m.model}` "
-        f"({m.task.replace('_', ' ')}), trained with finetune on "
-        + (f"`{d.dataset}`." if d.dataset else f"a mixture of {len(d.datasets)} datasets."),
-        "",
-        "## How to load it",
-        "",
-        "```python",
-        load,
-        "```",
-        "",
-        "## Training data",
-        "",
-        *_data_lines(d, about),
-        f"- format: {about.get('data_format', d.format)}"
-        + (
-            " (loss on the responses / assistant turns only)"
-            if about.get("data_format") in ("instruction", "chat")
-            else ""
-        ),
-        "",
-        "## Hyperparameters",
-        "",
-        "| name | value |",
-        "| --- | --- |",
-        *(f"| {k} | {v} |" for k, v in hyper.items() if v is not None),
-        "",
-        "The complete run config is in `run_config.yaml`.",
-        "",
-        "## Parallelism",
-        "",
-        f"- Accelerate config family: {about.get('parallelism', '?')}",
-        f"- distributed type: {res['distributed_type'] or about.get('distributed_type')}, "
-        f"world size: {res['world_size'] or about.get('world_size')}",
-        f"- mixed precision: {about.get('mixed_precision', 'no')}; observed in training: weights "
-        f"{(about.get('precision') or {}).get('weights_dtype', '?')}, compute "
-        f"{(about.get('precision') or {}).get('compute_dtype', '?')}",
-        f"- saved in: {about.get('save_dtype', '?')} (save_dtype {m.save_dtype}; from the full-precision weights)",
-        "",
-        "## Results",
-        "",
+    if pe.method != "none":
+        hyper["adapter"] = f"{pe.method} r={pe.r} alpha={pe.alpha} dropout={pe.dropout}"
+        hyper["target_modules"] = ", ".join(pe.target_modules)
+    return hyper
+
+
+def _parallelism_lines(m, facts: RunFacts, res: dict[str, Any]) -> list[str]:
+    return [
+        f"- Accelerate config family: {facts.parallelism or '?'}",
+        f"- distributed type: {res['distributed_type'] or facts.distributed_type}, "
+        f"world size: {res['world_size'] or facts.world_size}",
+        f"- mixed precision: {facts.mixed_precision}; observed in training: weights "
+        f"{facts.precision.get('weights_dtype', '?')}, compute {facts.precision.get('compute_dtype', '?')}",
+        f"- saved in: {facts.save_dtype or '?'} (save_dtype {m.save_dtype}; from the full-precision weights)",
     ]
+
+
+def _result_lines(facts: RunFacts, res: dict[str, Any]) -> list[str]:
     if res["final_eval"]:
-        lines += ["| metric | value |", "| --- | --- |"]
+        lines = ["| metric | value |", "| --- | --- |"]
         lines += [f"| {k} | {v:.4f} |" for k, v in res["final_eval"].items()]
     else:
-        lines += ["No eval set."]
-    if about.get("best"):  # load_best_model_at_end (finetune.best)
-        lines += ["", "### Best checkpoint", "", about["best"]]
+        lines = ["No eval set."]
+    if facts.best:  # load_best_model_at_end (finetune.best)
+        lines += ["", "### Best checkpoint", "", facts.best]
     tok_s = f"{res['tokens_per_s']:.0f}" if res["tokens_per_s"] else "?"
-    lines += [
+    skipped = res["skipped_steps"]
+    return lines + [
         "",
         f"- final train loss: {res['final_loss']:.4f}" if res["final_loss"] is not None else "- final train loss: ?",
-        *(
-            [f"- optimizer steps skipped by the fp16 loss scaler: {res['skipped_steps']}"]
-            if res["skipped_steps"]
-            else []
-        ),
+        *([f"- optimizer steps skipped by the fp16 loss scaler: {skipped}"] if skipped else []),
         f"- tokens seen: {res['tokens_seen']:,}",
-        f"- wall time: {about.get('wall_time_s', 0):.1f} s (training steps {res['train_seconds']:.1f} s), "
+        f"- wall time: {facts.wall_time_s:.1f} s (training steps {res['train_seconds']:.1f} s), "
         f"{tok_s} tokens/s" + (f", MFU {100 * res['mfu']:.1f}%" if res["mfu"] else ""),
         f"- peak memory: {memory_text(res['peak_memory']) or '?'}",
-        "",
-        "## Framework versions",
-        "",
-        *(f"- {k} {v}" for k, v in _versions().items()),
-        "",
     ]
-    card = ModelCard(f"---\n{ModelCardData(**meta).to_yaml()}\n---\n\n" + "\n".join(lines))
-    return str(card)
 
 
-def write_card(final_dir: str, cfg: RunConfig, rows: list[dict[str, Any]], about: dict[str, Any]) -> str:
-
+def write_card(final_dir: str, cfg: RunConfig, rows: list[dict[str, Any]], facts: RunFacts) -> str:
     path = os.path.join(final_dir, CARD)
-    write_atomic(path, card_text(cfg, rows, about))
+    write_atomic(path, card_text(cfg, rows, facts))
     return path

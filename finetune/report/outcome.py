@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -72,3 +73,25 @@ def memory_text(memory: dict[int, dict[str, float]]) -> str:
         f"rank {rank} " + ", ".join(f"{names.get(k, k)} {v:.2f} GB" for k, v in peaks.items())
         for rank, peaks in peak_per_rank(memory).items()
     )
+
+
+@dataclass
+class RunFacts:
+    """What run.py knows of a run that metrics.jsonl does not say, for the model card and the summary. The
+    defaults are what the card says of a fact nobody set (a card written from metrics alone)."""
+
+    data_format: str | None = None  # the format the data was read in (auto resolved)
+    train_rows: int | None = None
+    eval_rows: int = 0
+    label_names: list[str] | None = None  # a classifier's classes
+    estimate: dict[str, float] = field(default_factory=dict)  # the planner's training peak (estimate_*_gb)
+    best: str | None = None  # load_best_model_at_end: the card's section on the best checkpoint
+    save_dtype: str | None = None  # the dtype final/ was written in
+    parallelism: str | None = None  # Topology.summary()
+    world_size: int | None = None
+    distributed_type: str | None = None
+    mixed_precision: str = "no"
+    global_batch_size: int | None = None
+    precision: dict = field(default_factory=dict)  # metrics.PrecisionProbe.row(): dtypes observed in training
+    wall_time_s: float = 0.0
+    final_dir: str | None = None  # where final/ is (the card names no local path: how-to-load uses the Hub id)

@@ -2,33 +2,33 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from typing import Any
 
 from finetune.config import AUTO_CLASSES, RunConfig
 from finetune.report.card import write_card
 from finetune.report.curves import read_rows, write_curves
 from finetune.report.hub import push
-from finetune.report.outcome import allocator_note, memory_text, outcome
+from finetune.report.outcome import RunFacts, allocator_note, memory_text, outcome
 
 logger = logging.getLogger("finetune")
 
 
-def finish(accelerator, cfg: RunConfig, final_dir: str, about: dict[str, Any]) -> None:
+def finish(accelerator, cfg: RunConfig, final_dir: str, facts: RunFacts) -> None:
     """Main process, after export and the memory report: curves, model card, Hub, and the summary block."""
     if not accelerator.is_main_process:
         return
     out = cfg.train.output_dir
     rows = read_rows(out)
     curves = write_curves(out, rows=rows)
-    card = write_card(final_dir, cfg, rows, {**about, "final_dir": os.path.abspath(final_dir)})
+    card = write_card(final_dir, cfg, rows, dataclasses.replace(facts, final_dir=os.path.abspath(final_dir)))
     url = push(cfg, final_dir) if cfg.train.push_to_hub else None
-    for line in summary(cfg, rows, about, final_dir, card, curves, url):
+    for line in summary(cfg, rows, facts, final_dir, card, curves, url):
         logger.info(line)
 
 
-def summary(cfg, rows, about, final_dir, card, curves, url) -> list[str]:
+def summary(cfg: RunConfig, rows, facts: RunFacts, final_dir: str, card: str, curves, url) -> list[str]:
     res = outcome(rows)
     peft_on = cfg.peft.method != "none"
     how = "PeftModel/AutoPeft*.from_pretrained" if peft_on else f"{AUTO_CLASSES[cfg.model.task]}.from_pretrained"
@@ -44,10 +44,10 @@ def summary(cfg, rows, about, final_dir, card, curves, url) -> list[str]:
     speed = f"{res['tokens_per_s']:.0f} tokens/s" if res["tokens_per_s"] else "tokens/s ?"
     mfu = f", MFU {100 * res['mfu']:.1f}%" if res["mfu"] is not None else ""
     lines.append(
-        f"training     {res['steps']} steps, {res['tokens_seen']:,} tokens, wall time {about.get('wall_time_s', 0):.1f} s "
+        f"training     {res['steps']} steps, {res['tokens_seen']:,} tokens, wall time {facts.wall_time_s:.1f} s "
         f"(steps {res['train_seconds']:.1f} s), {speed}{mfu}"
     )
-    precision = f"precision    compute {res['compute_dtype'] or '?'}, final/ saved in {about.get('save_dtype', '?')}"
+    precision = f"precision    compute {res['compute_dtype'] or '?'}, final/ saved in {facts.save_dtype or '?'}"
     if res["skipped_steps"]:
         precision += f"; {res['skipped_steps']} step(s) skipped by the fp16 loss scaler (overflow)"
     lines.append(precision)
