@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from finetune import launching  # noqa: E402
+from finetune.launching import free_port  # noqa: E402, F401  (bench scripts: harness.free_port)
 
 PY = sys.executable
 ASSETS_VERSION = 3  # bump when the shared models or data below change
@@ -208,15 +209,6 @@ def env(threads: int, **extra: str) -> dict[str, str]:
         "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
         **extra,
     }
-
-
-def free_port() -> int:
-    """A free TCP port for a plain torchrun rendezvous (accelerate launches take --main_process_port 0 instead)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Lines finetune logs at the end of each startup phase (run.py), in order.

@@ -6,24 +6,14 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from finetune import demo
 from finetune.config import RunConfig
 from finetune.memory.estimate import Estimate, Machines, ModelShape, plan_config, shape_from_config
 
 
 def llama_config(hidden: int, layers: int, vocab: int = 32000, head_dim: int = 64):
-    """A Llama-shaped transformers config: SwiGLU MLP of ~8/3 x hidden (rounded to 64), one head per 64 dims."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=64 * round(8 * hidden / 3 / 64),
-        num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // head_dim),
-        num_key_value_heads=max(1, hidden // head_dim),
-        vocab_size=vocab,
-        max_position_embeddings=131072,
-        tie_word_embeddings=False,
-    )
+    """The planner's Llama of a width and depth (finetune.demo.llama_config): one head per 64 dims, 32k vocabulary."""
+    return demo.llama_config(hidden, layers, heads=max(1, hidden // head_dim), vocab=vocab, max_positions=131072)
 
 
 def with_layers(one: ModelShape, two: ModelShape, layers: int) -> ModelShape:

@@ -117,6 +117,33 @@ def build_tokenizer(path: str | os.PathLike, vocab_size: int = 600, chat_templat
     return hf
 
 
+def llama_config(
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int | None = None,
+    intermediate: int | None = None,
+    vocab: int = 32000,
+    max_positions: int = 512,
+    **more,
+):
+    """A Llama-shaped transformers config, the one builder of the demo's, the benchmarks' and the tests' Llamas:
+    the demo's tiny one with its defaults; intermediate defaults to SwiGLU's ~8/3 x hidden (rounded to 64)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate or 64 * round(8 * hidden / 3 / 64),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads or heads,
+        vocab_size=vocab,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        **more,
+    )
+
+
 def build_model(arch: str, path: str | os.PathLike, tokenizer, seed: int = 0, **overrides):
     """A tiny randomly initialised base model of a real architecture, saved with its tokenizer.
 
@@ -124,81 +151,16 @@ def build_model(arch: str, path: str | os.PathLike, tokenizer, seed: int = 0, **
     bart (encoder-decoders, task seq2seq). Dropout is off unless asked (overrides), so runs are exactly comparable.
     """
     import torch
-    from transformers import (
-        AutoModel,
-        AutoModelForCausalLM,
-        AutoModelForSeq2SeqLM,
-        BartConfig,
-        BertConfig,
-        GPT2Config,
-        LlamaConfig,
-        T5Config,
-    )
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    ids = {
-        "vocab_size": len(tokenizer),
-        "pad_token_id": tokenizer.pad_token_id,
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-    }
-    if arch == "llama":
-        config = LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
-            tie_word_embeddings=False,
-            **ids,
-        )
-    elif arch == "gpt2":
-        config = GPT2Config(
-            n_embd=64, n_layer=2, n_head=4, n_positions=512, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids
-        )
-    elif arch == "bert":
-        config = BertConfig(
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=128,
-            max_position_embeddings=512,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            **ids,
-        )
-    elif arch == "t5":  # the decoder starts from the pad token, as in T5
-        config = T5Config(
-            d_model=64,
-            d_kv=16,
-            d_ff=128,
-            num_layers=2,
-            num_decoder_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            dropout_rate=0.0,
-            decoder_start_token_id=tokenizer.pad_token_id,
-            **ids,
-        )
-    elif arch == "bart":  # the decoder starts from EOS, as in BART
-        config = BartConfig(
-            d_model=64,
-            encoder_layers=2,
-            decoder_layers=2,
-            encoder_attention_heads=4,
-            decoder_attention_heads=4,
-            encoder_ffn_dim=128,
-            decoder_ffn_dim=128,
-            max_position_embeddings=512,
-            dropout=0.0,
-            attention_dropout=0.0,
-            activation_dropout=0.0,
-            decoder_start_token_id=tokenizer.eos_token_id,
-            forced_eos_token_id=tokenizer.eos_token_id,
-            **ids,
-        )
-    else:
+    if arch not in TINY_CONFIGS:
         raise ValueError(f"unknown arch {arch!r}; use llama, gpt2, bert, t5 or bart")
+    config = TINY_CONFIGS[arch](
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     for k, v in overrides.items():
         setattr(config, k, v)
     torch.manual_seed(seed)
@@ -209,6 +171,76 @@ def build_model(arch: str, path: str | os.PathLike, tokenizer, seed: int = 0, **
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def _tiny_gpt2(**ids):
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, n_positions=512, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids
+    )
+
+
+def _tiny_bert(**ids):
+    from transformers import BertConfig
+
+    return BertConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        **ids,
+    )
+
+
+def _tiny_t5(**ids):  # the decoder starts from the pad token, as in T5
+    from transformers import T5Config
+
+    return T5Config(
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        dropout_rate=0.0,
+        decoder_start_token_id=ids["pad_token_id"],
+        **ids,
+    )
+
+
+def _tiny_bart(**ids):  # the decoder starts from EOS, as in BART
+    from transformers import BartConfig
+
+    return BartConfig(
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_position_embeddings=512,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        decoder_start_token_id=ids["eos_token_id"],
+        forced_eos_token_id=ids["eos_token_id"],
+        **ids,
+    )
+
+
+TINY_CONFIGS = {
+    "llama": lambda vocab_size, **ids: llama_config(kv_heads=2, intermediate=128, vocab=vocab_size, **ids),
+    "gpt2": _tiny_gpt2,
+    "bert": _tiny_bert,
+    "t5": _tiny_t5,
+    "bart": _tiny_bart,
+}
 
 
 def prepare(workdir: str | os.PathLike, n_train: int = 4000, n_eval: int = 400) -> dict[str, str]:

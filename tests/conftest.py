@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.launching import kill_job
+from finetune.launching import free_port, kill_job
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -163,13 +163,6 @@ def run_killing_the_group(cmd: list[str], env: dict, timeout: int) -> subprocess
             out, err = "", "(output still held open by processes outside the launcher's process group)"
         raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{(out + err)[-6000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def free_port() -> int:
-    """A port nobody listens on now (tests run side by side under pytest -n: never the default 29500)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_listening(port: int, proc: subprocess.Popen, limit_s: float = 60) -> None:

@@ -172,19 +172,13 @@ def test_estimate_is_within_15_percent_of_the_measured_peak(sized_models, tmp_pa
 
 def llama_config_dir(root: Path, name: str, hidden: int, layers: int, intermediate: int, vocab: int = 32000) -> str:
     """A Llama config.json alone (no weights): all the planner reads."""
-    from transformers import LlamaConfig
+    from finetune.demo import llama_config
 
     path = root / name
-    LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 128,
-        num_key_value_heads=hidden // 128,
-        vocab_size=vocab,
-        max_position_embeddings=32768,
-        tie_word_embeddings=False,
-    ).save_pretrained(path)
+    config = llama_config(
+        hidden, layers, heads=hidden // 128, intermediate=intermediate, vocab=vocab, max_positions=32768
+    )
+    config.save_pretrained(path)
     return str(path)
 
 

@@ -141,18 +141,12 @@ def split_llama(sd: dict, config, tp: int) -> list[dict]:
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_megatron_llama_shards_become_the_hf_model(tp):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
+    from finetune.demo import llama_config
     from finetune.parallel.megatron import megatron_to_hf
 
-    config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-    )
+    config = llama_config(64, 2, heads=8, kv_heads=2, intermediate=96, vocab=300, max_positions=2048)
     torch.manual_seed(0)
     sd = LlamaForCausalLM(config).state_dict()
     out = megatron_to_hf(split_llama(sd, config, tp), config)
