@@ -36,6 +36,7 @@ import yaml
 from finetune.config import ConfigError
 from finetune.config.preflight import LATEST, resolve_resume
 from finetune.faults import fault_point
+from finetune.parallel.topology import has_portable_copy, resumes_across_layouts, writes_whole_tensors
 
 STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "run_config.yaml"
@@ -165,9 +166,9 @@ class Checkpointer:
     def _write_full_tensors(self, tmp: str) -> None:
         """What another layout needs to resume (see the module docstring)."""
         net = self.acc.unwrap_model(self.model)
-        if self.backend.checkpoint_format == "native":
+        if not resumes_across_layouts(self.layout):
             return
-        if self.backend.checkpoint_format == "full":
+        if writes_whole_tensors(self.layout):
             if self.writes:
                 net.config.save_pretrained(tmp)  # model.safetensors + config.json: a from_pretrained directory
                 name_of = {id(p): n for n, p in net.named_parameters()}
@@ -367,7 +368,7 @@ class Resume:
 
     def model_dir(self) -> str:
         """The from_pretrained directory holding the checkpoint's full weights."""
-        if self.saved["layout"].get("checkpoint_format") == "portable":
+        if has_portable_copy(self.saved["layout"]):
             return os.path.join(self.path, PORTABLE)
         return self.path
 
@@ -476,7 +477,7 @@ def find_resume(path: str | None, layout: dict[str, Any], run_config: dict[str, 
                 )
             ]
         )
-    if resume.portable and was.get("checkpoint_format") == "portable" and not os.path.isdir(resume.model_dir()):
+    if resume.portable and has_portable_copy(was) and not os.path.isdir(resume.model_dir()):
         raise ConfigError(
             [
                 (
@@ -488,7 +489,7 @@ def find_resume(path: str | None, layout: dict[str, Any], run_config: dict[str, 
                 )
             ]
         )
-    if resume.portable and "native" in (was.get("checkpoint_format"), here.get("checkpoint_format")):
+    if resume.portable and not (resumes_across_layouts(was) and resumes_across_layouts(here)):
         raise ConfigError(
             [
                 (

@@ -41,49 +41,83 @@ def branch_conditions(tree: ast.AST):
             yield from node.ifs
 
 
-def words_in(expr: ast.AST) -> set[str]:
-    found = set()
+# Backend names that only ever appear as text: a checkpoint's format, and the shipped Accelerate configs' names.
+CHECKPOINT_FORMATS = ("native", "portable", "full")
+CONFIG_NAMES = tuple(p.stem for p in (ROOT / "accelerate_configs").glob("*.yaml"))
+
+
+def words_in(expr: ast.AST, constants: dict[str, set[str]]) -> tuple[set[str], set[str], set[str]]:
+    """(names and attributes, string constants, the strings of the module-level constants it names, e.g.
+    GPU_ONLY = ("megatron_tp2", ...)) of an expression."""
+    names, texts, named = set(), set(), set()
     for node in ast.walk(expr):
         if isinstance(node, ast.Name):
-            found.add(node.id.lower())
+            names.add(node.id.lower())
+            named |= constants.get(node.id, set())
         elif isinstance(node, ast.Attribute):
-            found.add(node.attr.lower())
+            names.add(node.attr.lower())
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            found.add(node.value.lower())
-    return found
+            texts.add(node.value.lower())
+    return names, texts, named
+
+
+def module_constants(tree: ast.Module) -> dict[str, set[str]]:
+    """name -> the strings in its value, for each module-level NAME = <literal>."""
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets):
+            strings = {
+                n.value.lower()
+                for n in ast.walk(node.value)
+                if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            }
+            out.update({t.id: strings for t in node.targets})
+    return out
 
 
 def backend_branches(path: Path) -> list[str]:
     tree = ast.parse(path.read_text())
+    constants = module_constants(tree)
     out = []
     for cond in branch_conditions(tree):
-        hits = {w for w in words_in(cond) for b in BACKEND_WORDS if b in w}
+        names, texts, named = words_in(cond, constants)
+        hits = {w for w in names | texts for b in BACKEND_WORDS if b in w}
+        hits |= (texts | named) & {*CHECKPOINT_FORMATS, *CONFIG_NAMES}  # whole names only: constants hold messages
         if hits:
             out.append(f"{path.relative_to(ROOT)}:{cond.lineno}: {ast.unparse(cond)}")
     return out
 
 
 def test_no_backend_branches_outside_parallel():
-    """Outside finetune/parallel/, nothing branches on the distributed type, ZeRO, FSDP, TP or Megatron-LM."""
+    """Outside finetune/parallel/, nothing branches on the distributed type, ZeRO, FSDP, TP or Megatron-LM, on a
+    checkpoint's format or on an Accelerate config's name."""
     outside = [p for p in (ROOT / "finetune").rglob("*.py") if "parallel" not in p.relative_to(ROOT).parts]
-    assert len(outside) >= 10
+    assert len(outside) >= 10 and len(CONFIG_NAMES) >= 10
     found = [hit for p in outside for hit in backend_branches(p)]
     assert found == [], "\n".join(found)
 
 
 def test_the_invariant_check_sees_a_branch(tmp_path):
-    """The check above can fail: a planted branch on the distributed type is found."""
+    """The check above can fail: planted branches on the distributed type, the ZeRO stage, a checkpoint's format,
+    a config's name and a constant that lists config names are each found; a branch on other words is not."""
     planted = ROOT / "finetune" / "_planted_for_test.py"
     planted.write_text(
-        "def f(acc, plugin):\n"
+        'GPU_ONLY = ("megatron_tp2", "megatron_tp2_pp2")\n'
+        "def f(acc, plugin, backend, layout, name, resume):\n"
         "    if str(acc.distributed_type) == 'DEEPSPEED':\n        return 1\n"
+        "    if backend.checkpoint_format == 'native':\n        return 3\n"
+        "    if layout.get('format') == 'portable':\n        return 4\n"
+        "    if name == 'zero3':\n        return 5\n"
+        "    if name in GPU_ONLY:\n        return 6\n"
+        "    if resume.step > 2:\n        return 7\n"
         "    return 2 if plugin.zero_stage == 3 else 0\n"
     )
     try:
         hits = backend_branches(planted)
     finally:
         planted.unlink()
-    assert len(hits) == 2, hits
+    assert len(hits) == 6, hits
+    assert not any("resume.step" in h for h in hits)
 
 
 def test_every_family_has_the_same_surface():

@@ -85,9 +85,6 @@ PREFERENCE = [
 ]
 
 
-GPU_ONLY = ("megatron_tp2", "megatron_tp2_pp2")
-
-
 @dataclass(frozen=True)
 class ModelShape:
     """Parameter counts by kind and the dimensions that size activations; from the config alone."""
@@ -371,13 +368,18 @@ def shipped_configs() -> list[Path]:
     return [found[n] for n in PREFERENCE if n in found]
 
 
+def one_process(path: Path) -> bool:
+    """Whether an Accelerate config file launches one process (single.yaml)."""
+    return read_config_file(path)[0].num_processes == 1
+
+
 def plan_config(
     shape: ModelShape, cfg: RunConfig, path: Path, machines: Machines, micro_batch=None, accumulation=None
 ) -> Estimate:
     """The estimate of one Accelerate config file launched on `machines` (num_processes from the machines, as
     `accelerate launch --num_processes` would; fixed-size layouts such as tp2 keep theirs)."""
     name = path.stem
-    if name in GPU_ONLY and not machines.on_gpu:
+    if not machines.on_gpu and read_config_file(path)[0].needs_gpu:
         return Estimate(name, None, note="GPU only (Megatron-LM)")
     n, why = launch_size(path, machines.processes)
     if not n:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.config import RunConfig
-from finetune.memory.estimate import Estimate, Machines, ModelShape, plan_config, shipped_configs
+from finetune.memory.estimate import Estimate, Machines, ModelShape, one_process, plan_config, shipped_configs
 
 
 @dataclass
@@ -37,7 +37,7 @@ def recommend(
     for checkpointing in sorted({cfg.model.gradient_checkpointing, True}):
         run = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, gradient_checkpointing=checkpointing))
         for path in paths:
-            if path.stem == "single" and machines.processes > 1:  # plan for every device the job has
+            if one_process(path) and machines.processes > 1:  # plan for every device the job has
                 continue
             first = plan_config(shape, run, path, machines, micro_batch=1)
             if first.topology is None:
@@ -50,7 +50,7 @@ def recommend(
                 est = plan_config(shape, run, path, machines, micro, per_rank // micro)
                 if est.fits:
                     faster = [
-                        p.stem for p in paths[: paths.index(path)] if p.stem != "single" or machines.processes == 1
+                        p.stem for p in paths[: paths.index(path)] if not one_process(p) or machines.processes == 1
                     ]
                     why = _why(est, machines, faster)
                     return Recommendation(path.stem, micro, per_rank // micro, checkpointing, est, why)

@@ -104,6 +104,11 @@ class Topology:
         out["world_size"] = out.pop("num_processes")
         return out
 
+    @property
+    def needs_gpu(self) -> bool:
+        """Megatron-LM runs on NVIDIA GPUs only (megatron.core calls CUDA throughout; tests use a stand-in)."""
+        return self.family == "megatron"
+
     def summary(self) -> str:
         """One line for the start log."""
         parts = [f"{self.family}"]
@@ -272,3 +277,25 @@ def launch_size(path: str | os.PathLike, wanted: int) -> tuple[int, str]:
     if wanted < group or wanted % (group // int(pc.get("parallelism_config_dp_shard_size", 1))):
         return 0, f"needs a multiple of {group} processes"
     return wanted, ""
+
+
+# ---------------------------------------------------------------- what a checkpoint of a layout holds (checkpoint.py)
+# A layout's checkpoint_format (Backend.checkpoint_format, recorded in every checkpoint's layout):
+#   "full": accelerate's save_state already writes whole tensors (model.safetensors, optimizer.bin);
+#   "portable": the backend's own files hold shards, so portable/ adds the full tensors;
+#   "native": only the backend's own format (no resume under another layout).
+
+
+def writes_whole_tensors(layout: Mapping) -> bool:
+    """Whether the backend's own checkpoint files already hold whole tensors (a from_pretrained directory)."""
+    return layout.get("checkpoint_format") == "full"
+
+
+def has_portable_copy(layout: Mapping) -> bool:
+    """Whether a checkpoint of this layout keeps a copy of its full tensors in portable/."""
+    return layout.get("checkpoint_format") == "portable"
+
+
+def resumes_across_layouts(layout: Mapping) -> bool:
+    """Whether a checkpoint of this layout can resume under another layout, and another layout's under this one."""
+    return layout.get("checkpoint_format") != "native"
