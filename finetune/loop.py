@@ -27,7 +27,7 @@ from finetune.generate import GenerationEval
 from finetune.metrics import MetricsLog, PrecisionProbe
 from finetune.mixture import MixtureSampler, summarize_by_source
 from finetune.parallel import Plan, global_batch_index
-from finetune.parallel.ddp import Backend
+from finetune.parallel.surface import Backend
 from finetune.report import CURVES_EVERY_S, write_curves
 from finetune.stop import STOP, Diverged, Preempted
 from finetune.watchdog import Watchdog

@@ -121,20 +121,23 @@ def test_the_invariant_check_sees_a_branch(tmp_path):
 
 
 def test_every_family_has_the_same_surface():
-    """Each backend family module has the three functions used before the Accelerator and a Backend with
-    every method of the default (DDP) backend."""
-    from finetune.parallel import ddp
+    """Each backend family module has the functions of surface.FamilyModule and a Backend with every method of
+    surface.Backend (the typed surface the rest of finetune speaks), and nothing public beyond the default's."""
+    from finetune.parallel import ddp, surface
     from finetune.parallel.environment import family_module
     from finetune.parallel.topology import FAMILIES
 
-    surface = {n for n in vars(ddp.Backend) if not n.startswith("_")}
-    assert {"prepare", "full_state_dict", "full_optimizer_state", "set_full_optimizer_state", "numel"} <= surface
+    methods = {n for n, v in vars(surface.Backend).items() if callable(v) and not n.startswith("_")}
+    assert {"prepare", "full_state_dict", "full_optimizer_state", "set_full_optimizer_state", "numel"} <= methods
+    assert methods == {n for n, v in vars(ddp.Backend).items() if callable(v) and not n.startswith("_")}
+    before = {n for n, v in vars(surface.FamilyModule).items() if callable(v) and not n.startswith("_")}
+    assert before == {"environment", "problems", "accelerator_kwargs"}
     for family in FAMILIES:
         module = family_module(family)
-        for fn in ("environment", "problems", "accelerator_kwargs"):
-            assert callable(getattr(module, fn)), (family, fn)
+        for fn in before:
+            assert callable(getattr(module, fn, None)), (family, fn)
         backend = module.Backend
-        assert all(hasattr(backend, n) for n in surface), family
+        assert all(callable(getattr(backend, n, None)) for n in methods), family
         assert backend.checkpoint_format in ("full", "portable", "native")
 
 

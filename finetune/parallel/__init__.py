@@ -22,6 +22,7 @@ checkpoints and export are written once for all of them:
   tensor.py     torch-native tensor parallelism (DTensor)
   megatron.py   Megatron-LM tensor/pipeline parallelism (GPU only)
   plan.py       step arithmetic (Plan); topology.py the Topology; environment.py the Accelerator
+  surface.py    the typed surface above (FamilyModule, Backend), which ddp.Backend implements by default
 
 No code outside this package branches on the distributed type, ZeRO stage, FSDP, TP or Megatron-LM
 (tests/test_parallel.py::test_no_backend_branches_outside_parallel enforces it).
@@ -39,9 +40,11 @@ from finetune.parallel.environment import (
     set_cpu_allocator,
 )
 from finetune.parallel.plan import Plan, global_batch_index, make_plan
+from finetune.parallel.surface import Backend
 from finetune.parallel.topology import Topology
 
 __all__ = [
+    "Backend",
     "Plan",
     "Topology",
     "collective_timeout",
@@ -55,7 +58,7 @@ __all__ = [
 ]
 
 
-def make_backend(accelerator, cfg: RunConfig):
+def make_backend(accelerator, cfg: RunConfig) -> Backend:
     """The Backend object of the family this run was launched with."""
     topology = Topology.read(accelerator)
     return family_module(topology.family).Backend(accelerator, topology, cfg)

@@ -9,17 +9,30 @@ all reported at once before any model loads) and what Accelerator() needs (`acce
 from __future__ import annotations
 
 import datetime
-import importlib
 import logging
 
 from finetune import console
 from finetune.config import ConfigError, RunConfig
-from finetune.parallel.topology import is_distributed_launch, requested_family
+from finetune.parallel.topology import FAMILIES, is_distributed_launch, requested_family
 
 
 def family_module(family: str | None = None):
-    """finetune.parallel.<family>: ddp, deepspeed, fsdp, tensor or megatron."""
-    return importlib.import_module(f"finetune.parallel.{family or requested_family()}")
+    """The module of a backend family (topology.FAMILIES; default: the one this process was launched with), imported
+    when first asked for: deepspeed.py and megatron.py import their libraries, which a DDP run never loads."""
+    family = family or requested_family()
+    if family == "ddp":
+        from finetune.parallel import ddp as module
+    elif family == "deepspeed":
+        from finetune.parallel import deepspeed as module
+    elif family == "fsdp":
+        from finetune.parallel import fsdp as module
+    elif family == "tensor":
+        from finetune.parallel import tensor as module
+    elif family == "megatron":
+        from finetune.parallel import megatron as module
+    else:
+        raise ValueError(f"unknown backend family {family!r}; one of {', '.join(FAMILIES)}")
+    return module
 
 
 def make_accelerator(cfg: RunConfig):
