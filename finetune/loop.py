@@ -84,6 +84,10 @@ def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: i
     The loss is the mean over the supervised tokens of the whole global batch (every micro batch
     on every rank): each micro batch's mean loss is turned back into a sum and divided by the
     global count (Plan.loss_weight). Hence 2 ranks x GA 1 and 1 rank x GA 2 give the same update.
+
+    Under Megatron-LM, accelerate's engine runs the whole step inside forward_loss (forward and backward over the
+    pipeline's micro batches, clipping, the optimizer and scheduler step), and backward, clip_grad_norm and the
+    steps below are accelerate's no-ops there: the same loop, with the work in one call (parallel/megatron.py).
     """
     acc, backend = run.accelerator, run.backend
     counts = [b.pop("num_supervised") for b in micro_batches]
