@@ -303,8 +303,7 @@ def build_loop(
     """Everything the loop needs, with the facts every metrics row repeats (how the run is really spread)."""
     t = cfg.train
     if t.report_to:
-        spread = {"world_size": backend.topology.num_processes, "distributed_type": backend.topology.distributed_type}
-        report.init_trackers(acc, cfg, {**spread, "mixed_precision": backend.mixed_precision})
+        report.init_trackers(acc, cfg, {**backend.topology.spread(), "mixed_precision": backend.mixed_precision})
     observed = backend.observed(p.model)
     logger.info("prepared: %s", ", ".join(f"{k} {v}" for k, v in observed.items()))
     peak = metrics.peak_flops(acc.device, backend.mixed_precision)
@@ -329,7 +328,7 @@ def build_loop(
         log=metrics.MetricsLog(t.output_dir, enabled=acc.is_main_process),
         checkpointer=ckpt,
         watchdog=watchdog.start_watchdog(acc, t.output_dir, parallel.collective_timeout(t)),
-        extra={"world_size": topo.num_processes, "distributed_type": topo.distributed_type, **observed},
+        extra={**topo.spread(), **observed},
         flops_per_token=facts.flops_per_token,
         peak_flops=peak,
         sources=ds.mixture.names if ds.mixture and ds.mixture.per_source_eval else None,

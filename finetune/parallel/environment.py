@@ -13,7 +13,7 @@ import logging
 
 from finetune import console
 from finetune.config import ConfigError, RunConfig
-from finetune.parallel.topology import FAMILIES, is_distributed_launch, requested_family
+from finetune.parallel.topology import FAMILIES, distributed_type_name, is_distributed_launch, requested_family
 
 
 def family_module(family: str | None = None):
@@ -243,7 +243,7 @@ def describe(accelerator) -> dict:
 
     state = accelerator.state
     return {
-        "distributed_type": str(state.distributed_type).split(".")[-1],
+        "distributed_type": distributed_type_name(state),
         "world_size": accelerator.num_processes,
         "backend": state.backend or "none",
         "mixed_precision": accelerator.mixed_precision,

@@ -109,6 +109,10 @@ class Topology:
         """Megatron-LM runs on NVIDIA GPUs only (megatron.core calls CUDA throughout; tests use a stand-in)."""
         return self.family == "megatron"
 
+    def spread(self) -> dict:
+        """How the run is spread, as the start log, every metrics row and the trackers say it."""
+        return {"world_size": self.num_processes, "distributed_type": self.distributed_type}
+
     def summary(self) -> str:
         """One line for the start log."""
         parts = [f"{self.family}"]
@@ -149,7 +153,7 @@ class Topology:
             kw.update(tp=tp, dp=n // tp, dp_rank=rank // tp)  # accelerate's mesh: tp innermost
         return cls(
             family=family,
-            distributed_type=str(state.distributed_type).split(".")[-1],
+            distributed_type=distributed_type_name(state),
             num_processes=n,
             num_machines=int(env.get("ACCELERATE_NUM_MACHINES", 0)) or _machines(env, n),
             process_index=rank,
@@ -164,6 +168,11 @@ def fsdp_offloads(plugin) -> bool:
 
     policy = plugin.cpu_offload
     return isinstance(policy, CPUOffloadPolicy) or bool(getattr(policy, "offload_params", False))
+
+
+def distributed_type_name(state) -> str:
+    """accelerate's DistributedType of a started AcceleratorState, by name (NO, MULTI_CPU, DEEPSPEED, ...)."""
+    return str(state.distributed_type).split(".")[-1]
 
 
 def describe_layout(layout: dict) -> str:
