@@ -169,7 +169,7 @@ class DataArgs:
         "mapping of the per-source data fields (dataset, format, *_column, eval_dataset/eval_split/eval_fraction, "
         "...; left out: the top-level value) plus weight (> 0) and name (default: the file stem). Each epoch "
         "draws as many rows as all sources hold, weight / sum of weights of them from each source; eval is "
-        "reported per source (eval_<name>_loss) and overall. See README, 'Dataset mixtures'.",
+        "reported per source (eval_<name>_loss) and overall. See docs/data.md.",
     )
     dataset_config: str | None = _f(None, "Hub dataset configuration name.")
     train_split: str = _f("train", "Split used for training.")

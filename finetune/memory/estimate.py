@@ -50,7 +50,7 @@ GB = 1e9
 # A CPU rank's resident size in the training phase besides its model states, activations and buffers: the Python
 # interpreter with torch, transformers, accelerate, datasets, the model code, the tokenized data and the process
 # group (gloo). Measured on the development machine (2 ranks, a 2.9M-parameter Llama whose states are 0.05 GB;
-# README "Plan memory"): 0.56 GB per DDP rank; a DeepSpeed rank 0.03 GB more (deepspeed's import and its engine;
+# docs/memory.md): 0.56 GB per DDP rank; a DeepSpeed rank 0.03 GB more (deepspeed's import and its engine;
 # it was 0.08 until finetune.parallel.deepspeed.compile_on_first_call kept torch's compiler from loading).
 FRAMEWORK_GB = 0.56
 
