@@ -4,7 +4,7 @@ savings   one Llama-shaped model large enough that model states dominate (defaul
           369M parameters, fp32), trained a few steps on 2 ranks under DDP, ZeRO-2 and ZeRO-3: the training-phase
           peak per rank of each, and ZeRO's as a fraction of DDP's (targets: ZeRO-2 <= 0.8x, ZeRO-3 <= 0.6x).
 capacity  for a memory budget per rank, the most layers (at a fixed width) each config can train according to
-          `finetune plan` (finetune.sizing.largest_llama), then a real run at that size whose measured peak must
+          `finetune plan` (bench/sizing.py: largest_llama), then a real run at that size whose measured peak must
           stay within the budget (target: ZeRO-3's largest model >= 1.8x DDP's parameter count).
 
 Both parts ask the planner first and never start a run it says will not fit, or whose two ranks together
@@ -81,7 +81,7 @@ def refuse_unless_it_fits(what: str, planned_gb: float) -> None:
 
 
 def build_llama(ctx: harness.Context, hidden: int, layers: int) -> str:
-    """The planner's Llama shape (finetune.sizing.llama_config: 32k vocabulary), randomly initialised, saved once."""
+    """The planner's Llama shape (bench/sizing.py: llama_config, 32k vocabulary), randomly initialised, saved once."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
