@@ -17,9 +17,25 @@ printing that traceback, so the workaround can go):
   Anything else (a crash, another program) keeps the default traceback. FINETUNE_LAUNCHER_TRACEBACK=1 keeps
   it always.
 
+One process (`distributed_type: 'NO'`, accelerate_configs/single.yaml) is not launched through torchrun:
+accelerate's `simple_launcher` starts the run as a plain child process and waits for it. There a failure reaches
+the launcher as subprocess.CalledProcessError (a traceback after our message, exit 1), and a SIGTERM to the
+launcher ends the launcher alone: the run goes on, orphaned, and never checkpoints. So, in an `accelerate launch`
+process of finetune (`install_excepthook`):
+
+- the child writes its message to the file FINETUNE_LAUNCHER_ERROR_FILE names (set by the launcher for its
+  children; torchrun's error file wins where there is one), and the launcher reports a CalledProcessError whose
+  child left that message as above: a few lines ending with the message, the child's exit code;
+- SIGTERM to the launcher is forwarded to its children (the run stops at the step boundary with a checkpoint, as
+  its ranks do under torchrun), the launcher waits for them and exits with 128+15 after one line. Under torchrun
+  its agent installs its own handler over this one, which forwards the signal the same way.
+
+tests/test_launcher_report.py::test_one_process_under_accelerate_launch_still_needs_the_workaround fails once
+accelerate forwards the signal and stops printing the traceback itself.
+
 The hook reaches the launcher through `finetune-launcher.pth` (see setup.py), which Python runs at start-up;
 importing this module takes about a quarter of a millisecond, and the hook does nothing until an exception
-reaches the top of a process.
+reaches the top of a process (or, in an `accelerate launch` of finetune, a SIGTERM arrives).
 """
 
 from __future__ import annotations
@@ -29,11 +45,14 @@ import sys
 
 MARK = "finetune"  # top-level key of an error file written here; torch reads only "message"
 SHOW_TRACEBACK = "FINETUNE_LAUNCHER_TRACEBACK"
+CHILD_ERROR_FILE = "FINETUNE_LAUNCHER_ERROR_FILE"  # set by an `accelerate launch` of finetune for its children
+_stopped_by: list[int] = []  # the signal this launcher forwarded to its children
 
 
 def write_error_file(message: str) -> None:
-    """Under torchrun's agent: this rank's message in its error file, for the launcher's report."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    """This rank's message in torchrun's error file (under its agent) or, under accelerate's simple launcher, in
+    the file the launcher named: for the launcher's report."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE") or os.environ.get(CHILD_ERROR_FILE)
     if not path:
         return
     import json
@@ -65,12 +84,62 @@ def install_excepthook() -> None:
 
     setattr(hook, MARK, True)
     sys.excepthook = hook
+    if _launches_finetune() and os.environ.get(SHOW_TRACEBACK) != "1":
+        _forward_stop_signal()
+
+
+def _launches_finetune() -> bool:
+    """Whether this process is an `accelerate launch` of finetune."""
+    launcher = os.path.basename(sys.argv[0]) == "accelerate" and sys.argv[1:2] == ["launch"]
+    launcher = launcher or sys.argv[0].endswith(os.path.join("accelerate", "commands", "launch.py"))
+    return launcher and any("finetune" in arg for arg in sys.argv[1:])
+
+
+def _forward_stop_signal() -> None:
+    """An `accelerate launch` of finetune: its children write their messages where this process reads them, and a
+    SIGTERM to it is forwarded to them (accelerate's simple launcher would end here and leave the run orphaned)."""
+    import signal
+    import tempfile
+
+    os.environ[CHILD_ERROR_FILE] = os.path.join(tempfile.gettempdir(), f"finetune-launcher-{os.getpid()}.json")
+
+    def forward(signum, frame) -> None:
+        children = _children()
+        if not children:  # nothing started yet: stop as without this handler
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        _stopped_by.append(signum)
+        for pid in children:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    signal.signal(signal.SIGTERM, forward)
+
+
+def _children() -> list[int]:
+    """The processes this one started (from /proc; empty where there is none)."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == me:  # field 4, after the (command name)
+                found.append(int(entry))
+    return found
 
 
 def report(error: BaseException) -> int | None:
     """Print the launcher's report of `error` without a traceback and return the exit code; None when the
     error is not one finetune named (the default traceback is then shown)."""
     kind = type(error)
+    if kind.__name__ == "CalledProcessError" and kind.__module__ == "subprocess" and _launches_finetune():
+        return _report_child(error)
     if not kind.__module__.startswith("torch.distributed.elastic"):
         return None
     if kind.__name__ == "SignalException" and any("finetune" in arg for arg in sys.argv):
@@ -96,3 +165,26 @@ def report(error: BaseException) -> int | None:
     messages = list(dict.fromkeys(f.error_file_data["message"]["message"] for f in ours.values()))
     print("\n".join(lines + messages), file=sys.stderr)
     return next(iter(ours.values())).exitcode
+
+
+def _report_child(error) -> int | None:
+    """accelerate's simple launcher (one process): the run's child failed, or this launcher forwarded a stop."""
+    import json
+
+    if _stopped_by:
+        import signal
+
+        name = signal.Signals(_stopped_by[0]).name
+        print(f"[launcher] stopped by {name}; the run was asked to stop (its message is above).", file=sys.stderr)
+        return 128 + _stopped_by[0]
+    path = os.environ.get(CHILD_ERROR_FILE, "")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        os.remove(path)
+    except (OSError, ValueError):
+        return None  # a crash: its traceback is above, and the launcher's own stays
+    if not (isinstance(data, dict) and data.get(MARK)):
+        return None
+    print(f"[launcher] finetune stopped with the message below\n{data['message']['message']}", file=sys.stderr)
+    return error.returncode

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import EXPECTED
 
 from finetune.demo import write_jsonl
 
@@ -716,11 +717,31 @@ def test_bad_input_exits_2_with_one_clear_message(case: Case, assets, no_chat_mo
 # The refusal as users meet it: every case again through `accelerate launch`, 2 ranks (about 2 s of CPU each).
 
 
+# Under single.yaml accelerate starts one plain child process (its simple launcher, not torchrun): a representative
+# set of the corpus there, each stage and kind once (a launch costs about 3 s of CPU).
+ONE_PROCESS_CASES = (
+    "no_config_no_model",
+    "unknown_key_typo",
+    "int_given_text",
+    "dataset_file_missing",
+    "output_dir_holds_previous_run",
+    "resume_latest_without_checkpoint",
+    "format_not_detectable",
+    "responses_all_null",
+    "chat_role_not_assistant",
+    "label_out_of_range_in_eval",
+    "peft_target_modules_not_in_model",
+)
+LAUNCHES = [pytest.param(c, "ddp", id=c.id, marks=c.marks) for c in CASES]
+LAUNCHES += [pytest.param(c, "single", id=f"single-{c.id}", marks=c.marks) for c in CASES if c.id in ONE_PROCESS_CASES]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.marks) for c in CASES])
-def test_bad_input_under_accelerate_launch(case: Case, assets, no_chat_model, tmp_path):
-    """Exit 2 and no traceback from the ranks or the launcher (finetune.launcher_report); on stderr the message
-    comes first and last, the launcher's report between."""
+@pytest.mark.parametrize(("case", "config"), LAUNCHES)
+def test_bad_input_under_accelerate_launch(case: Case, config: str, assets, no_chat_model, tmp_path):
+    """Exit 2 and no traceback from the ranks or the launcher (finetune.launcher_report), under torchrun (ddp.yaml,
+    2 ranks) and under accelerate's simple launcher (single.yaml, one child process); on stderr the message comes
+    first and last, the launcher's report between."""
     from conftest import run_killing_the_group
 
     from finetune.launching import finetune_command
@@ -732,7 +753,7 @@ def test_bad_input_under_accelerate_launch(case: Case, assets, no_chat_model, tm
     if case.overwrite:
         args += ["--overwrite_output_dir", "true"]
     before = snapshot(tmp_path)
-    cmd = finetune_command(args, ROOT / "accelerate_configs" / "ddp.yaml")
+    cmd = finetune_command(args, ROOT / "accelerate_configs" / f"{config}.yaml")
     proc = run_killing_the_group(cmd, {**os.environ, **ctx.env, "OMP_NUM_THREADS": "1"}, 180)
     output = proc.stdout + proc.stderr
     shown = f"argv: {args}\n--- stdout:\n{proc.stdout[-3000:]}\n--- stderr:\n{proc.stderr[-3000:]}"
@@ -741,7 +762,8 @@ def test_bad_input_under_accelerate_launch(case: Case, assets, no_chat_model, tm
     # SIGTERM") and, from ranks stopped because another failed first, "stopped by the launcher" lines.
     noise = re.compile(r"examples/s\]|it/s\]|\d+%\||^[IWE]\d{4} |^finetune rank \d+: stopped by the launcher")
     lines = [line for line in proc.stderr.splitlines() if line.strip() and not noise.search(line)]
-    report = next(i for i, line in enumerate(lines) if line.startswith("[launcher] finetune failed: rank"))
+    heading = "[launcher] finetune failed: rank" if config == "ddp" else "[launcher] finetune stopped with the message"
+    report = next(i for i, line in enumerate(lines) if line.startswith(heading))
     message = lines[report + 1 :]  # the launcher's report ends with the message
     n = case.problems
     assert message[0] == f"finetune: {n} problem{'s' if n > 1 else ''} in the run config:", shown
@@ -749,5 +771,5 @@ def test_bad_input_under_accelerate_launch(case: Case, assets, no_chat_model, tm
     assert len(named) == 1 and case.text in named[0], shown
     assert lines[:report] in ([], message), shown  # before it: the message as rank 0 said it, or nothing
     if "] distributed:" in proc.stdout:  # the ranks had started: no silent single process
-        assert "world size 2" in proc.stdout, shown
+        assert f"world size {EXPECTED[config][1]}" in proc.stdout, shown
     assert snapshot(tmp_path) == before, shown

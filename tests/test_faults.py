@@ -125,15 +125,20 @@ def test_killed_rank_stops_everyone_and_resume_finishes_the_run(assets, tmp_path
     assert_resume_finishes(out, launcher, straight(launcher), assets)
 
 
-@pytest.mark.parametrize("launcher", ["ddp", "zero3"])
+@pytest.mark.parametrize("launcher", ["ddp", "zero3", "single"])
 def test_sigterm_to_the_launcher_checkpoints_the_step_reached(assets, tmp_path, launcher, straight):
-    """A scheduler's preemption: SIGTERM to `accelerate launch` mid-run. Every rank finishes its step, a
-    checkpoint of the step reached is written, the run says where to resume, and the resume equals the
-    uninterrupted run."""
+    """A scheduler's preemption: SIGTERM to `accelerate launch` mid-run (torchrun's agent for ddp/zero3,
+    accelerate's simple launcher with one child for single). Every rank finishes its step, a checkpoint of the
+    step reached is written, the run says where to resume, no process outlives the launcher, and the resume
+    equals the uninterrupted run."""
     out = tmp_path / "preempted"
     proc, lines = launch_until(out, assets, launcher, seeded_step("SIGTERM to the launcher"))
+    started = psutil.Process(proc.pid).children(recursive=True)
+    assert any("finetune" in " ".join(p.cmdline()) for p in started), [p.cmdline() for p in started]
     proc.terminate()
     rest, _ = proc.communicate(timeout=90)
+    alive = [p.pid for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert alive == [], f"processes outlived the launcher: {alive}"
     output = "".join(lines) + rest
     assert proc.returncode != 0, output[-3000:]
     match = re.search(r"stopped by SIGTERM \(preemption\) after step (\d+); checkpoint saved: (\S+)\.", output)

@@ -13,6 +13,7 @@ import signal
 import site
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,27 @@ def test_a_signal_to_the_launcher_of_finetune_is_one_line(monkeypatch, capsys):
     )
 
 
+def test_one_process_the_run_named_its_failure(tmp_path, monkeypatch, capsys):
+    """accelerate's simple launcher (single.yaml) raises CalledProcessError for a failed child: reported in two
+    lines ending with the message the child left in FINETUNE_LAUNCHER_ERROR_FILE, with the child's exit code; a
+    crash (no file) keeps the traceback, and so does any other program's launcher."""
+    from finetune import launcher_report
+
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/accelerate", "launch", "-m", "finetune", "--config", "x.yaml"])
+    monkeypatch.setenv(launcher_report.CHILD_ERROR_FILE, str(tmp_path / "child.json"))
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    failed = subprocess.CalledProcessError(2, ["python", "-m", "finetune"])
+    assert report(failed) is None  # no file: a crash
+    write_error_file(MESSAGE)  # as the child does
+    assert report(failed) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-2:] == MESSAGE.splitlines() and "Traceback" not in err
+    assert not (tmp_path / "child.json").exists()  # read once, removed
+    write_error_file(MESSAGE)
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/accelerate", "launch", "other.py"])
+    assert report(failed) is None
+
+
 def test_the_install_puts_the_hook_in_every_interpreter():
     pth = [Path(d) / "finetune-launcher.pth" for d in site.getsitepackages()]
     assert any(p.exists() for p in pth), f"no finetune-launcher.pth in {site.getsitepackages()}: ./run.sh setup"
@@ -119,3 +141,38 @@ def test_accelerate_launch_still_prints_its_traceback_without_the_workaround(ass
     assert quiet.returncode == 2 and "Traceback" not in quiet.stdout + quiet.stderr, quiet.stderr
     lines = [line for line in quiet.stderr.splitlines() if line.strip()]
     assert lines[-2:] == MESSAGE.splitlines(), quiet.stderr  # the last lines (test_bad_inputs.py checks the rest)
+
+
+@pytest.mark.slow
+def test_one_process_under_accelerate_launch_still_needs_the_workaround(assets, tmp_path):
+    """Why launcher_report also handles accelerate's simple launcher (single.yaml): without it, a bad input ends in
+    the launcher's CalledProcessError traceback (exit 1), and a SIGTERM to the launcher leaves the run running,
+    orphaned. When this fails, accelerate does both itself: remove _forward_stop_signal and _report_child."""
+    import psutil
+
+    cfg = ROOT / "accelerate_configs" / "single.yaml"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FINETUNE_LAUNCHER_TRACEBACK": "1"}  # the workaround off
+    bad = finetune_command(["--model", assets.llama, "--dataset", assets.instruction, "--learning_rate", "-1"], cfg)
+    shown = run_killing_the_group([*bad, "--output_dir", str(tmp_path / "bad")], env, 120)
+    assert shown.returncode == 1 and "CalledProcessError" in shown.stderr, shown.stderr[-3000:]
+
+    args = ["--model", assets.llama, "--dataset", assets.instruction, "--max_steps", "100000", "--save_steps", "null"]
+    cmd = finetune_command([*args, "--output_dir", str(tmp_path / "long"), "--disable_tqdm", "true"], cfg)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    children = []
+    try:
+        for line in proc.stdout:
+            if "] model:" in line:  # the run is past start-up
+                break
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children, "the launcher started no process"
+        proc.terminate()
+        proc.wait(timeout=60)
+        time.sleep(2)
+        orphans = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        assert orphans, "accelerate's launcher now forwards SIGTERM to its child: the workaround can go"
+    finally:
+        proc.kill()
+        for c in children:
+            if c.is_running():
+                c.kill()
