@@ -89,10 +89,22 @@ def install_excepthook() -> None:
 
 
 def _launches_finetune() -> bool:
-    """Whether this process is an `accelerate launch` of finetune."""
-    launcher = os.path.basename(sys.argv[0]) == "accelerate" and sys.argv[1:2] == ["launch"]
-    launcher = launcher or sys.argv[0].endswith(os.path.join("accelerate", "commands", "launch.py"))
-    return launcher and any("finetune" in arg for arg in sys.argv[1:])
+    """Whether this process is an `accelerate launch` (or `python -m accelerate.commands.launch`) of finetune. Read
+    from the command line the process was started with: while the .pth runs, `python -m`'s sys.argv is not set."""
+    argv = command_line()
+    script = next((i for i, a in enumerate(argv) if os.path.basename(a) == "accelerate"), None)
+    launcher = script is not None and argv[script + 1 : script + 2] == ["launch"]
+    launcher = launcher or "accelerate.commands.launch" in argv
+    return launcher and any("finetune" in arg for arg in argv)
+
+
+def command_line() -> list[str]:
+    """The command line this process was started with (/proc; else sys.argv)."""
+    try:
+        with open("/proc/self/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return list(sys.argv)
 
 
 def _forward_stop_signal() -> None:

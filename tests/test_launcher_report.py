@@ -94,7 +94,8 @@ def test_one_process_the_run_named_its_failure(tmp_path, monkeypatch, capsys):
     crash (no file) keeps the traceback, and so does any other program's launcher."""
     from finetune import launcher_report
 
-    monkeypatch.setattr(sys, "argv", ["/venv/bin/accelerate", "launch", "-m", "finetune", "--config", "x.yaml"])
+    command = ["/venv/bin/accelerate", "launch", "-m", "finetune", "--config", "x.yaml"]
+    monkeypatch.setattr(launcher_report, "command_line", lambda: command)
     monkeypatch.setenv(launcher_report.CHILD_ERROR_FILE, str(tmp_path / "child.json"))
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
     failed = subprocess.CalledProcessError(2, ["python", "-m", "finetune"])
@@ -105,8 +106,10 @@ def test_one_process_the_run_named_its_failure(tmp_path, monkeypatch, capsys):
     assert err.splitlines()[-2:] == MESSAGE.splitlines() and "Traceback" not in err
     assert not (tmp_path / "child.json").exists()  # read once, removed
     write_error_file(MESSAGE)
-    monkeypatch.setattr(sys, "argv", ["/venv/bin/accelerate", "launch", "other.py"])
+    command[:] = ["/venv/bin/python", "-m", "accelerate.commands.launch", "other.py"]
     assert report(failed) is None
+    command[-1] = "-m finetune"  # python -m accelerate.commands.launch ... -m finetune
+    assert report(failed) == 2
 
 
 def test_the_install_puts_the_hook_in_every_interpreter():
