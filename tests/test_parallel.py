@@ -237,7 +237,7 @@ def test_megatron_gpt2_shards_become_the_hf_model():
 
 
 def test_accelerate_still_imports_deepspeed_to_unwrap():
-    """The reason for finetune.parallel.ddp.unwrap_without_deepspeed: accelerate's unwrap_model imports deepspeed
+    """The reason for finetune.parallel.base.unwrap_without_deepspeed: accelerate's unwrap_model imports deepspeed
     (when installed) even for a plain module. When this fails, accelerate no longer does: delete the workaround."""
     code = (
         "import sys, torch; from accelerate.utils.other import extract_model_from_parallel; "

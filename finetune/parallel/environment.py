@@ -47,7 +47,7 @@ def make_accelerator(cfg: RunConfig):
     from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs
     from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration
 
-    from finetune.parallel.ddp import has_accelerator_device
+    from finetune.parallel.base import has_accelerator_device
 
     family = family_module()
     family.environment(cfg)
@@ -178,7 +178,7 @@ def mixed_precision_of_launch(launch_args: list[str]) -> str | None:
 def precision_problems(chosen: str) -> list[tuple[str, str]]:
     """fp16 on a machine without a GPU: accelerate ignores it there (no autocast, no loss scaling), so the run
     would silently be fp32."""
-    from finetune.parallel.ddp import has_accelerator_device
+    from finetune.parallel.base import has_accelerator_device
 
     if chosen == "fp16" and not has_accelerator_device():
         return [
@@ -232,7 +232,7 @@ def set_cpu_allocator(mode: str) -> str:
 
 def collective_timeout(train) -> int:
     """Seconds a collective waits for the other ranks (ddp_timeout; 1800 on GPU, 600 on CPU by default)."""
-    from finetune.parallel.ddp import has_accelerator_device
+    from finetune.parallel.base import has_accelerator_device
 
     return train.ddp_timeout or (1800 if has_accelerator_device() else 600)
 

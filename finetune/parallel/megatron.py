@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -36,7 +37,7 @@ from typing import Any
 
 from finetune.config import RunConfig
 from finetune.model import model_config
-from finetune.parallel import ddp
+from finetune.parallel import base, ddp
 from finetune.parallel.topology import env_world_size
 
 # A Megatron-LM checkpoint the user converted from the HF model, used when present (<model>/megatron), and the
@@ -54,6 +55,7 @@ MEGATRON_LR_STYLES = {
 DOCS = "docs/megatron.md"
 NOTES: list[str] = []  # what this module did before the Accelerator, for the start log (Backend.observed)
 KEY = "accelerate config"  # the problem is in the Accelerate config (or this machine), not in the run config
+logger = logging.getLogger("finetune")
 
 
 # ---------------------------------------------------------------- what the launcher asked for
@@ -599,10 +601,10 @@ class Backend(ddp.Backend):
         self.grad_norm = None
         self.eval_dict: dict = {}
         for note in NOTES:
-            ddp.logger.info("megatron: %s", note)
+            logger.info("megatron: %s", note)
 
     def keep_checkpoints_per_machine(self) -> None:
-        raise ddp.no_checkpoints_per_machine(
+        raise base.no_checkpoints_per_machine(
             "Megatron-LM writes each tensor/pipeline shard from its own rank, with no per-machine copy"
         )
 
@@ -612,7 +614,7 @@ class Backend(ddp.Backend):
         self.hf = model
         warmup = 0 if self.cfg.train.lr_scheduler_type == "constant" else plan.warmup_steps
         scheduler = make_scheduler(optimizer, plan, warmup)
-        prepared = ddp.prepare_all(self.acc, model, optimizer, train_loader, eval_loader, scheduler)
+        prepared = base.prepare_all(self.acc, model, optimizer, train_loader, eval_loader, scheduler)
         engine = prepared[0]
         train_step, eval_step = engine.train_step, engine.eval_step
 
