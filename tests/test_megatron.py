@@ -20,7 +20,7 @@ from conftest import ROOT, base_args, crash_after, finetune
 
 from finetune.config import ConfigError, build_config
 from finetune.parallel import megatron, tensor
-from finetune.parallel.topology import Topology, env_tp_size, requested_family
+from finetune.parallel.topology import Launcher, Topology, requested_family
 
 MEGATRON = ["megatron_tp2", "megatron_tp2_pp2", "megatron_tp2_pp2_multinode"]
 
@@ -82,9 +82,9 @@ def test_megatron_and_tp_configs_say_what_their_names_say():
         env = launch_env(name)
         layout = megatron.MegatronLayout.from_env(env)
         assert (layout.tp, layout.pp, layout.num_micro_batches) == (tp, pp, micro), name
-        assert requested_family(env) == "megatron" and env_tp_size(env) == 1
+        assert requested_family(env) == "megatron" and Launcher.read(env).tp_size == 1
     env = launch_env("tp2")
-    assert env_tp_size(env) == 2 and requested_family(env) == "tensor"
+    assert Launcher.read(env).tp_size == 2 and requested_family(env) == "tensor"
     assert env["WORLD_SIZE"] == "2"
 
 

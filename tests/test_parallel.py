@@ -141,6 +141,49 @@ def test_every_family_has_the_same_surface():
         assert backend.checkpoint_format in ("full", "portable", "native")
 
 
+def test_the_launcher_environment_is_read_in_one_place():
+    """topology.Launcher: torchrun's ranks, MPI's size, the family and sizes `accelerate launch` sets."""
+    from finetune.parallel.topology import Launcher
+
+    torchrun = {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}
+    got = Launcher.read(torchrun)
+    assert (got.world_size, got.rank, got.local_rank, got.node, got.machines(4)) == (4, 3, 1, 1, 2)
+    assert (got.family, got.distributed, got.use_cpu, got.tp_size) == ("ddp", True, False, 1)
+    assert Launcher.read({"OMPI_COMM_WORLD_SIZE": "3"}).world_size == 3
+    assert Launcher.read({"ACCELERATE_NUM_MACHINES": "2"}).machines(4) == 2
+    alone = Launcher.read({})
+    assert (alone.world_size, alone.rank, alone.local_rank, alone.node, alone.distributed) == (1, 0, None, 0, False)
+    fsdp_tp = {"ACCELERATE_USE_FSDP": "true", "ACCELERATE_USE_PARALLELISM_CONFIG": "true"}
+    assert Launcher.read({**fsdp_tp, "PARALLELISM_CONFIG_TP_SIZE": "2"}).family == "fsdp"
+    tp = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_TP_SIZE": "2"}
+    assert (Launcher.read(tp).family, Launcher.read(tp).tp_size) == ("tensor", 2)
+    megatron = {"ACCELERATE_USE_MEGATRON_LM": "true", "ACCELERATE_USE_DEEPSPEED": "true", "MEGATRON_LM_PP_DEGREE": "2"}
+    assert (Launcher.read(megatron).family, Launcher.read(megatron).megatron_pp) == ("megatron", 2)
+
+
+def test_a_topology_checks_itself():
+    """Every Topology, from a started run or a config file, is one: sizes >= 1, a known family, ranks in range,
+    ZeRO only under DeepSpeed and FSDP only under FSDP."""
+    from finetune.parallel.topology import Topology
+
+    ok = {"family": "ddp", "distributed_type": "MULTI_CPU", "num_processes": 2, "num_machines": 1, "process_index": 1}
+    Topology(**ok, dp=2)
+    Topology(**{**ok, "family": "deepspeed"}, dp=2, zero_stage=3)
+    wrong = [
+        {"family": "zero3"},
+        {"num_processes": 0},
+        {"process_index": 2},
+        {"dp": 0},
+        {"dp_rank": 2},
+        {"zero_stage": 3},
+        {"fsdp_version": 2},
+        {"family": "deepspeed", "zero_stage": 4},
+    ]
+    for bad in wrong:
+        with pytest.raises(ValueError, match="not a topology"):
+            Topology(**{**ok, "dp": 2, **bad})
+
+
 # ---------------------------------------------------------------- Megatron-Core shards -> HF (export)
 
 

@@ -28,6 +28,7 @@ import torch
 from finetune import console
 from finetune.config import RunConfig, TrainArgs
 from finetune.parallel import base, ddp
+from finetune.parallel.topology import Launcher
 
 
 def project_cache() -> Path:
@@ -56,7 +57,7 @@ def environment(cfg: RunConfig) -> None:
 def problems(cfg: RunConfig) -> list[tuple[str, str]]:
     """A DeepSpeed JSON whose batch/accumulation/clipping contradict the run config, or that defines its own
     optimizer or scheduler (the run config's AdamW and schedule are used on every backend)."""
-    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    path = Launcher.read().deepspeed_config_file
     if not path:
         return []
     try:
@@ -108,12 +109,13 @@ def accelerator_kwargs(cfg: RunConfig) -> dict:
 
 def announce_op_builds() -> None:
     """DeepSpeed compiles C++ ops on first use (a minute or so, silently). Say so, once, on rank 0."""
-    if os.environ.get("LOCAL_RANK", "0") != "0":
+    launcher = Launcher.read()
+    if (launcher.local_rank or 0) != 0:
         return
     cache = Path(os.environ["TORCH_EXTENSIONS_DIR"])
     needed = [] if base.has_accelerator_device() else ["deepspeed_shm_comm"]
     try:
-        with open(os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "")) as f:
+        with open(launcher.deepspeed_config_file or "") as f:
             if "offload_optimizer" in json.dumps(json.load(f).get("zero_optimization", {})):
                 needed.append("cpu_adam")
     except (OSError, json.JSONDecodeError):
@@ -149,7 +151,7 @@ def bf16_through_autocast(plugin) -> bool:
 def _json_says_bf16() -> bool:
     """Whether the DeepSpeed JSON itself enables bf16 (not "auto", which accelerate fills from --mixed_precision)."""
     try:
-        with open(os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "")) as f:
+        with open(Launcher.read().deepspeed_config_file or "") as f:
             return (json.load(f).get("bf16") or {}).get("enabled") is True
     except (OSError, json.JSONDecodeError):
         return False

@@ -13,7 +13,7 @@ import logging
 
 from finetune import console
 from finetune.config import ConfigError, RunConfig
-from finetune.parallel.topology import FAMILIES, distributed_type_name, is_distributed_launch, requested_family
+from finetune.parallel.topology import FAMILIES, Launcher, distributed_type_name, requested_family
 
 
 def family_module(family: str | None = None):
@@ -60,7 +60,7 @@ def make_accelerator(cfg: RunConfig):
     handlers = [
         DistributedDataParallelKwargs(find_unused_parameters=t.ddp_find_unused_parameters, gradient_as_bucket_view=True)
     ]
-    if is_distributed_launch():
+    if Launcher.read().distributed:
         gpu = has_accelerator_device()
         timeout = datetime.timedelta(seconds=collective_timeout(t))
         handlers.append(InitProcessGroupKwargs(timeout=timeout, **({} if gpu else {"backend": "gloo"})))
@@ -100,8 +100,7 @@ def set_mixed_precision(asked: str) -> str:
 
     launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
     said = launched if launched in ("bf16", "fp16") else launcher_mixed_precision() if launched == "no" else None
-    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")  # `accelerate launch --cpu`
-    gpu = torch.cuda.is_available() and not use_cpu
+    gpu = torch.cuda.is_available() and not Launcher.read().use_cpu  # `accelerate launch --cpu`, or a CPU rank
     if said is not None:
         chosen, why = said, "as accelerate launch says (--mixed_precision or its config file)"
     elif asked == "auto":

@@ -24,12 +24,12 @@ import datetime
 
 from finetune.config import RunConfig
 from finetune.parallel import base, ddp, tensor
-from finetune.parallel.topology import env_tp_size, env_world_size, fsdp_offloads
+from finetune.parallel.topology import Launcher, fsdp_offloads
 
 
 def environment(cfg: RunConfig) -> None:
     base.unwrap_without_deepspeed()
-    if not base.has_accelerator_device() and env_world_size() > 1:
+    if not base.has_accelerator_device() and Launcher.read().world_size > 1:
         come_up_on_cpu(datetime.timedelta(seconds=cfg.train.ddp_timeout or 600))
 
 
@@ -46,7 +46,7 @@ def come_up_on_cpu(timeout: datetime.timedelta) -> None:
 
 
 def problems(cfg: RunConfig) -> list[tuple[str, str]]:
-    tp = env_tp_size()
+    tp = Launcher.read().tp_size
     p = tensor.model_problems(cfg, tp) if tp > 1 else []
     if cfg.model.task == "seq2seq":
         p.append(
@@ -63,7 +63,7 @@ def problems(cfg: RunConfig) -> list[tuple[str, str]]:
 
 
 def accelerator_kwargs(cfg: RunConfig) -> dict:
-    if env_tp_size() > 1:
+    if Launcher.read().tp_size > 1:
         replicate_parallel_shim()
     return {}
 

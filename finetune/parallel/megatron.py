@@ -38,7 +38,7 @@ from typing import Any
 from finetune.config import RunConfig
 from finetune.model import model_config
 from finetune.parallel import base, ddp
-from finetune.parallel.topology import env_world_size
+from finetune.parallel.topology import Launcher
 
 # A Megatron-LM checkpoint the user converted from the HF model, used when present (<model>/megatron), and the
 # folder of finetune's own conversion in output_dir otherwise.
@@ -61,13 +61,10 @@ logger = logging.getLogger("finetune")
 # ---------------------------------------------------------------- what the launcher asked for
 
 
-def _true(value: str | None) -> bool:
-    return str(value).lower() in ("1", "true", "yes")
-
-
 @dataclass(frozen=True)
 class MegatronLayout:
-    """The Megatron-LM layout the launcher set (accelerate/utils/launch.py, prefix MEGATRON_LM_)."""
+    """The Megatron-LM layout the launcher set (accelerate/utils/launch.py, prefix MEGATRON_LM_; topology.Launcher
+    reads it)."""
 
     tp: int
     pp: int
@@ -76,12 +73,15 @@ class MegatronLayout:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> MegatronLayout:
-        # Same defaults as accelerate's MegatronLMPlugin.__post_init__.
+        return cls.of(Launcher.read(env))
+
+    @classmethod
+    def of(cls, launcher: Launcher) -> MegatronLayout:
         return cls(
-            tp=int(env.get("MEGATRON_LM_TP_DEGREE", 1)),
-            pp=int(env.get("MEGATRON_LM_PP_DEGREE", 1)),
-            num_micro_batches=int(env.get("MEGATRON_LM_NUM_MICRO_BATCHES", 1)),
-            sequence_parallel=_true(env.get("MEGATRON_LM_SEQUENCE_PARALLELISM", "False")),
+            tp=launcher.megatron_tp,
+            pp=launcher.megatron_pp,
+            num_micro_batches=launcher.megatron_micro_batches,
+            sequence_parallel=launcher.megatron_sequence_parallel,
         )
 
 
@@ -226,15 +226,16 @@ def _heads_layers(config) -> tuple[int | None, int | None, int | None]:
 def megatron_problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> list:
     """Everything that keeps this run from starting under Megatron-LM, as (key, message with the fix)."""
     p: list[tuple[str, str]] = []
-    layout = MegatronLayout.from_env(env)
+    launcher = Launcher.read(env)
+    layout = MegatronLayout.of(launcher)
     _environment_problems(p)
     _setting_problems(p, cfg, layout)
     _unsupported_problems(p, cfg)
-    _layout_problems(p, cfg, layout, env)
+    _layout_problems(p, cfg, layout, launcher)
     config = model_config(cfg.model)
     if config is None:
         return p
-    _model_problems(p, cfg, config, layout, env)
+    _model_problems(p, cfg, config, layout, launcher)
     _converted_problems(p, cfg, layout)
     return p
 
@@ -334,8 +335,8 @@ def _unsupported_problems(p: list, cfg: RunConfig) -> None:
         )
 
 
-def _layout_problems(p: list, cfg: RunConfig, layout: MegatronLayout, env: Mapping[str, str]) -> None:
-    n = env_world_size(env)
+def _layout_problems(p: list, cfg: RunConfig, layout: MegatronLayout, launcher: Launcher) -> None:
+    n = launcher.world_size
     if n % (layout.tp * layout.pp):
         p.append(
             (
@@ -354,7 +355,7 @@ def _layout_problems(p: list, cfg: RunConfig, layout: MegatronLayout, env: Mappi
         )
 
 
-def _model_problems(p: list, cfg: RunConfig, config, layout: MegatronLayout, env: Mapping[str, str]) -> None:
+def _model_problems(p: list, cfg: RunConfig, config, layout: MegatronLayout, launcher: Launcher) -> None:
     """The model: a type accelerate's Megatron integration builds, as a causal LM, split evenly by TP and PP."""
     model_type = getattr(config, "model_type", "") or ""
     family = megatron_family(model_type)
@@ -380,7 +381,7 @@ def _model_problems(p: list, cfg: RunConfig, config, layout: MegatronLayout, env
     heads, _, layers = _heads_layers(config)
     if heads and heads % layout.tp:
         p.append((KEY, f"megatron_lm_tp_degree {layout.tp} must divide the model's {heads} attention heads"))
-    if layers and layers % layout.pp and "MEGATRON_LM_DECODER_LAST_PIPELINE_NUM_LAYERS" not in env:
+    if layers and layers % layout.pp and not launcher.megatron_uneven_last_stage:
         p.append(
             (
                 KEY,

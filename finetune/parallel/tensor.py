@@ -23,7 +23,7 @@ import torch
 
 from finetune.config import RunConfig
 from finetune.parallel import base, ddp
-from finetune.parallel.topology import env_tp_size, env_world_size
+from finetune.parallel.topology import Launcher
 
 KEY = "accelerate config"  # the problem is in the Accelerate config, not in the run config
 
@@ -35,8 +35,9 @@ def environment(cfg: RunConfig) -> None:
 def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> list[tuple[str, str]]:
     """Everything that keeps this run from starting under torch-native TP without data parallelism."""
     p: list[tuple[str, str]] = []
-    tp, n = env_tp_size(env), env_world_size(env)
-    sizes = {k: int(env.get(f"PARALLELISM_CONFIG_{k.upper()}_SIZE", "1")) for k in ("dp_replicate", "dp_shard", "cp")}
+    launcher = Launcher.read(env)
+    tp, n = launcher.tp_size, launcher.world_size
+    sizes = {k: launcher.parallelism_sizes[k] for k in ("dp_replicate", "dp_shard", "cp")}
     if any(v > 1 for v in sizes.values()) or tp != n:
         p.append(
             (
