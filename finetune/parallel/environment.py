@@ -13,12 +13,14 @@ import logging
 
 from finetune import console
 from finetune.config import ConfigError, RunConfig
+from finetune.parallel.surface import FamilyModule
 from finetune.parallel.topology import FAMILIES, Launcher, distributed_type_name, requested_family
 
 
-def family_module(family: str | None = None):
-    """The module of a backend family (topology.FAMILIES; default: the one this process was launched with), imported
-    when first asked for: deepspeed.py and megatron.py import their libraries, which a DDP run never loads."""
+def family_module(family: str | None = None) -> FamilyModule:
+    """The module of a backend family (topology.FAMILIES; default: the one this process was launched with): the
+    registry of the families, each imported by name when first asked for (deepspeed.py and megatron.py import their
+    libraries, which a DDP run never loads). A new family is a module here, a line below and a name in FAMILIES."""
     family = family or requested_family()
     if family == "ddp":
         from finetune.parallel import ddp as module
