@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ BACKEND_WORDS = (
     "multi_cpu",
     "multi_gpu",
     "family",
+    "checkpoint_format",
 )
 
 
@@ -44,6 +46,8 @@ def branch_conditions(tree: ast.AST):
 # Backend names that only ever appear as text: a checkpoint's format, and the shipped Accelerate configs' names.
 CHECKPOINT_FORMATS = ("native", "portable", "full")
 CONFIG_NAMES = tuple(p.stem for p in (ROOT / "accelerate_configs").glob("*.yaml"))
+# Parts of those names a branch could test a string for (name.endswith("_pp2"), "zero3" in name, "fsdp2_...").
+CONFIG_PARTS = re.compile(r"zero[0-3]|(?<![a-z])[tp]p[0-9]|fsdp[0-9]")
 
 
 def words_in(expr: ast.AST, constants: dict[str, set[str]]) -> tuple[set[str], set[str], set[str]]:
@@ -83,6 +87,7 @@ def backend_branches(path: Path) -> list[str]:
         names, texts, named = words_in(cond, constants)
         hits = {w for w in names | texts for b in BACKEND_WORDS if b in w}
         hits |= (texts | named) & {*CHECKPOINT_FORMATS, *CONFIG_NAMES}  # whole names only: constants hold messages
+        hits |= {t for t in texts if CONFIG_PARTS.search(t)}  # a part of a config's name, written in the branch
         if hits:
             out.append(f"{path.relative_to(ROOT)}:{cond.lineno}: {ast.unparse(cond)}")
     return out
@@ -98,8 +103,9 @@ def test_no_backend_branches_outside_parallel():
 
 
 def test_the_invariant_check_sees_a_branch(tmp_path):
-    """The check above can fail: planted branches on the distributed type, the ZeRO stage, a checkpoint's format,
-    a config's name and a constant that lists config names are each found; a branch on other words is not."""
+    """The check above can fail: planted branches on the distributed type, the ZeRO stage, a checkpoint's format
+    (its value, or the attribute that holds it), a config's name or a part of one, and a constant that lists config
+    names are each found; a branch on other words is not."""
     planted = ROOT / "finetune" / "_planted_for_test.py"
     planted.write_text(
         'GPU_ONLY = ("megatron_tp2", "megatron_tp2_pp2")\n'
@@ -110,14 +116,19 @@ def test_the_invariant_check_sees_a_branch(tmp_path):
         "    if name == 'zero3':\n        return 5\n"
         "    if name in GPU_ONLY:\n        return 6\n"
         "    if resume.step > 2:\n        return 7\n"
+        "    if backend.checkpoint_format != layout.kind:\n        return 8\n"
+        "    if name.endswith('_pp2'):\n        return 9\n"
+        "    if [n for n in layout if 'zero3' in n]:\n        return 10\n"
+        "    if name.startswith('step_'):\n        return 11\n"
         "    return 2 if plugin.zero_stage == 3 else 0\n"
     )
     try:
         hits = backend_branches(planted)
     finally:
         planted.unlink()
-    assert len(hits) == 6, hits
-    assert not any("resume.step" in h for h in hits)
+    assert len(hits) == 10, "\n".join(hits)  # line 19 twice: the if, and the comprehension's condition
+    assert not any("resume.step" in h or "step_" in h for h in hits)
+    assert any("checkpoint_format != layout.kind" in h for h in hits) and any("_pp2" in h for h in hits)
 
 
 def test_every_family_has_the_same_surface():
