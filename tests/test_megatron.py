@@ -187,6 +187,25 @@ def test_gpt_inputs_supervise_what_the_other_backends_supervise(assets):
     assert torch.equal(tokens[:, :8], batch["input_ids"])
 
 
+def test_the_loop_steps_that_do_nothing_under_megatron_say_so():
+    """Under Megatron-LM the step runs inside forward_loss; the prepared optimizer and scheduler the loop then calls
+    are accelerate's no-op wrappers, the same objects under names that say where the step runs."""
+    from accelerate.utils.megatron_lm import MegatronLMOptimizerWrapper, MegatronLMSchedulerWrapper
+
+    optimizer = MegatronLMOptimizerWrapper.__new__(MegatronLMOptimizerWrapper)  # no Accelerator: no __init__
+    scheduler = MegatronLMSchedulerWrapper.__new__(MegatronLMSchedulerWrapper)
+    assert megatron._named(optimizer, megatron.OptimizerStepRunsInForward) is optimizer
+    assert megatron._named(scheduler, megatron.SchedulerStepRunsInForward) is scheduler
+    assert type(optimizer).__name__ == "OptimizerStepRunsInForward" and isinstance(
+        optimizer, MegatronLMOptimizerWrapper
+    )
+    assert type(scheduler).__name__ == "SchedulerStepRunsInForward" and isinstance(
+        scheduler, MegatronLMSchedulerWrapper
+    )
+    assert "forward_loss" in type(optimizer).__doc__ and "forward_loss" in type(scheduler).__doc__
+    assert optimizer.step() is None and optimizer.zero_grad(set_to_none=True) is None and scheduler.step() is None
+
+
 # ---------------------------------------------------------------- refusals, one problem at a time
 
 

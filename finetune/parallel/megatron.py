@@ -8,8 +8,12 @@ examples/by_feature/megatron_lm_gpt_pretraining.py):
 - accelerate builds Megatron's own model from the HF model's config; the weights come from the HF model
   converted to Megatron's layout at start (`ensure_converted`, or the user's `<model>/megatron`), which Megatron
   loads as its `pretrained_checkpoint`, so the HF model is built on the meta device (Backend.needs_hf_weights).
-- `model(**batch)` in train mode is the whole step over `num_micro_batches` micro batches: forward, backward,
-  clipping, optimizer and scheduler step; `accelerator.backward`, `optimizer.step`, `scheduler.step` are no-ops.
+- Where the step runs: `model(**batch)` in train mode, i.e. Backend.forward_loss, is the whole optimizer step over
+  `num_micro_batches` micro batches: forward, backward, clipping, optimizer and scheduler step. The rest of the
+  loop's step (loop.train_step) does nothing here: `accelerator.backward` returns at once (accelerate's
+  MEGATRON_LM branch), Backend.clip_grad_norm hands back the norm Megatron computed, and the prepared optimizer
+  and scheduler are an OptimizerStepRunsInForward and a SchedulerStepRunsInForward, whose step() and zero_grad()
+  do nothing (accelerate's Megatron wrappers, named for what they are).
 - The scheduler is Megatron's (the dummy scheduler's lengths, the plugin's lr_decay_style); the optimizer we
   pass only lends its class and hyperparameters. One prepare call (a second initialises Megatron again).
 - gradient_accumulation_steps must be 1: micro batches belong to the pipeline. The global batch is the
@@ -571,6 +575,37 @@ def accelerator_kwargs(cfg: RunConfig) -> dict:
     return {"megatron_lm_plugin": MegatronLMPlugin(**plugin_kwargs(cfg))}
 
 
+class OptimizerStepRunsInForward:
+    """Megatron-LM's prepared optimizer as the loop sees it: `step()` and `zero_grad()` do nothing, because the
+    optimizer step already ran inside Backend.forward_loss (model(**batch) in train mode: forward and backward over
+    the micro batches, clipping, the optimizer and scheduler step). Mixed over accelerate's
+    MegatronLMOptimizerWrapper (whose methods are the ones that run; this class names them, see `_named`)."""
+
+    def step(self):
+        """Nothing to do: the optimizer stepped inside forward_loss."""
+        return super().step()
+
+    def zero_grad(self, set_to_none=None):
+        """Nothing to do: Megatron zeroes its gradient buffers inside forward_loss's step."""
+        return super().zero_grad(set_to_none)
+
+
+class SchedulerStepRunsInForward:
+    """Megatron-LM's prepared scheduler as the loop sees it: `step()` does nothing, because Megatron's own scheduler
+    stepped inside Backend.forward_loss. Mixed over accelerate's MegatronLMSchedulerWrapper."""
+
+    def step(self, *args, **kwargs):
+        """Nothing to do: the learning rate moved inside forward_loss."""
+        return super().step(*args, **kwargs)
+
+
+def _named(obj, kind: type):
+    """obj, the same object with the same behaviour, re-classed under `kind` (mixed over its own class): a reader of
+    loop.py who follows `run.optimizer.step()` into a debugger or a traceback finds where the step really runs."""
+    obj.__class__ = type(kind.__name__, (kind, type(obj)), {"__doc__": kind.__doc__, "__module__": __name__})
+    return obj
+
+
 def make_scheduler(optimizer, plan, warmup: int):
     """Megatron's scheduler placeholder (accelerate refuses any other under Megatron-LM).
 
@@ -587,10 +622,11 @@ class Backend(ddp.Backend):
     """Megatron-LM through accelerate (its own model, optimizer and schedule; GPU only).
 
     accelerate builds Megatron's model from the HF model's config alone (weights from the converted checkpoint),
-    and `model(**batch)` in train mode is the whole optimizer step over the pipeline's micro batches: forward,
-    backward, clipping (the plugin's gradient_clipping), optimizer and scheduler step. `accelerator.backward`,
-    `optimizer.step`, `scheduler.step` and `zero_grad` are no-ops, so the loop's calls are harmless; what the
-    loop reads back (loss, gradient norm, learning rate, eval statistics) comes through the methods below.
+    and `model(**batch)` in train mode (forward_loss) is the whole optimizer step over the pipeline's micro batches:
+    forward, backward, clipping (the plugin's gradient_clipping), optimizer and scheduler step. `accelerator.backward`
+    returns at once, and the prepared optimizer and scheduler (OptimizerStepRunsInForward, SchedulerStepRunsInForward)
+    do nothing on `step` and `zero_grad`, so the loop's calls are harmless; what the loop reads back (loss, gradient
+    norm, learning rate, eval statistics) comes through the methods below.
     """
 
     checkpoint_format = "native"  # Megatron's own checkpoint; no conversion to or from other layouts
@@ -629,6 +665,8 @@ class Backend(ddp.Backend):
             return self.eval_dict
 
         engine.train_step, engine.eval_step = keep_grad_norm, keep_eval_dict
+        _named(prepared[1], OptimizerStepRunsInForward)
+        _named(prepared[4], SchedulerStepRunsInForward)
         return prepared
 
     def observed(self, model) -> dict:
@@ -650,13 +688,15 @@ class Backend(ddp.Backend):
         stop_checkpoint_writer()
 
     def forward_loss(self, model, batch):
-        """The step's loss (already the mean over the global batch's supervised tokens, on the last pipeline
+        """The whole optimizer step (forward, backward, clipping, optimizer and scheduler step over the micro
+        batches), and its loss (already the mean over the global batch's supervised tokens, on the last pipeline
         stage only), broadcast from the last rank so that every rank logs the same value."""
         loss = model(**batch)
         return last_stage_loss(self.acc, loss.loss if hasattr(loss, "loss") else loss)
 
     def clip_grad_norm(self, model, max_norm):
-        return self.grad_norm  # Megatron clipped inside the step (plugin gradient_clipping)
+        """The gradient norm Megatron computed and clipped with inside forward_loss (plugin gradient_clipping)."""
+        return self.grad_norm
 
     def learning_rate(self, optimizer, scheduler) -> float:
         return optimizer.param_groups[0]["lr"]  # Megatron's scheduler has no get_last_lr
