@@ -506,7 +506,7 @@ def find_resume(path: str | None, layout: dict[str, Any], run_config: dict[str, 
 def restore_adapter(backend, net, resume: Resume) -> None:
     """Adapter runs: the base model is the run's own (frozen, unchanged by training); the adapter's trained
     weights are set by name before accelerate.prepare."""
-    from finetune.parallel.ddp import trainable_parameters
+    from finetune.parallel.base import trainable_parameters
 
     weights = {n: s["param"] for n, s in resume.full_state().items()}
     named = trainable_parameters(net)
@@ -530,7 +530,7 @@ def restore(accelerator, backend, model, optimizer, scheduler, plan, resume: Res
         if {k for k, _, _ in resume.changes} & SCHEDULE_KEYS:
             reschedule(scheduler, learning_rate, plan.scheduler_position(resume.step))
         return resume.saved
-    from finetune.parallel.ddp import trainable_parameters
+    from finetune.parallel.base import trainable_parameters
 
     state = resume.full_state()
     _check_same_parameters(resume.path, trainable_parameters(accelerator.unwrap_model(model)), state)

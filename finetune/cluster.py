@@ -21,13 +21,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from finetune.config import ConfigError
+from finetune.parallel.topology import Launcher
 
 logger = logging.getLogger("finetune")
 
 
 def machine_rank() -> int:
     """This process's machine (node) index: torchrun's GROUP_RANK, 0 without a launcher."""
-    return int(os.environ.get("GROUP_RANK", 0))
+    group_rank = Launcher.read().group_rank
+    return group_rank if group_rank is not None else 0
 
 
 @contextmanager
@@ -189,7 +191,8 @@ def describe(acc, num_machines: int) -> str:
     for m, host in hosts:
         by_machine.setdefault(m, set()).add(host)
     names = ", ".join(f"{m}: {'/'.join(sorted(h))}" for m, h in sorted(by_machine.items()))
-    per_machine = os.environ.get("LOCAL_WORLD_SIZE", str(acc.num_processes // max(1, num_machines)))
+    local = Launcher.read().local_world_size
+    per_machine = local if local is not None else acc.num_processes // max(1, num_machines)
     where = f"{os.environ.get('MASTER_ADDR', '-')}:{os.environ.get('MASTER_PORT', '-')}"
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     rendezvous = f"rendezvous {where}" + (f" (run id {run_id})" if run_id and run_id != "none" else "")

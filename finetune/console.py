@@ -129,7 +129,9 @@ class _State:
 def setup() -> RankLog:
     """Route every log record and warning of this process (before the Accelerator exists: DeepSpeed's import
     already logs). Rank from the launcher's environment; idempotent."""
-    rank = int(os.environ.get("RANK", "0"))
+    from finetune.parallel.topology import Launcher  # here: finetune.parallel imports this module
+
+    rank = Launcher.read().rank
     main = rank == 0
     _State.started = time.time()
     log = _State.log if _State.log is not None and _State.log.rank == rank else RankLog(rank)

@@ -143,6 +143,16 @@ def test_config_hash_follows_the_effective_config():
     assert moved["output_dir"] == "elsewhere" and moved["config_hash"] != plain["config_hash"]
 
 
+def test_ranks_are_what_the_launcher_says():
+    """torchrun's variables (through topology.Launcher); the node from GROUP_RANK, else derived from the ranks;
+    the world size is torchrun's WORLD_SIZE (the store and ranks check uses are torchrun's)."""
+    torchrun = {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}
+    assert check.env_ranks(torchrun) == {"rank": 3, "local_rank": 1, "node": 1, "world_size": 4}
+    assert check.env_ranks({**torchrun, "GROUP_RANK": ""})["node"] == 1  # 3 // 2
+    assert check.env_ranks({}) == {"rank": 0, "local_rank": 0, "node": 0, "world_size": 1}
+    assert check.env_ranks({"OMPI_COMM_WORLD_SIZE": "3"})["world_size"] == 1
+
+
 def test_gpu_facts_name_the_physical_gpu(monkeypatch):
     """The mapping from local rank to physical GPU, with torch.cuda answering as on a one-GPU node."""
     import torch

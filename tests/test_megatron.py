@@ -20,7 +20,7 @@ from conftest import ROOT, base_args, crash_after, finetune
 
 from finetune.config import ConfigError, build_config
 from finetune.parallel import megatron, tensor
-from finetune.parallel.topology import Topology, env_tp_size, requested_family
+from finetune.parallel.topology import Launcher, Topology, requested_family
 
 MEGATRON = ["megatron_tp2", "megatron_tp2_pp2", "megatron_tp2_pp2_multinode"]
 
@@ -82,9 +82,9 @@ def test_megatron_and_tp_configs_say_what_their_names_say():
         env = launch_env(name)
         layout = megatron.MegatronLayout.from_env(env)
         assert (layout.tp, layout.pp, layout.num_micro_batches) == (tp, pp, micro), name
-        assert requested_family(env) == "megatron" and env_tp_size(env) == 1
+        assert requested_family(env) == "megatron" and Launcher.read(env).tp_size == 1
     env = launch_env("tp2")
-    assert env_tp_size(env) == 2 and requested_family(env) == "tensor"
+    assert Launcher.read(env).tp_size == 2 and requested_family(env) == "tensor"
     assert env["WORLD_SIZE"] == "2"
 
 
@@ -185,6 +185,25 @@ def test_gpt_inputs_supervise_what_the_other_backends_supervise(assets):
     assert torch.equal(mask[:, : hf_targets.shape[1]].bool(), supervised)
     assert torch.equal(target[:, : hf_targets.shape[1]][supervised], hf_targets[supervised])
     assert torch.equal(tokens[:, :8], batch["input_ids"])
+
+
+def test_the_loop_steps_that_do_nothing_under_megatron_say_so():
+    """Under Megatron-LM the step runs inside forward_loss; the prepared optimizer and scheduler the loop then calls
+    are accelerate's no-op wrappers, the same objects under names that say where the step runs."""
+    from accelerate.utils.megatron_lm import MegatronLMOptimizerWrapper, MegatronLMSchedulerWrapper
+
+    optimizer = MegatronLMOptimizerWrapper.__new__(MegatronLMOptimizerWrapper)  # no Accelerator: no __init__
+    scheduler = MegatronLMSchedulerWrapper.__new__(MegatronLMSchedulerWrapper)
+    assert megatron._named(optimizer, megatron.OptimizerStepRunsInForward) is optimizer
+    assert megatron._named(scheduler, megatron.SchedulerStepRunsInForward) is scheduler
+    assert type(optimizer).__name__ == "OptimizerStepRunsInForward" and isinstance(
+        optimizer, MegatronLMOptimizerWrapper
+    )
+    assert type(scheduler).__name__ == "SchedulerStepRunsInForward" and isinstance(
+        scheduler, MegatronLMSchedulerWrapper
+    )
+    assert "forward_loss" in type(optimizer).__doc__ and "forward_loss" in type(scheduler).__doc__
+    assert optimizer.step() is None and optimizer.zero_grad(set_to_none=True) is None and scheduler.step() is None
 
 
 # ---------------------------------------------------------------- refusals, one problem at a time

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ BACKEND_WORDS = (
     "multi_cpu",
     "multi_gpu",
     "family",
+    "checkpoint_format",
 )
 
 
@@ -44,6 +46,8 @@ def branch_conditions(tree: ast.AST):
 # Backend names that only ever appear as text: a checkpoint's format, and the shipped Accelerate configs' names.
 CHECKPOINT_FORMATS = ("native", "portable", "full")
 CONFIG_NAMES = tuple(p.stem for p in (ROOT / "accelerate_configs").glob("*.yaml"))
+# Parts of those names a branch could test a string for (name.endswith("_pp2"), "zero3" in name, "fsdp2_...").
+CONFIG_PARTS = re.compile(r"zero[0-3]|(?<![a-z])[tp]p[0-9]|fsdp[0-9]")
 
 
 def words_in(expr: ast.AST, constants: dict[str, set[str]]) -> tuple[set[str], set[str], set[str]]:
@@ -83,6 +87,7 @@ def backend_branches(path: Path) -> list[str]:
         names, texts, named = words_in(cond, constants)
         hits = {w for w in names | texts for b in BACKEND_WORDS if b in w}
         hits |= (texts | named) & {*CHECKPOINT_FORMATS, *CONFIG_NAMES}  # whole names only: constants hold messages
+        hits |= {t for t in texts if CONFIG_PARTS.search(t)}  # a part of a config's name, written in the branch
         if hits:
             out.append(f"{path.relative_to(ROOT)}:{cond.lineno}: {ast.unparse(cond)}")
     return out
@@ -98,8 +103,9 @@ def test_no_backend_branches_outside_parallel():
 
 
 def test_the_invariant_check_sees_a_branch(tmp_path):
-    """The check above can fail: planted branches on the distributed type, the ZeRO stage, a checkpoint's format,
-    a config's name and a constant that lists config names are each found; a branch on other words is not."""
+    """The check above can fail: planted branches on the distributed type, the ZeRO stage, a checkpoint's format
+    (its value, or the attribute that holds it), a config's name or a part of one, and a constant that lists config
+    names are each found; a branch on other words is not."""
     planted = ROOT / "finetune" / "_planted_for_test.py"
     planted.write_text(
         'GPU_ONLY = ("megatron_tp2", "megatron_tp2_pp2")\n'
@@ -110,14 +116,19 @@ def test_the_invariant_check_sees_a_branch(tmp_path):
         "    if name == 'zero3':\n        return 5\n"
         "    if name in GPU_ONLY:\n        return 6\n"
         "    if resume.step > 2:\n        return 7\n"
+        "    if backend.checkpoint_format != layout.kind:\n        return 8\n"
+        "    if name.endswith('_pp2'):\n        return 9\n"
+        "    if [n for n in layout if 'zero3' in n]:\n        return 10\n"
+        "    if name.startswith('step_'):\n        return 11\n"
         "    return 2 if plugin.zero_stage == 3 else 0\n"
     )
     try:
         hits = backend_branches(planted)
     finally:
         planted.unlink()
-    assert len(hits) == 6, hits
-    assert not any("resume.step" in h for h in hits)
+    assert len(hits) == 10, "\n".join(hits)  # line 19 twice: the if, and the comprehension's condition
+    assert not any("resume.step" in h or "step_" in h for h in hits)
+    assert any("checkpoint_format != layout.kind" in h for h in hits) and any("_pp2" in h for h in hits)
 
 
 def test_every_family_has_the_same_surface():
@@ -139,6 +150,49 @@ def test_every_family_has_the_same_surface():
         backend = module.Backend
         assert all(callable(getattr(backend, n, None)) for n in methods), family
         assert backend.checkpoint_format in ("full", "portable", "native")
+
+
+def test_the_launcher_environment_is_read_in_one_place():
+    """topology.Launcher: torchrun's ranks, MPI's size, the family and sizes `accelerate launch` sets."""
+    from finetune.parallel.topology import Launcher
+
+    torchrun = {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}
+    got = Launcher.read(torchrun)
+    assert (got.world_size, got.rank, got.local_rank, got.node, got.machines(4)) == (4, 3, 1, 1, 2)
+    assert (got.family, got.distributed, got.use_cpu, got.tp_size) == ("ddp", True, False, 1)
+    assert Launcher.read({"OMPI_COMM_WORLD_SIZE": "3"}).world_size == 3
+    assert Launcher.read({"ACCELERATE_NUM_MACHINES": "2"}).machines(4) == 2
+    alone = Launcher.read({})
+    assert (alone.world_size, alone.rank, alone.local_rank, alone.node, alone.distributed) == (1, 0, None, 0, False)
+    fsdp_tp = {"ACCELERATE_USE_FSDP": "true", "ACCELERATE_USE_PARALLELISM_CONFIG": "true"}
+    assert Launcher.read({**fsdp_tp, "PARALLELISM_CONFIG_TP_SIZE": "2"}).family == "fsdp"
+    tp = {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_TP_SIZE": "2"}
+    assert (Launcher.read(tp).family, Launcher.read(tp).tp_size) == ("tensor", 2)
+    megatron = {"ACCELERATE_USE_MEGATRON_LM": "true", "ACCELERATE_USE_DEEPSPEED": "true", "MEGATRON_LM_PP_DEGREE": "2"}
+    assert (Launcher.read(megatron).family, Launcher.read(megatron).megatron_pp) == ("megatron", 2)
+
+
+def test_a_topology_checks_itself():
+    """Every Topology, from a started run or a config file, is one: sizes >= 1, a known family, ranks in range,
+    ZeRO only under DeepSpeed and FSDP only under FSDP."""
+    from finetune.parallel.topology import Topology
+
+    ok = {"family": "ddp", "distributed_type": "MULTI_CPU", "num_processes": 2, "num_machines": 1, "process_index": 1}
+    Topology(**ok, dp=2)
+    Topology(**{**ok, "family": "deepspeed"}, dp=2, zero_stage=3)
+    wrong = [
+        {"family": "zero3"},
+        {"num_processes": 0},
+        {"process_index": 2},
+        {"dp": 0},
+        {"dp_rank": 2},
+        {"zero_stage": 3},
+        {"fsdp_version": 2},
+        {"family": "deepspeed", "zero_stage": 4},
+    ]
+    for bad in wrong:
+        with pytest.raises(ValueError, match="not a topology"):
+            Topology(**{**ok, "dp": 2, **bad})
 
 
 # ---------------------------------------------------------------- Megatron-Core shards -> HF (export)
@@ -237,7 +291,7 @@ def test_megatron_gpt2_shards_become_the_hf_model():
 
 
 def test_accelerate_still_imports_deepspeed_to_unwrap():
-    """The reason for finetune.parallel.ddp.unwrap_without_deepspeed: accelerate's unwrap_model imports deepspeed
+    """The reason for finetune.parallel.base.unwrap_without_deepspeed: accelerate's unwrap_model imports deepspeed
     (when installed) even for a plain module. When this fails, accelerate no longer does: delete the workaround."""
     code = (
         "import sys, torch; from accelerate.utils.other import extract_model_from_parallel; "

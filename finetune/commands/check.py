@@ -105,18 +105,26 @@ def _positive(text: str) -> float:
 
 
 def env_ranks(env=os.environ) -> dict:
-    """What the launcher says this process is. GROUP_RANK (torchrun) is the node; without it, derive it."""
-    rank, local = int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0))
-    local_world = int(env.get("LOCAL_WORLD_SIZE", 1) or 1)
-    node = int(env["GROUP_RANK"]) if env.get("GROUP_RANK") else rank // local_world
-    return {"rank": rank, "local_rank": local, "node": node, "world_size": int(env.get("WORLD_SIZE", 1) or 1)}
+    """What the launcher says this process is (topology.Launcher). GROUP_RANK (torchrun) is the node; without it,
+    derive it. Imported here: finetune.parallel imports torch, which _quiet must precede."""
+    from finetune.parallel.topology import Launcher
+
+    launcher = Launcher.read(env)
+    return {
+        "rank": launcher.rank,
+        "local_rank": launcher.local_rank or 0,
+        "node": launcher.node,
+        "world_size": launcher.torchrun_world_size or 1,  # torchrun's: the store and ranks below are torchrun's
+    }
 
 
 def uses_gpu(env=os.environ) -> bool:
     """A GPU rank unless there is none or the Accelerate config asked for the CPU (use_cpu)."""
     import torch
 
-    return torch.cuda.is_available() and str(env.get("ACCELERATE_USE_CPU", "")).lower() not in ("1", "true", "yes")
+    from finetune.parallel.topology import Launcher
+
+    return torch.cuda.is_available() and not Launcher.read(env).use_cpu
 
 
 def device_facts(local_rank: int) -> dict:

@@ -21,6 +21,7 @@ checkpoints and export are written once for all of them:
   fsdp.py       FSDP2 (full shard, CPU offload, TP x FSDP2)
   tensor.py     torch-native tensor parallelism (DTensor)
   megatron.py   Megatron-LM tensor/pipeline parallelism (GPU only)
+  base.py       helpers several families share (prepare_all, copy_by_name, has_accelerator_device, ...)
   plan.py       step arithmetic (Plan); topology.py the Topology; environment.py the Accelerator
   surface.py    the typed surface above (FamilyModule, Backend), which ddp.Backend implements by default
 

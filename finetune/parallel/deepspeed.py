@@ -27,7 +27,8 @@ import torch
 
 from finetune import console
 from finetune.config import RunConfig, TrainArgs
-from finetune.parallel import ddp
+from finetune.parallel import base, ddp
+from finetune.parallel.topology import Launcher
 
 
 def project_cache() -> Path:
@@ -47,7 +48,7 @@ def environment(cfg: RunConfig) -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(project_cache() / "torch_extensions"))
     announce_op_builds()
     compile_on_first_call()
-    if not ddp.has_accelerator_device():
+    if not base.has_accelerator_device():
         gloo_collectives_by_all_reduce()
     # DeepSpeed runs on the CPU through its own init path (gloo, see environment.make_accelerator); forcing
     # accelerate's CPU mode (ACCELERATE_USE_CPU) would silently turn a DeepSpeed config into plain MULTI_CPU.
@@ -56,7 +57,7 @@ def environment(cfg: RunConfig) -> None:
 def problems(cfg: RunConfig) -> list[tuple[str, str]]:
     """A DeepSpeed JSON whose batch/accumulation/clipping contradict the run config, or that defines its own
     optimizer or scheduler (the run config's AdamW and schedule are used on every backend)."""
-    path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    path = Launcher.read().deepspeed_config_file
     if not path:
         return []
     try:
@@ -108,12 +109,13 @@ def accelerator_kwargs(cfg: RunConfig) -> dict:
 
 def announce_op_builds() -> None:
     """DeepSpeed compiles C++ ops on first use (a minute or so, silently). Say so, once, on rank 0."""
-    if os.environ.get("LOCAL_RANK", "0") != "0":
+    launcher = Launcher.read()
+    if (launcher.local_rank or 0) != 0:
         return
     cache = Path(os.environ["TORCH_EXTENSIONS_DIR"])
-    needed = [] if ddp.has_accelerator_device() else ["deepspeed_shm_comm"]
+    needed = [] if base.has_accelerator_device() else ["deepspeed_shm_comm"]
     try:
-        with open(os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "")) as f:
+        with open(launcher.deepspeed_config_file or "") as f:
             if "offload_optimizer" in json.dumps(json.load(f).get("zero_optimization", {})):
                 needed.append("cpu_adam")
     except (OSError, json.JSONDecodeError):
@@ -149,7 +151,7 @@ def bf16_through_autocast(plugin) -> bool:
 def _json_says_bf16() -> bool:
     """Whether the DeepSpeed JSON itself enables bf16 (not "auto", which accelerate fills from --mixed_precision)."""
     try:
-        with open(os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "")) as f:
+        with open(Launcher.read().deepspeed_config_file or "") as f:
             return (json.load(f).get("bf16") or {}).get("enabled") is True
     except (OSError, json.JSONDecodeError):
         return False
@@ -202,7 +204,7 @@ class Backend(ddp.Backend):
 
             gathered = deepspeed.zero.GatheredParameters(params, modifier_rank=0)
         with gathered:
-            ddp.copy_by_name(named, weights)
+            base.copy_by_name(named, weights)
 
     def prepare(self, model, optimizer, train_loader, eval_loader, scheduler, plan):
         # accelerate fills DeepSpeed's "auto" train_micro_batch_size_per_gpu from the loaders' batch_size and
@@ -210,7 +212,7 @@ class Backend(ddp.Backend):
         plugin = self.acc.state.deepspeed_plugin
         if plugin.is_auto("train_micro_batch_size_per_gpu"):
             plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = plan.micro_batch_size
-        prepared = ddp.prepare_all(self.acc, model, optimizer, train_loader, eval_loader, scheduler)
+        prepared = base.prepare_all(self.acc, model, optimizer, train_loader, eval_loader, scheduler)
         share_fp32_master_weights(prepared[1].optimizer)
         return prepared
 
@@ -222,7 +224,7 @@ class Backend(ddp.Backend):
             "zero_stage": int(engine.zero_optimization_stage()),
             "offload_optimizer": bool(engine.zero_cpu_offload()),
             "offload_params": bool(engine.zero_offload_param()),
-            "parameter_shard": ddp.local_fraction(engine.module.parameters(), self.numel),
+            "parameter_shard": base.local_fraction(engine.module.parameters(), self.numel),
             "fp32_master_copy": any(a.data_ptr() != b.data_ptr() for a, b in _master_and_weights(engine.optimizer)),
         }
 
@@ -276,7 +278,7 @@ class Backend(ddp.Backend):
         full tensors and keeps its own partition of them."""
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-        named = ddp.trainable_parameters(self.acc.unwrap_model(model))
+        named = base.trainable_parameters(self.acc.unwrap_model(model))
         zero = optimizer.optimizer  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer
         _create_adam_state(zero, step)
         relink_optimizer_states(optimizer)  # ZeRO-1/2: link the new state to each parameter's fragment

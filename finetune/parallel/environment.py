@@ -13,12 +13,14 @@ import logging
 
 from finetune import console
 from finetune.config import ConfigError, RunConfig
-from finetune.parallel.topology import FAMILIES, distributed_type_name, is_distributed_launch, requested_family
+from finetune.parallel.surface import FamilyModule
+from finetune.parallel.topology import FAMILIES, Launcher, distributed_type_name, requested_family
 
 
-def family_module(family: str | None = None):
-    """The module of a backend family (topology.FAMILIES; default: the one this process was launched with), imported
-    when first asked for: deepspeed.py and megatron.py import their libraries, which a DDP run never loads."""
+def family_module(family: str | None = None) -> FamilyModule:
+    """The module of a backend family (topology.FAMILIES; default: the one this process was launched with): the
+    registry of the families, each imported by name when first asked for (deepspeed.py and megatron.py import their
+    libraries, which a DDP run never loads). A new family is a module here, a line below and a name in FAMILIES."""
     family = family or requested_family()
     if family == "ddp":
         from finetune.parallel import ddp as module
@@ -47,7 +49,7 @@ def make_accelerator(cfg: RunConfig):
     from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs
     from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration
 
-    from finetune.parallel.ddp import has_accelerator_device
+    from finetune.parallel.base import has_accelerator_device
 
     family = family_module()
     family.environment(cfg)
@@ -60,7 +62,7 @@ def make_accelerator(cfg: RunConfig):
     handlers = [
         DistributedDataParallelKwargs(find_unused_parameters=t.ddp_find_unused_parameters, gradient_as_bucket_view=True)
     ]
-    if is_distributed_launch():
+    if Launcher.read().distributed:
         gpu = has_accelerator_device()
         timeout = datetime.timedelta(seconds=collective_timeout(t))
         handlers.append(InitProcessGroupKwargs(timeout=timeout, **({} if gpu else {"backend": "gloo"})))
@@ -100,8 +102,7 @@ def set_mixed_precision(asked: str) -> str:
 
     launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
     said = launched if launched in ("bf16", "fp16") else launcher_mixed_precision() if launched == "no" else None
-    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")  # `accelerate launch --cpu`
-    gpu = torch.cuda.is_available() and not use_cpu
+    gpu = torch.cuda.is_available() and not Launcher.read().use_cpu  # `accelerate launch --cpu`, or a CPU rank
     if said is not None:
         chosen, why = said, "as accelerate launch says (--mixed_precision or its config file)"
     elif asked == "auto":
@@ -178,7 +179,7 @@ def mixed_precision_of_launch(launch_args: list[str]) -> str | None:
 def precision_problems(chosen: str) -> list[tuple[str, str]]:
     """fp16 on a machine without a GPU: accelerate ignores it there (no autocast, no loss scaling), so the run
     would silently be fp32."""
-    from finetune.parallel.ddp import has_accelerator_device
+    from finetune.parallel.base import has_accelerator_device
 
     if chosen == "fp16" and not has_accelerator_device():
         return [
@@ -232,7 +233,7 @@ def set_cpu_allocator(mode: str) -> str:
 
 def collective_timeout(train) -> int:
     """Seconds a collective waits for the other ranks (ddp_timeout; 1800 on GPU, 600 on CPU by default)."""
-    from finetune.parallel.ddp import has_accelerator_device
+    from finetune.parallel.base import has_accelerator_device
 
     return train.ddp_timeout or (1800 if has_accelerator_device() else 600)
 

@@ -23,13 +23,13 @@ from __future__ import annotations
 import datetime
 
 from finetune.config import RunConfig
-from finetune.parallel import ddp, tensor
-from finetune.parallel.topology import env_tp_size, env_world_size, fsdp_offloads
+from finetune.parallel import base, ddp, tensor
+from finetune.parallel.topology import Launcher, fsdp_offloads
 
 
 def environment(cfg: RunConfig) -> None:
-    ddp.unwrap_without_deepspeed()
-    if not ddp.has_accelerator_device() and env_world_size() > 1:
+    base.unwrap_without_deepspeed()
+    if not base.has_accelerator_device() and Launcher.read().world_size > 1:
         come_up_on_cpu(datetime.timedelta(seconds=cfg.train.ddp_timeout or 600))
 
 
@@ -46,7 +46,7 @@ def come_up_on_cpu(timeout: datetime.timedelta) -> None:
 
 
 def problems(cfg: RunConfig) -> list[tuple[str, str]]:
-    tp = env_tp_size()
+    tp = Launcher.read().tp_size
     p = tensor.model_problems(cfg, tp) if tp > 1 else []
     if cfg.model.task == "seq2seq":
         p.append(
@@ -63,7 +63,7 @@ def problems(cfg: RunConfig) -> list[tuple[str, str]]:
 
 
 def accelerator_kwargs(cfg: RunConfig) -> dict:
-    if env_tp_size() > 1:
+    if Launcher.read().tp_size > 1:
         replicate_parallel_shim()
     return {}
 
@@ -126,7 +126,7 @@ class Backend(ddp.Backend):
         return self.mixed_precision in ("bf16", "fp16")  # its 16-bit compute copy is made from fp32 masters
 
     def keep_checkpoints_per_machine(self) -> None:
-        raise ddp.no_checkpoints_per_machine(
+        raise base.no_checkpoints_per_machine(
             "FSDP's sharded checkpoint (torch.distributed.checkpoint) writes its metadata on rank 0 only and "
             "spreads entries every rank reads over the ranks, so no machine would hold a loadable copy"
         )
@@ -142,13 +142,13 @@ class Backend(ddp.Backend):
         plugin = self.acc.state.fsdp_plugin
         if self.mixed_precision in ("bf16", "fp16"):
             plugin.mixed_precision_policy = mixed_precision_policy(self.mixed_precision)
-        if fsdp_offloads(plugin) and not ddp.has_accelerator_device():
+        if fsdp_offloads(plugin) and not base.has_accelerator_device():
             # CPUOffloadPolicy pins host memory by default, which needs an accelerator (part of come_up_on_cpu's
             # workaround: there is no device to offload from on a CPU-only machine, so nothing is lost)
             from torch.distributed.fsdp import CPUOffloadPolicy
 
             plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
-        return ddp.prepare_all(self.acc, model, optimizer, train_loader, eval_loader, scheduler)
+        return base.prepare_all(self.acc, model, optimizer, train_loader, eval_loader, scheduler)
 
     def observed(self, model) -> dict:
         """From the prepared model itself: FSDP2 really applied (DTensor parameters), and how much of the model
@@ -160,7 +160,7 @@ class Backend(ddp.Backend):
         return {
             "fsdp_version": 2 if all(isinstance(p, DTensor) for p in params) and self.acc.is_fsdp2 else 0,
             "offload_params": fsdp_offloads(self.acc.state.fsdp_plugin),
-            "parameter_shard": ddp.local_fraction(params, self.numel),
+            "parameter_shard": base.local_fraction(params, self.numel),
         }
 
     def full_state_dict(self, model):

@@ -8,8 +8,12 @@ examples/by_feature/megatron_lm_gpt_pretraining.py):
 - accelerate builds Megatron's own model from the HF model's config; the weights come from the HF model
   converted to Megatron's layout at start (`ensure_converted`, or the user's `<model>/megatron`), which Megatron
   loads as its `pretrained_checkpoint`, so the HF model is built on the meta device (Backend.needs_hf_weights).
-- `model(**batch)` in train mode is the whole step over `num_micro_batches` micro batches: forward, backward,
-  clipping, optimizer and scheduler step; `accelerator.backward`, `optimizer.step`, `scheduler.step` are no-ops.
+- Where the step runs: `model(**batch)` in train mode, i.e. Backend.forward_loss, is the whole optimizer step over
+  `num_micro_batches` micro batches: forward, backward, clipping, optimizer and scheduler step. The rest of the
+  loop's step (loop.train_step) does nothing here: `accelerator.backward` returns at once (accelerate's
+  MEGATRON_LM branch), Backend.clip_grad_norm hands back the norm Megatron computed, and the prepared optimizer
+  and scheduler are an OptimizerStepRunsInForward and a SchedulerStepRunsInForward, whose step() and zero_grad()
+  do nothing (accelerate's Megatron wrappers, named for what they are).
 - The scheduler is Megatron's (the dummy scheduler's lengths, the plugin's lr_decay_style); the optimizer we
   pass only lends its class and hyperparameters. One prepare call (a second initialises Megatron again).
 - gradient_accumulation_steps must be 1: micro batches belong to the pipeline. The global batch is the
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -36,8 +41,8 @@ from typing import Any
 
 from finetune.config import RunConfig
 from finetune.model import model_config
-from finetune.parallel import ddp
-from finetune.parallel.topology import env_world_size
+from finetune.parallel import base, ddp
+from finetune.parallel.topology import Launcher
 
 # A Megatron-LM checkpoint the user converted from the HF model, used when present (<model>/megatron), and the
 # folder of finetune's own conversion in output_dir otherwise.
@@ -54,18 +59,16 @@ MEGATRON_LR_STYLES = {
 DOCS = "docs/megatron.md"
 NOTES: list[str] = []  # what this module did before the Accelerator, for the start log (Backend.observed)
 KEY = "accelerate config"  # the problem is in the Accelerate config (or this machine), not in the run config
+logger = logging.getLogger("finetune")
 
 
 # ---------------------------------------------------------------- what the launcher asked for
 
 
-def _true(value: str | None) -> bool:
-    return str(value).lower() in ("1", "true", "yes")
-
-
 @dataclass(frozen=True)
 class MegatronLayout:
-    """The Megatron-LM layout the launcher set (accelerate/utils/launch.py, prefix MEGATRON_LM_)."""
+    """The Megatron-LM layout the launcher set (accelerate/utils/launch.py, prefix MEGATRON_LM_; topology.Launcher
+    reads it)."""
 
     tp: int
     pp: int
@@ -74,12 +77,15 @@ class MegatronLayout:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> MegatronLayout:
-        # Same defaults as accelerate's MegatronLMPlugin.__post_init__.
+        return cls.of(Launcher.read(env))
+
+    @classmethod
+    def of(cls, launcher: Launcher) -> MegatronLayout:
         return cls(
-            tp=int(env.get("MEGATRON_LM_TP_DEGREE", 1)),
-            pp=int(env.get("MEGATRON_LM_PP_DEGREE", 1)),
-            num_micro_batches=int(env.get("MEGATRON_LM_NUM_MICRO_BATCHES", 1)),
-            sequence_parallel=_true(env.get("MEGATRON_LM_SEQUENCE_PARALLELISM", "False")),
+            tp=launcher.megatron_tp,
+            pp=launcher.megatron_pp,
+            num_micro_batches=launcher.megatron_micro_batches,
+            sequence_parallel=launcher.megatron_sequence_parallel,
         )
 
 
@@ -224,15 +230,16 @@ def _heads_layers(config) -> tuple[int | None, int | None, int | None]:
 def megatron_problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> list:
     """Everything that keeps this run from starting under Megatron-LM, as (key, message with the fix)."""
     p: list[tuple[str, str]] = []
-    layout = MegatronLayout.from_env(env)
+    launcher = Launcher.read(env)
+    layout = MegatronLayout.of(launcher)
     _environment_problems(p)
     _setting_problems(p, cfg, layout)
     _unsupported_problems(p, cfg)
-    _layout_problems(p, cfg, layout, env)
+    _layout_problems(p, cfg, layout, launcher)
     config = model_config(cfg.model)
     if config is None:
         return p
-    _model_problems(p, cfg, config, layout, env)
+    _model_problems(p, cfg, config, layout, launcher)
     _converted_problems(p, cfg, layout)
     return p
 
@@ -332,8 +339,8 @@ def _unsupported_problems(p: list, cfg: RunConfig) -> None:
         )
 
 
-def _layout_problems(p: list, cfg: RunConfig, layout: MegatronLayout, env: Mapping[str, str]) -> None:
-    n = env_world_size(env)
+def _layout_problems(p: list, cfg: RunConfig, layout: MegatronLayout, launcher: Launcher) -> None:
+    n = launcher.world_size
     if n % (layout.tp * layout.pp):
         p.append(
             (
@@ -352,7 +359,7 @@ def _layout_problems(p: list, cfg: RunConfig, layout: MegatronLayout, env: Mappi
         )
 
 
-def _model_problems(p: list, cfg: RunConfig, config, layout: MegatronLayout, env: Mapping[str, str]) -> None:
+def _model_problems(p: list, cfg: RunConfig, config, layout: MegatronLayout, launcher: Launcher) -> None:
     """The model: a type accelerate's Megatron integration builds, as a causal LM, split evenly by TP and PP."""
     model_type = getattr(config, "model_type", "") or ""
     family = megatron_family(model_type)
@@ -378,7 +385,7 @@ def _model_problems(p: list, cfg: RunConfig, config, layout: MegatronLayout, env
     heads, _, layers = _heads_layers(config)
     if heads and heads % layout.tp:
         p.append((KEY, f"megatron_lm_tp_degree {layout.tp} must divide the model's {heads} attention heads"))
-    if layers and layers % layout.pp and "MEGATRON_LM_DECODER_LAST_PIPELINE_NUM_LAYERS" not in env:
+    if layers and layers % layout.pp and not launcher.megatron_uneven_last_stage:
         p.append(
             (
                 KEY,
@@ -568,6 +575,37 @@ def accelerator_kwargs(cfg: RunConfig) -> dict:
     return {"megatron_lm_plugin": MegatronLMPlugin(**plugin_kwargs(cfg))}
 
 
+class OptimizerStepRunsInForward:
+    """Megatron-LM's prepared optimizer as the loop sees it: `step()` and `zero_grad()` do nothing, because the
+    optimizer step already ran inside Backend.forward_loss (model(**batch) in train mode: forward and backward over
+    the micro batches, clipping, the optimizer and scheduler step). Mixed over accelerate's
+    MegatronLMOptimizerWrapper (whose methods are the ones that run; this class names them, see `_named`)."""
+
+    def step(self):
+        """Nothing to do: the optimizer stepped inside forward_loss."""
+        return super().step()
+
+    def zero_grad(self, set_to_none=None):
+        """Nothing to do: Megatron zeroes its gradient buffers inside forward_loss's step."""
+        return super().zero_grad(set_to_none)
+
+
+class SchedulerStepRunsInForward:
+    """Megatron-LM's prepared scheduler as the loop sees it: `step()` does nothing, because Megatron's own scheduler
+    stepped inside Backend.forward_loss. Mixed over accelerate's MegatronLMSchedulerWrapper."""
+
+    def step(self, *args, **kwargs):
+        """Nothing to do: the learning rate moved inside forward_loss."""
+        return super().step(*args, **kwargs)
+
+
+def _named(obj, kind: type):
+    """obj, the same object with the same behaviour, re-classed under `kind` (mixed over its own class): a reader of
+    loop.py who follows `run.optimizer.step()` into a debugger or a traceback finds where the step really runs."""
+    obj.__class__ = type(kind.__name__, (kind, type(obj)), {"__doc__": kind.__doc__, "__module__": __name__})
+    return obj
+
+
 def make_scheduler(optimizer, plan, warmup: int):
     """Megatron's scheduler placeholder (accelerate refuses any other under Megatron-LM).
 
@@ -584,10 +622,11 @@ class Backend(ddp.Backend):
     """Megatron-LM through accelerate (its own model, optimizer and schedule; GPU only).
 
     accelerate builds Megatron's model from the HF model's config alone (weights from the converted checkpoint),
-    and `model(**batch)` in train mode is the whole optimizer step over the pipeline's micro batches: forward,
-    backward, clipping (the plugin's gradient_clipping), optimizer and scheduler step. `accelerator.backward`,
-    `optimizer.step`, `scheduler.step` and `zero_grad` are no-ops, so the loop's calls are harmless; what the
-    loop reads back (loss, gradient norm, learning rate, eval statistics) comes through the methods below.
+    and `model(**batch)` in train mode (forward_loss) is the whole optimizer step over the pipeline's micro batches:
+    forward, backward, clipping (the plugin's gradient_clipping), optimizer and scheduler step. `accelerator.backward`
+    returns at once, and the prepared optimizer and scheduler (OptimizerStepRunsInForward, SchedulerStepRunsInForward)
+    do nothing on `step` and `zero_grad`, so the loop's calls are harmless; what the loop reads back (loss, gradient
+    norm, learning rate, eval statistics) comes through the methods below.
     """
 
     checkpoint_format = "native"  # Megatron's own checkpoint; no conversion to or from other layouts
@@ -599,10 +638,10 @@ class Backend(ddp.Backend):
         self.grad_norm = None
         self.eval_dict: dict = {}
         for note in NOTES:
-            ddp.logger.info("megatron: %s", note)
+            logger.info("megatron: %s", note)
 
     def keep_checkpoints_per_machine(self) -> None:
-        raise ddp.no_checkpoints_per_machine(
+        raise base.no_checkpoints_per_machine(
             "Megatron-LM writes each tensor/pipeline shard from its own rank, with no per-machine copy"
         )
 
@@ -612,7 +651,7 @@ class Backend(ddp.Backend):
         self.hf = model
         warmup = 0 if self.cfg.train.lr_scheduler_type == "constant" else plan.warmup_steps
         scheduler = make_scheduler(optimizer, plan, warmup)
-        prepared = ddp.prepare_all(self.acc, model, optimizer, train_loader, eval_loader, scheduler)
+        prepared = base.prepare_all(self.acc, model, optimizer, train_loader, eval_loader, scheduler)
         engine = prepared[0]
         train_step, eval_step = engine.train_step, engine.eval_step
 
@@ -626,6 +665,8 @@ class Backend(ddp.Backend):
             return self.eval_dict
 
         engine.train_step, engine.eval_step = keep_grad_norm, keep_eval_dict
+        _named(prepared[1], OptimizerStepRunsInForward)
+        _named(prepared[4], SchedulerStepRunsInForward)
         return prepared
 
     def observed(self, model) -> dict:
@@ -647,13 +688,15 @@ class Backend(ddp.Backend):
         stop_checkpoint_writer()
 
     def forward_loss(self, model, batch):
-        """The step's loss (already the mean over the global batch's supervised tokens, on the last pipeline
+        """The whole optimizer step (forward, backward, clipping, optimizer and scheduler step over the micro
+        batches), and its loss (already the mean over the global batch's supervised tokens, on the last pipeline
         stage only), broadcast from the last rank so that every rank logs the same value."""
         loss = model(**batch)
         return last_stage_loss(self.acc, loss.loss if hasattr(loss, "loss") else loss)
 
     def clip_grad_norm(self, model, max_norm):
-        return self.grad_norm  # Megatron clipped inside the step (plugin gradient_clipping)
+        """The gradient norm Megatron computed and clipped with inside forward_loss (plugin gradient_clipping)."""
+        return self.grad_norm
 
     def learning_rate(self, optimizer, scheduler) -> float:
         return optimizer.param_groups[0]["lr"]  # Megatron's scheduler has no get_last_lr

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.parallel.topology import Topology, _true
+from finetune.parallel.topology import Launcher, Topology
 
 ALWAYS, BACKWARD, STEP = "always", "backward", "step"
 
@@ -85,7 +85,9 @@ class Buckets:
     fp32_accumulation: bool = False  # DeepSpeed data_types.grad_accum_dtype fp32 (ZeRO-1 in 16 bits: BF16_Optimizer)
 
     @classmethod
-    def read(cls, topology: Topology, ds_config: Mapping | None, hidden: int, env: Mapping[str, str] = os.environ):
+    def read(cls, topology: Topology, ds_config: Mapping | None, hidden: int, distributed_optimizer: bool = False):
+        """The buckets of a DeepSpeed JSON (or {}), for a model of this hidden size; distributed_optimizer: Megatron-LM
+        shards its optimizer states over data parallel (use_distributed_optimizer)."""
         zero = (ds_config or {}).get("zero_optimization", {})
 
         def value(key: str, auto: float) -> float:
@@ -102,7 +104,7 @@ class Buckets:
             max_live=value("stage3_max_live_parameters", 1e9),  # DeepSpeed's defaults
             max_reuse=value("stage3_max_reuse_distance", 1e9),
             sub_group=value("sub_group_size", 1e9),
-            megatron_distributed_optimizer=_true(env.get("MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER")),
+            megatron_distributed_optimizer=distributed_optimizer,
             bf16_weights=((ds_config or {}).get("bf16") or {}).get("enabled") is True,
             fp32_communication=str((ds_config or {}).get("communication_data_type", "")).lower() in ("fp32", "float32"),
             fp32_accumulation=str(((ds_config or {}).get("data_types") or {}).get("grad_accum_dtype", "")).lower()
@@ -257,17 +259,17 @@ def layers_per_rank(topology: Topology, layers: int) -> float:
 
 def buckets_for(topology: Topology, ds_config: Mapping, hidden: int) -> Buckets:
     """Buckets of a config read from a file (topology.read_config_file) for a model of this hidden size."""
-    env = {"MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER": str(ds_config.get("megatron_distributed_optimizer", ""))}
-    return Buckets.read(topology, ds_config, hidden, env)
+    return Buckets.read(topology, ds_config, hidden, bool(ds_config.get("megatron_distributed_optimizer", False)))
 
 
 def from_topology(topology: Topology, hidden: int, env: Mapping[str, str] = os.environ) -> Buckets:
     """Buckets of a running job: its DeepSpeed JSON is the file the launcher named."""
     ds: dict = {}
-    path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    launcher = Launcher.read(env)
+    path = launcher.deepspeed_config_file
     if topology.zero_stage and path:
         try:
             ds = json.loads(Path(path).read_text())
         except (OSError, ValueError):
             ds = {}
-    return Buckets.read(topology, ds, hidden, env)
+    return Buckets.read(topology, ds, hidden, launcher.megatron_distributed_optimizer)

@@ -16,9 +16,11 @@ from finetune.parallel.topology import Topology
 
 
 class FamilyModule(Protocol):
-    """A backend family's module (environment.family_module), before the Accelerator exists."""
+    """A backend family's module (environment.family_module), before the Accelerator exists, and its Backend."""
 
-    def environment(self, cfg: RunConfig) -> dict[str, str]: ...  # what a rank sets before accelerate reads the env
+    Backend: type[Backend]  # the object made after the Accelerator (parallel.make_backend)
+
+    def environment(self, cfg: RunConfig) -> None: ...  # sets what a rank needs before accelerate reads the env
 
     def problems(self, cfg: RunConfig) -> list[tuple[str, str]]: ...  # what cannot run, as (key, fix)
 

@@ -22,8 +22,8 @@ from collections.abc import Mapping
 import torch
 
 from finetune.config import RunConfig
-from finetune.parallel import ddp
-from finetune.parallel.topology import env_tp_size, env_world_size
+from finetune.parallel import base, ddp
+from finetune.parallel.topology import Launcher
 
 KEY = "accelerate config"  # the problem is in the Accelerate config, not in the run config
 
@@ -35,8 +35,9 @@ def environment(cfg: RunConfig) -> None:
 def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> list[tuple[str, str]]:
     """Everything that keeps this run from starting under torch-native TP without data parallelism."""
     p: list[tuple[str, str]] = []
-    tp, n = env_tp_size(env), env_world_size(env)
-    sizes = {k: int(env.get(f"PARALLELISM_CONFIG_{k.upper()}_SIZE", "1")) for k in ("dp_replicate", "dp_shard", "cp")}
+    launcher = Launcher.read(env)
+    tp, n = launcher.tp_size, launcher.world_size
+    sizes = {k: launcher.parallelism_sizes[k] for k in ("dp_replicate", "dp_shard", "cp")}
     if any(v > 1 for v in sizes.values()) or tp != n:
         p.append(
             (
@@ -122,7 +123,7 @@ class Backend(ddp.Backend):
     checkpoint_format = "full"  # save_state goes through full state dicts (enable_full_checkpoints)
 
     def keep_checkpoints_per_machine(self) -> None:
-        raise ddp.no_checkpoints_per_machine(
+        raise base.no_checkpoints_per_machine(
             "tensor-parallel checkpoints (torch.distributed.checkpoint) are not verified to be complete per machine"
         )
 
@@ -131,7 +132,7 @@ class Backend(ddp.Backend):
         return {"tp_plan": "auto", "device_mesh": self.acc.torch_device_mesh["tp"]}
 
     def prepare(self, model, optimizer, train_loader, eval_loader, scheduler, plan):
-        prepared = ddp.prepare_all(self.acc, model, optimizer, train_loader, eval_loader, scheduler)
+        prepared = base.prepare_all(self.acc, model, optimizer, train_loader, eval_loader, scheduler)
         enable_full_checkpoints(self.acc, prepared[0], prepared[1])
         return prepared
 
@@ -143,7 +144,7 @@ class Backend(ddp.Backend):
         DTensors (save_pretrained on the main process alone would wait for the others forever). The DTensors are
         cast to dtype shard by shard, before the gather."""
         net = self.acc.unwrap_model(model)
-        weights = ddp.cast_floating(net.state_dict(), dtype)
+        weights = base.cast_floating(net.state_dict(), dtype)
         net.save_pretrained(
             directory, state_dict=weights, is_main_process=self.acc.is_main_process, safe_serialization=True
         )

@@ -1,9 +1,14 @@
-"""Topology: how a run is spread over processes and machines, read once.
+"""Topology: how a run is spread over processes and machines, read once, and read here only.
 
-Before the Accelerator exists, `requested_family` reads what `accelerate launch` put in the environment
-(the Accelerate config file becomes ACCELERATE_USE_* / PARALLELISM_CONFIG_* / MEGATRON_LM_* variables);
-after, `Topology.read` records the sizes the run really has. Every other module asks the Topology
-(`dp`, `tp`, `replicas`, `zero_stage`, ...) instead of accelerate's `distributed_type`.
+The three sources of layout facts are read in this module and nowhere else:
+  the launcher's environment   `Launcher.read` (before the Accelerator exists: `accelerate launch` turns the
+                               Accelerate config into ACCELERATE_USE_* / PARALLELISM_CONFIG_* / MEGATRON_LM_*
+                               variables; torchrun adds the ranks); `requested_family` is its family
+  the started Accelerator      `Topology.read`: the sizes the run really has
+  an Accelerate config file    `read_config_file` and `launch_size` (finetune plan, finetune parity), without
+                               launching anything
+Every other module asks the Topology (`dp`, `tp`, `replicas`, `zero_stage`, ...) or the Launcher instead of
+accelerate's `distributed_type` or the environment. A Topology checks itself when it is made (`__post_init__`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,12 @@ def _true(value: str | None) -> bool:
     return str(value).lower() in ("1", "true", "yes")
 
 
+def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int | None:
+    """An integer the launcher set; `default` when it set none (or an empty string)."""
+    value = env.get(key)
+    return default if value is None or value == "" else int(value)
+
+
 def deepspeed_offloads(zero: Mapping) -> tuple[bool, bool]:
     """(optimizer states, parameters) offloaded, from a DeepSpeed config's zero_optimization section."""
     return tuple(
@@ -31,37 +42,111 @@ def deepspeed_offloads(zero: Mapping) -> tuple[bool, bool]:
     )
 
 
-def env_world_size(env: Mapping[str, str] = os.environ) -> int:
-    """Processes in the job, as the launcher says (torchrun, deepspeed, MPI); 1 without a launcher."""
-    for key in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
-        if key in env:
-            return int(env[key])
-    return 1
+# ---------------------------------------------------------------- the launcher's environment, before the Accelerator
 
 
-def is_distributed_launch(env: Mapping[str, str] = os.environ) -> bool:
-    """Started by a launcher that runs several processes (or sets a local rank)."""
-    return env_world_size(env) > 1 or int(env.get("LOCAL_RANK", -1)) != -1
+@dataclass(frozen=True)
+class Launcher:
+    """What the launcher put in this process's environment, read here and nowhere else: `accelerate launch` turns
+    the Accelerate config into ACCELERATE_USE_* / PARALLELISM_CONFIG_* / MEGATRON_LM_* variables (accelerate's
+    utils/launch.py), torchrun adds the ranks (RANK, LOCAL_RANK, GROUP_RANK, ...), MPI its own sizes. Read afresh
+    at each call (`read`): a family's `environment` may set variables (ACCELERATE_USE_CPU) before others read them."""
 
+    torchrun_world_size: int | None  # WORLD_SIZE
+    mpi_world_size: int | None  # OMPI_COMM_WORLD_SIZE, else PMI_SIZE
+    rank: int  # RANK (0 without a launcher)
+    local_rank: int | None  # LOCAL_RANK
+    local_world_size: int | None  # LOCAL_WORLD_SIZE: processes on this machine
+    group_rank: int | None  # GROUP_RANK: torchrun's index of this machine
+    num_machines: int  # ACCELERATE_NUM_MACHINES (0: not said)
+    use_cpu: bool  # ACCELERATE_USE_CPU: `accelerate launch --cpu`, or a CPU rank (ddp.environment)
+    use_deepspeed: bool  # ACCELERATE_USE_DEEPSPEED
+    deepspeed_config_file: str | None  # ACCELERATE_DEEPSPEED_CONFIG_FILE: the DeepSpeed JSON
+    use_fsdp: bool  # ACCELERATE_USE_FSDP
+    use_parallelism_config: bool  # ACCELERATE_USE_PARALLELISM_CONFIG
+    parallelism_sizes: Mapping[str, int]  # PARALLELISM_CONFIG_<TP|DP_REPLICATE|DP_SHARD|CP>_SIZE (1: not said)
+    use_megatron: bool  # ACCELERATE_USE_MEGATRON_LM
+    megatron_tp: int  # MEGATRON_LM_TP_DEGREE (the defaults are MegatronLMPlugin.__post_init__'s)
+    megatron_pp: int  # MEGATRON_LM_PP_DEGREE
+    megatron_micro_batches: int  # MEGATRON_LM_NUM_MICRO_BATCHES
+    megatron_sequence_parallel: bool  # MEGATRON_LM_SEQUENCE_PARALLELISM
+    megatron_distributed_optimizer: bool  # MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER
+    megatron_uneven_last_stage: bool  # MEGATRON_LM_DECODER_LAST_PIPELINE_NUM_LAYERS is set
 
-def env_tp_size(env: Mapping[str, str] = os.environ) -> int:
-    """torch-native tensor-parallel degree from the Accelerate config's parallelism_config."""
-    if not _true(env.get("ACCELERATE_USE_PARALLELISM_CONFIG")):
-        return 1
-    return int(env.get("PARALLELISM_CONFIG_TP_SIZE", "1"))
+    @classmethod
+    def read(cls, env: Mapping[str, str] = os.environ) -> Launcher:
+        mpi = _int(env, "OMPI_COMM_WORLD_SIZE")
+        return cls(
+            torchrun_world_size=_int(env, "WORLD_SIZE"),
+            mpi_world_size=mpi if mpi is not None else _int(env, "PMI_SIZE"),
+            rank=_int(env, "RANK", 0),
+            local_rank=_int(env, "LOCAL_RANK"),
+            local_world_size=_int(env, "LOCAL_WORLD_SIZE"),
+            group_rank=_int(env, "GROUP_RANK"),
+            num_machines=_int(env, "ACCELERATE_NUM_MACHINES", 0),
+            use_cpu=_true(env.get("ACCELERATE_USE_CPU", "")),
+            use_deepspeed=_true(env.get("ACCELERATE_USE_DEEPSPEED")),
+            deepspeed_config_file=env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"),
+            use_fsdp=_true(env.get("ACCELERATE_USE_FSDP")),
+            use_parallelism_config=_true(env.get("ACCELERATE_USE_PARALLELISM_CONFIG")),
+            parallelism_sizes={
+                k: _int(env, f"PARALLELISM_CONFIG_{k.upper()}_SIZE", 1)
+                for k in ("tp", "dp_replicate", "dp_shard", "cp")
+            },
+            use_megatron=_true(env.get("ACCELERATE_USE_MEGATRON_LM")),
+            megatron_tp=_int(env, "MEGATRON_LM_TP_DEGREE", 1),
+            megatron_pp=_int(env, "MEGATRON_LM_PP_DEGREE", 1),
+            megatron_micro_batches=_int(env, "MEGATRON_LM_NUM_MICRO_BATCHES", 1),
+            megatron_sequence_parallel=_true(env.get("MEGATRON_LM_SEQUENCE_PARALLELISM", "False")),
+            megatron_distributed_optimizer=_true(env.get("MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER")),
+            megatron_uneven_last_stage="MEGATRON_LM_DECODER_LAST_PIPELINE_NUM_LAYERS" in env,
+        )
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the job, as the launcher says (torchrun, deepspeed, MPI); 1 without a launcher."""
+        if self.torchrun_world_size is not None:
+            return self.torchrun_world_size
+        return self.mpi_world_size if self.mpi_world_size is not None else 1
+
+    @property
+    def distributed(self) -> bool:
+        """Started by a launcher that runs several processes (or sets a local rank)."""
+        return self.world_size > 1 or (self.local_rank if self.local_rank is not None else -1) != -1
+
+    @property
+    def tp_size(self) -> int:
+        """torch-native tensor-parallel degree from the Accelerate config's parallelism_config."""
+        return self.parallelism_sizes["tp"] if self.use_parallelism_config else 1
+
+    @property
+    def family(self) -> str:
+        """Which backend family the launcher asked for (one of FAMILIES)."""
+        if self.use_megatron:
+            return "megatron"
+        if self.use_deepspeed:
+            return "deepspeed"
+        if self.use_fsdp:
+            return "fsdp"
+        if self.tp_size > 1:
+            return "tensor"
+        return "ddp"  # one process or DDP: accelerate's NO / MULTI_CPU / MULTI_GPU
+
+    @property
+    def node(self) -> int:
+        """This process's machine: torchrun's GROUP_RANK; without it, derived from the ranks."""
+        local_world = self.local_world_size if self.local_world_size is not None else 1
+        return self.group_rank if self.group_rank is not None else self.rank // local_world
+
+    def machines(self, num_processes: int) -> int:
+        """Machines of a job of num_processes: accelerate's word, else from the processes per machine."""
+        local = self.local_world_size if self.local_world_size is not None else num_processes
+        return self.num_machines or max(1, num_processes // max(1, local))
 
 
 def requested_family(env: Mapping[str, str] = os.environ) -> str:
     """Which backend family the launcher asked for (before the Accelerator exists)."""
-    if _true(env.get("ACCELERATE_USE_MEGATRON_LM")):
-        return "megatron"
-    if _true(env.get("ACCELERATE_USE_DEEPSPEED")):
-        return "deepspeed"
-    if _true(env.get("ACCELERATE_USE_FSDP")):
-        return "fsdp"
-    if env_tp_size(env) > 1:
-        return "tensor"
-    return "ddp"  # one process or DDP: accelerate's NO / MULTI_CPU / MULTI_GPU
+    return Launcher.read(env).family
 
 
 @dataclass(frozen=True)
@@ -126,11 +211,28 @@ class Topology:
         sizes = f"data parallel {self.dp} x tensor {self.tp} x pipeline {self.pp}"
         return f"{', '.join(parts)}; {sizes} on {self.num_machines} machine(s)"
 
+    def __post_init__(self) -> None:
+        """What holds for every topology, read from a started run or from an Accelerate config file."""
+        sizes = {"num_processes": self.num_processes, "num_machines": self.num_machines, "dp": self.dp}
+        sizes |= {"tp": self.tp, "pp": self.pp, "num_micro_batches": self.num_micro_batches}
+        wrong = [f"{k} {v}" for k, v in sizes.items() if v < 1]
+        if self.family not in FAMILIES:
+            wrong.append(f"family {self.family!r} (one of {', '.join(FAMILIES)})")
+        if not 0 <= self.process_index < self.num_processes or not 0 <= self.dp_rank < self.dp:
+            wrong.append(f"process {self.process_index} of {self.num_processes}, data-parallel rank {self.dp_rank}")
+        if self.zero_stage not in (0, 1, 2, 3) or (self.zero_stage and self.family != "deepspeed"):
+            wrong.append(f"ZeRO stage {self.zero_stage} under {self.family}")
+        if self.fsdp_version and self.family != "fsdp":
+            wrong.append(f"FSDP{self.fsdp_version} under {self.family}")
+        if wrong:
+            raise ValueError(f"not a topology: {'; '.join(wrong)}")
+
     @classmethod
     def read(cls, accelerator, env: Mapping[str, str] = os.environ) -> Topology:
-        """The topology of a started Accelerator (reads accelerate's state and plugins, not config files)."""
-        state = accelerator.state
-        family = requested_family(env)
+        """The topology of a started Accelerator (reads accelerate's state and plugins, and the launcher's
+        environment for Megatron-LM's layout; not config files). Its sizes multiply to the processes."""
+        state, launcher = accelerator.state, Launcher.read(env)
+        family = launcher.family
         n, rank = accelerator.num_processes, accelerator.process_index
         kw: dict = {}
         if family == "deepspeed":
@@ -142,23 +244,28 @@ class Topology:
             offload = fsdp_offloads(plugin)  # FSDP's CPU offload moves parameters, gradients and optimizer states
             kw.update(fsdp_version=int(plugin.fsdp_version), offload_params=offload, offload_optimizer=offload)
         if family == "megatron":
-            tp = int(env.get("MEGATRON_LM_TP_DEGREE", 1))
-            pp = int(env.get("MEGATRON_LM_PP_DEGREE", 1))
-            micro = int(env.get("MEGATRON_LM_NUM_MICRO_BATCHES", 1))
+            tp, pp = launcher.megatron_tp, launcher.megatron_pp
             # Megatron's rank order tp-cp-ep-dp-pp: rank = tp_rank + tp * (dp_rank + dp * pp_rank)
-            kw.update(tp=tp, pp=pp, num_micro_batches=micro, dp=n // (tp * pp), dp_rank=(rank // tp) % (n // (tp * pp)))
+            dp = n // (tp * pp)
+            kw.update(tp=tp, pp=pp, num_micro_batches=launcher.megatron_micro_batches, dp=dp, dp_rank=(rank // tp) % dp)
         else:
             pc = getattr(accelerator, "parallelism_config", None)
             tp = pc.tp_size if pc is not None and pc.tp_enabled else 1
             kw.update(tp=tp, dp=n // tp, dp_rank=rank // tp)  # accelerate's mesh: tp innermost
-        return cls(
+        topology = cls(
             family=family,
             distributed_type=distributed_type_name(state),
             num_processes=n,
-            num_machines=int(env.get("ACCELERATE_NUM_MACHINES", 0)) or _machines(env, n),
+            num_machines=launcher.machines(n),
             process_index=rank,
             **kw,
         )
+        if topology.dp * topology.tp * topology.pp != n:
+            raise ValueError(
+                f"{n} processes are not data parallel {topology.dp} x tensor {topology.tp} x pipeline "
+                f"{topology.pp} ({topology.summary()})"
+            )
+        return topology
 
 
 def fsdp_offloads(plugin) -> bool:
@@ -194,12 +301,12 @@ def describe_observed(row: dict) -> str:
     return " ".join(p for p in parts if p)
 
 
-def _machines(env: Mapping[str, str], num_processes: int) -> int:
-    local = int(env.get("LOCAL_WORLD_SIZE", num_processes) or num_processes)
-    return max(1, num_processes // max(1, local))
-
-
 # ---------------------------------------------------------------- Accelerate config files, without launching
+
+
+def _config_yaml(path: Path) -> dict:
+    """An Accelerate config file's keys, as `accelerate launch --config_file` reads them (an empty file: none)."""
+    return yaml.safe_load(path.read_text()) or {}
 
 
 def read_config_file(
@@ -209,7 +316,7 @@ def read_config_file(
     `accelerate launch` would (num_processes/num_machines as its flags override the file's). The mixed precision
     is None when the file says nothing (then the run config's mixed_precision decides)."""
     p = Path(path)
-    raw = yaml.safe_load(p.read_text()) or {}
+    raw = _config_yaml(p)
     n = int(num_processes or raw.get("num_processes", 1) or 1)
     machines = int(num_machines or raw.get("num_machines", 1) or 1)
     kind = str(raw.get("distributed_type", "NO"))
@@ -274,7 +381,7 @@ def launch_size(path: str | os.PathLike, wanted: int) -> tuple[int, str]:
     """How many processes to launch an Accelerate config with on `wanted` devices, and why when it is not all of
     them; (0, why) when it cannot run there. TP alone needs exactly tp_size; TP x FSDP2 and Megatron-LM need a
     multiple of their model-parallel size; one process stays one."""
-    raw = yaml.safe_load(Path(path).read_text()) or {}
+    raw = _config_yaml(Path(path))
     if int(raw.get("num_processes", 1) or 1) == 1 and str(raw.get("distributed_type", "NO")) == "NO":
         return 1, "1 process"
     pc = raw.get("parallelism_config") or {}

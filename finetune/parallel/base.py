@@ -1,0 +1,83 @@
+"""What several backend families share: helpers of the default (ddp.py) that the others use too.
+
+A family module imports this module and, where it extends the default Backend, ddp.py; this module imports no
+family. (The surface every family offers is typed in surface.py.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from finetune.config import ConfigError
+
+
+def has_accelerator_device() -> bool:
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+def unwrap_without_deepspeed() -> None:
+    """Workaround (accelerate 1.15): `unwrap_model` imports deepspeed whenever it is installed, only to recognise
+    a DeepSpeedEngine: about 0.7 s per process, and DeepSpeed's "Setting accelerator to CPU" warning on every
+    rank of runs that do not use it. Outside a DeepSpeed run there is no engine to recognise, so that function
+    is told DeepSpeed is absent. tests/test_parallel.py::test_accelerate_still_imports_deepspeed_to_unwrap
+    fails once accelerate no longer does it: then delete this."""
+    import accelerate.utils.other
+
+    accelerate.utils.other.is_deepspeed_available = lambda: False
+
+
+def no_checkpoints_per_machine(why: str) -> ConfigError:
+    """The refusal of a backend whose checkpoints cannot be kept complete on each machine."""
+    return ConfigError(
+        [
+            (
+                "output_dir",
+                f"is not shared between the machines, and {why}; put output_dir on a filesystem every machine "
+                "mounts (NFS, Lustre, a cluster share), or use a DDP or DeepSpeed config (multinode_ddp.yaml, "
+                "multinode_zero3.yaml), which keep a complete checkpoint on every machine",
+            )
+        ]
+    )
+
+
+def prepare_all(accelerator, model, optimizer, train_loader, eval_loader, scheduler) -> tuple:
+    """One accelerate.prepare call for everything (Megatron-LM needs that); eval_loader may be None."""
+    objects = [model, optimizer, train_loader, scheduler] + ([eval_loader] if eval_loader is not None else [])
+    prepared = accelerator.prepare(*objects)
+    model, optimizer, train_loader, scheduler = prepared[:4]
+    return model, optimizer, train_loader, prepared[4] if eval_loader is not None else None, scheduler
+
+
+def cast_floating(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every floating-point tensor in dtype (integer buffers stay as they are)."""
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
+
+
+def trainable_parameters(net) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in net.named_parameters() if p.requires_grad}
+
+
+def copy_by_name(named: dict, weights: dict) -> None:
+    with torch.no_grad():
+        for n, w in weights.items():
+            named[n].copy_(w.to(named[n].dtype))
+
+
+def local_fraction(params: Iterable[torch.nn.Parameter], numel) -> float:
+    """Share of the model's parameters this rank holds in memory (1.0: a whole copy)."""
+    total = local = 0
+    for p in params:
+        total += numel(p)
+        local += local_numel(p)
+    return round(local / max(total, 1), 4)
+
+
+def local_numel(p: torch.Tensor) -> int:
+    """Elements this rank really stores: a DTensor's local shard, a ZeRO-3 partition, or the tensor."""
+    if hasattr(p, "to_local"):
+        return p.to_local().numel()
+    if hasattr(p, "ds_tensor"):
+        return p.ds_tensor.numel()
+    return p.numel()
