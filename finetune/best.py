@@ -120,7 +120,7 @@ def weights_writer(
 
         from finetune import model
         from finetune.checkpoint import Resume, read_trainer_state
-        from finetune.parallel.ddp import copy_by_name, trainable_parameters
+        from finetune.parallel.base import copy_by_name, trainable_parameters
 
         resume = Resume(path, read_trainer_state(path), portable=True)
         if cfg.peft.method == "none":  # the whole model, as the checkpoint holds it

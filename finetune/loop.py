@@ -108,11 +108,11 @@ def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: i
             & (2**63 - 1)
         )
         with acc.accumulate(run.model):
-            loss = backend.forward_loss(run.model, batch)
-            acc.backward(loss * (n * scale))
+            loss = backend.forward_loss(run.model, batch)  # Megatron-LM: the whole step runs in here
+            acc.backward(loss * (n * scale))  # Megatron-LM: returns at once (the step already ran)
             if acc.sync_gradients:  # true on the last micro batch only
                 grad_norm = backend.clip_grad_norm(run.model, run.args.max_grad_norm)
-            run.optimizer.step()
+            run.optimizer.step()  # Megatron-LM: OptimizerStepRunsInForward, nothing left (parallel/megatron.py)
             run.scheduler.step()
             run.optimizer.zero_grad(set_to_none=True)
             if acc.sync_gradients:
