@@ -307,7 +307,7 @@ import resource, sys, torch
 from finetune.parallel import set_cpu_allocator
 print(set_cpu_allocator(sys.argv[1]))
 w = torch.randn(512, 4096)
-for step in range(4):
+for step in range(8):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     x = torch.randn(2048, 512)
     logits = x @ w
@@ -332,9 +332,11 @@ def test_cpu_allocator_keep_reuses_freed_buffers_without_page_faults():
     pages = 3 * (32 << 20) // 4096  # logits, softmax, their gradient
     for mode in ("system", "release"):
         assert min(faults[mode]) >= pages // 2, faults  # refilled every step
-    # Kept and reused after the first step (where a buffer lands varies from run to run: at most one of the three
-    # has been seen mapped afresh in a step, against all three every step by default).
-    assert sum(faults["keep"][1:]) <= sum(faults["system"][1:]) / 3, faults
+    # Kept and reused once the heap has grown to hold all three. Where a buffer lands varies from run to run, so the
+    # heap has been seen to grow by one or two buffers in any of steps 1-4 (CI once saw 16385, 8192, 8192 in steps
+    # 1-3); by steps 5-8 it has settled: at most one buffer mapped afresh in all four, against three in each step
+    # under the other modes.
+    assert sum(faults["keep"][4:]) <= pages // 2, faults
     given = subprocess.run(
         [sys.executable, "-c", REFILL, "keep"],
         capture_output=True,
