@@ -1,13 +1,6 @@
 """Data: load (Hub id or local files), format, tokenize (cached, once), pack, collate, order.
 
-Formats and what the loss sees (labels = -100 are not supervised):
-  text            raw text, tokenized, joined with EOS and cut into max_seq_length blocks; every token
-  instruction     prompt (through prompt_template) + response + EOS; only response and EOS
-  chat            `messages` through the tokenizer's chat template; only assistant turns
-  classification text (+ optional pair) and one label per example
-Task seq2seq (encoder-decoder): the encoder reads the prompt (instruction format; prompt_template is the
-causal LM's way of showing it and is not used) or the source column (source_target format); the labels are
-the response or target + EOS, every one supervised (no shift: decoder logits align with the labels).
+The formats, their shapes and what the loss sees of each: finetune/formats.py.
 """
 
 from __future__ import annotations
@@ -22,9 +15,10 @@ from typing import Any
 
 import torch
 
-from finetune.config import DATA_EXTENSIONS, TASK_FORMATS, ConfigError, DataArgs, data_files, looks_local
+from finetune import formats
+from finetune.config import DATA_EXTENSIONS, ConfigError, DataArgs, data_files, looks_local
+from finetune.formats import IGNORE, Layout, supervised_count
 
-IGNORE = -100
 logger = logging.getLogger("finetune")
 
 
@@ -114,183 +108,7 @@ def load_splits(data: DataArgs, seed: int) -> tuple[Any, Any | None]:
     return train, evalset
 
 
-# ---------------------------------------------------------------- formats
-
-
-def detect_format(columns: list[str], data: DataArgs, task: str) -> str:
-    """The format named in config, or the one the columns imply."""
-    if data.format != "auto":
-        return data.format
-    present = {  # in the order auto tries them, among the task's formats (TASK_FORMATS)
-        "classification": True,
-        "source_target": data.source_column in columns and data.target_column in columns,
-        "chat": data.messages_column in columns,
-        "instruction": data.prompt_column in columns or "instruction" in columns,
-        "text": data.text_column in columns,
-    }
-    for fmt, found in present.items():
-        if found and fmt in TASK_FORMATS[task]:
-            return fmt
-    raise ConfigError(
-        [
-            (
-                "format",
-                f"cannot find input -> target pairs for task seq2seq in columns {columns}; set source_column and "
-                "target_column (format source_target) or prompt_column and response_column (format instruction)",
-            )
-            if task == "seq2seq"
-            else (
-                "format",
-                f"cannot tell the format from columns {columns}; set format "
-                "(text/instruction/chat) and the matching *_column fields",
-            )
-        ]
-    )
-
-
-def required_columns(fmt: str, columns: list[str], data: DataArgs) -> list[tuple[str, str]]:
-    """Problems with the columns a format needs, each naming the config key to fix."""
-    need: list[tuple[str, str]] = []
-    if fmt in ("text", "classification"):
-        need.append(("text_column", data.text_column))
-    if fmt == "classification":
-        need.append(("label_column", data.label_column))
-        if data.text_pair_column:
-            need.append(("text_pair_column", data.text_pair_column))
-    if fmt == "chat":
-        need.append(("messages_column", data.messages_column))
-    if fmt == "instruction":
-        alpaca = "instruction" in columns and "output" in columns
-        if not alpaca:
-            need += [("prompt_column", data.prompt_column), ("response_column", data.response_column)]
-    if fmt == "source_target":
-        need += [("source_column", data.source_column), ("target_column", data.target_column)]
-    return [
-        (key, f"column {col!r} not in the data (columns: {columns}); set {key}, or a format that fits the data")
-        for key, col in need
-        if col not in columns
-    ]
-
-
-CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles chat templates know
-
-
-class BadExample(ValueError):
-    """An example the format cannot use; `key` is the config field that points at the wrong data."""
-
-    def __init__(self, key: str, message: str):
-        super().__init__(key, message)
-        self.key, self.message = key, message
-
-
-def _prompt_response(ex: dict, data: DataArgs) -> tuple:
-    """An instruction example's (prompt, response); alpaca's instruction + input is the prompt."""
-    if data.prompt_column in ex and ex[data.prompt_column] is not None:
-        return ex[data.prompt_column], ex[data.response_column]
-    return ex["instruction"] + (f"\n\n{ex['input']}" if ex.get("input") else ""), ex["output"]
-
-
-def _instruction(tokenizer, data: DataArgs, max_len: int) -> Callable:
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-
-    def fn(ex: dict) -> dict:
-        prompt, response = _prompt_response(ex, data)
-        if response is None or prompt is None:  # nothing to learn: dropped (and counted) by the filter
-            return {"input_ids": [], "labels": []}
-        p = tokenizer(data.prompt_template.format(prompt=prompt), add_special_tokens=True)["input_ids"]
-        r = tokenizer(str(response), add_special_tokens=False)["input_ids"] + eos
-        ids = (p + r)[:max_len]
-        labels = ([IGNORE] * len(p) + r)[:max_len]
-        return {"input_ids": ids, "labels": labels}
-
-    return fn
-
-
-def _seq2seq(tokenizer, data: DataArgs, max_len: int, fmt: str) -> Callable:
-    """Encoder input: the prompt (or source) with the tokenizer's special tokens (T5 appends EOS, BART wraps in
-    BOS/EOS); labels: the response (or target) + EOS, each truncated to max_len on its own."""
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-
-    def fn(ex: dict) -> dict:
-        if fmt == "source_target":
-            source, target = ex[data.source_column], ex[data.target_column]
-        else:
-            source, target = _prompt_response(ex, data)
-        if source is None or target is None:  # nothing to learn: dropped (and counted) by the filter
-            return {"input_ids": [], "labels": []}
-        ids = tokenizer(str(source), add_special_tokens=True)["input_ids"][:max_len]
-        labels = (tokenizer(str(target), add_special_tokens=False)["input_ids"] + eos)[:max_len]
-        return {"input_ids": ids, "labels": labels}
-
-    return fn
-
-
-def _chat(tokenizer, data: DataArgs, max_len: int) -> Callable:
-    """Render with the chat template; supervise exactly the tokens each assistant turn adds.
-
-    Works with any template whose rendering of a conversation prefix is a token prefix of the
-    whole rendering (true of the usual ChatML/Llama/Mistral templates); others are refused.
-    """
-
-    def render(messages: list[dict], gen: bool = False) -> list[int]:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    def fn(ex: dict) -> dict:
-        messages = ex[data.messages_column]
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise BadExample(
-                "messages_column",
-                f"column {data.messages_column!r} must hold lists of {{role, content}} messages, got "
-                f"{str(messages)[:60]!r}; set messages_column to such a column, or a format that fits the data",
-            )
-        roles = {m["role"] for m in messages}
-        if "assistant" not in roles and roles - set(CHAT_ROLES):
-            raise BadExample(
-                "messages_column",
-                f"a conversation in {data.messages_column!r} has the role(s) "
-                f"{', '.join(map(repr, sorted(roles - set(CHAT_ROLES), key=str)))} and no 'assistant' turn, so nothing "
-                f"to learn (finetune learns the assistant's turns; roles: {', '.join(CHAT_ROLES)}); fix the data: "
-                "name the model's turns 'assistant' (e.g. bot -> assistant)",
-            )
-        ids: list[int] = []
-        labels: list[int] = []
-        for k, msg in enumerate(messages):
-            steps = [(render(messages[:k], gen=True), False)] if msg["role"] == "assistant" and k else []
-            steps.append((render(messages[: k + 1]), msg["role"] == "assistant"))
-            for new, supervised in steps:
-                if new[: len(ids)] != ids:
-                    raise ValueError(
-                        "the chat template does not render a conversation prefix as a token prefix; "
-                        "set chat_template to one that does"
-                    )
-                labels += new[len(ids) :] if supervised else [IGNORE] * (len(new) - len(ids))
-                ids = new
-        return {"input_ids": ids[:max_len], "labels": labels[:max_len]}
-
-    return fn
-
-
-def _classification(tokenizer, data: DataArgs, max_len: int, label_ids: dict | None) -> Callable:
-    def fn(batch: dict) -> dict:
-        pair = batch[data.text_pair_column] if data.text_pair_column else None
-        enc = tokenizer(batch[data.text_column], pair, truncation=True, max_length=max_len)
-        labels = batch[data.label_column]
-        return {"input_ids": enc["input_ids"], "labels": [label_ids[v] if label_ids else v for v in labels]}
-
-    return fn
-
-
-def _text(tokenizer, data: DataArgs, max_len: int) -> Callable:
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-
-    def fn(batch: dict) -> dict:
-        stream = [t for ids in tokenizer(batch[data.text_column])["input_ids"] for t in ids + eos]
-        n = max(len(stream) // max_len, 1)  # a short batch still yields one (shorter) block
-        blocks = [stream[i * max_len : (i + 1) * max_len] for i in range(n)]
-        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
-
-    return fn
+# ---------------------------------------------------------------- labels
 
 
 def _unique(ds, column: str) -> list:
@@ -320,16 +138,6 @@ def label_names_of(train, data: DataArgs) -> tuple[list[str], dict | None]:
             )
         ]
     )
-
-
-def supervised_count(labels: list[int], task: str) -> int:
-    """Tokens (causal LM: after the one-token shift; seq2seq: every target token) or examples the loss is taken
-    over."""
-    if task == "classification":
-        return 1
-    if task == "seq2seq":
-        return sum(1 for t in labels if t != IGNORE)
-    return sum(1 for t in labels[1:] if t != IGNORE)
 
 
 # ---------------------------------------------------------------- packing and collation
@@ -528,84 +336,57 @@ def balanced_split(lengths: list[int], parts: int, attention_weight: float, mult
 def build_datasets(
     data: DataArgs, task: str, tokenizer, seed: int, main_first: Callable[[], AbstractContextManager]
 ) -> Datasets:
-    """Load, format, tokenize (main process first, so the others hit the datasets cache), filter, pack."""
+    """Load, read in the data's layout, tokenize (main process first, so the others hit the datasets cache),
+    drop the rows with nothing to learn (saying why), pack."""
     with main_first():
         train_raw, eval_raw = load_splits(data, seed)
-    fmt = _checked_format(train_raw, eval_raw, data, task, tokenizer)
-    label_names, label_ids = _labels(train_raw, eval_raw, data) if fmt == "classification" else (None, None)
-    max_len = data.max_seq_length
-    if task == "seq2seq":  # validate() and detect_format() leave only instruction or source_target here
-        fn, batched = _seq2seq(tokenizer, data, max_len, fmt), False
-    else:
-        fn, batched = {
-            "text": (_text(tokenizer, data, max_len), True),
-            "instruction": (_instruction(tokenizer, data, max_len), False),
-            "chat": (_chat(tokenizer, data, max_len), False),
-            "classification": (_classification(tokenizer, data, max_len, label_ids), True),
-        }[fmt]
+    layout = _checked_layout(train_raw, eval_raw, data, task, tokenizer)
+    logger.info("data %s: %s", data.dataset, layout.describe())
+    label_names, label_ids = _labels(train_raw, eval_raw, data) if layout.format == "classification" else (None, None)
+    rows, batched = _rows(layout, data, task, tokenizer, label_ids)
     with main_first():
-        train = _tokenize(train_raw, "train", fn, batched, data, fmt, task)
-        evalset = _tokenize(eval_raw, "eval", fn, batched, data, fmt, task) if eval_raw is not None else None
-        dropped = len(train_raw) - len(train) if fmt != "text" else 0
-        key, answer, nulls = _null_answers(train_raw, data, fmt)
-        if len(train) == 0:
-            raise ConfigError([_nothing_to_learn(len(train_raw), key, answer, nulls, max_len)])
-        if dropped:
-            why = f"{nulls} with a null {answer!r}, the others truncated away?" if nulls else "truncated away?"
-            logger.warning(
-                "dropped %d of %d training examples with no supervised token (%s)", dropped, len(train_raw), why
-            )
+        train = _tokenize(train_raw, "train", rows, batched, data, layout)
+        evalset = _tokenize(eval_raw, "eval", rows, batched, data, layout) if eval_raw is not None else None
         if data.packing:
-            train = _packed(train, max_len)
-    if fmt == "classification":
+            train = _packed(train, data.max_seq_length)
+    if layout.format == "classification":
         n_super = len(train)
     else:
         n_super = sum(supervised_count(lab, task) for lab in train["labels"])
-    return Datasets(train=train, eval=evalset, format=fmt, label_names=label_names, supervised_tokens=n_super)
+    return Datasets(train=train, eval=evalset, format=layout.format, label_names=label_names, supervised_tokens=n_super)
 
 
-def _null_answers(rows, data: DataArgs, fmt: str) -> tuple[str, str, int]:
-    """The answers to learn (instruction, source_target): (config key, column, how many rows have none)."""
-    columns = rows.column_names
-    if fmt == "source_target":
-        key, answer = "target_column", data.target_column
-    elif fmt == "instruction":
-        key, answer = "response_column", data.response_column if data.prompt_column in columns else "output"
-    else:
-        return "", "", 0
-    return key, answer, rows.with_format("arrow")[answer].null_count if answer in columns else 0
+def _rows(layout: Layout, data: DataArgs, task: str, tokenizer, label_ids) -> tuple[Callable, bool]:
+    """The layout's row -> tokens function (per split: chat names the row it cannot read), and whether it is
+    batched."""
+    max_len = data.max_seq_length
+    if task == "seq2seq":  # the layout is instruction or source_target here (TASK_FORMATS)
+        return (lambda split: formats.seq2seq_rows(tokenizer, data, layout, max_len)), False
+    if layout.format == "chat":
+        return (lambda split: formats.chat_rows(tokenizer, data, layout, max_len, split)), False
+    if layout.format == "instruction":
+        return (lambda split: formats.instruction_rows(tokenizer, data, layout, max_len)), False
+    if layout.format == "text":
+        return (lambda split: formats.text_rows(tokenizer, data, max_len)), True
+    return (lambda split: formats.classification_rows(tokenizer, data, max_len, label_ids)), True
 
 
-def _nothing_to_learn(rows: int, key: str, answer: str, nulls: int, max_len: int) -> tuple[str, str]:
-    """The problem when no training example has a supervised token left: null answers, or truncation."""
-    if nulls == rows:
-        return key, (
-            f"every training example has a null {answer!r} (no answer to learn); fill in the answers, or set "
-            f"{key} to the column that holds them"
-        )
-    if nulls:
-        return "dataset", (
-            f"no training example has a supervised token left: {nulls} of {rows} have a null {answer!r} and the "
-            f"others were truncated away at max_seq_length={max_len}; raise max_seq_length, or fill in the answers"
-        )
-    return "dataset", (
-        f"no training example has a supervised token left after truncation to max_seq_length={max_len}; raise "
-        "max_seq_length or check the response columns"
-    )
-
-
-def _checked_format(train_raw, eval_raw, data: DataArgs, task: str, tokenizer) -> str:
-    """The data's format, with the columns it needs in train and eval, and a chat template for chat data."""
-    columns = list(train_raw.column_names)
-    fmt = detect_format(columns, data, task)
-    problems = required_columns(fmt, columns, data)
-    if eval_raw is not None:  # a column missing from both is one problem
-        in_train = {k for k, _ in problems}
-        eval_problems = required_columns(fmt, list(eval_raw.column_names), data)
-        problems += [(k, f"eval data: {m}") for k, m in eval_problems if k not in in_train]
-    if problems:
-        raise ConfigError(problems)
-    if fmt == "chat" and not tokenizer.chat_template:
+def _checked_layout(train_raw, eval_raw, data: DataArgs, task: str, tokenizer) -> Layout:
+    """The data's layout (formats.layout_of), with its columns in eval too, and a chat template for chat data."""
+    layout = formats.layout_of(train_raw, data, task)
+    if eval_raw is not None:
+        missing = formats.missing_columns(layout, list(eval_raw.column_names))
+        if missing:
+            raise ConfigError(
+                [
+                    (
+                        "eval_dataset",
+                        f"eval data: column(s) {missing} not in the data (columns: {eval_raw.column_names}); the "
+                        f"training data is read as {layout.describe()}: give the eval data the same columns",
+                    )
+                ]
+            )
+    if layout.format == "chat" and not tokenizer.chat_template:
         raise ConfigError(
             [
                 (
@@ -615,7 +396,10 @@ def _checked_format(train_raw, eval_raw, data: DataArgs, task: str, tokenizer) -
                 )
             ]
         )
-    return fmt
+    problem = formats.tools_problem(layout, tokenizer)
+    if problem:
+        raise ConfigError([problem])
+    return layout
 
 
 def _labels(train_raw, eval_raw, data: DataArgs):
@@ -636,24 +420,78 @@ def _labels(train_raw, eval_raw, data: DataArgs):
     return label_names, label_ids
 
 
-def _tokenize(ds, name: str, fn, batched: bool, data: DataArgs, fmt: str, task: str):
-    """Rows -> tokens and labels; rows left with nothing to learn are dropped."""
+def _tokenize(ds, split: str, rows: Callable, batched: bool, data: DataArgs, layout: Layout):
+    """Rows -> tokens and labels; rows left with nothing to learn are dropped, and said why (train)."""
     try:
-        ds = ds.map(
-            fn,
+        out = ds.map(
+            rows(split),
             batched=batched,
+            with_indices=not batched,
             remove_columns=ds.column_names,
             num_proc=data.preprocessing_num_workers,
-            desc=f"tokenizing {name}",
+            desc=f"tokenizing {split}",
         )
-    except BadExample as e:
+    except formats.BadExample as e:
         raise ConfigError([(e.key, e.message)]) from None
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(
-            [("dataset" if name == "train" else "eval_dataset", f"{fmt} formatting failed: {_first_line(e)}")]
+            [
+                (
+                    "dataset" if split == "train" else "eval_dataset",
+                    f"{layout.format} formatting failed: {_first_line(e)}",
+                )
+            ]
         ) from None
-    return ds.filter(
-        lambda ex: supervised_count(ex["labels"], task) > 0, desc=f"dropping {name} examples with nothing to learn"
+    if "skip" not in out.column_names:  # text and classification: every row has something to learn
+        return out
+    why = _dropped(out, ds, split)
+    if split == "train" and len(why) == 1 and sum(n for n, _ in why.values()) == len(ds):
+        raise ConfigError([_nothing_to_learn(next(iter(why)), len(ds), layout, data)])
+    kept = out.filter(lambda skip: not skip, input_columns="skip", desc=f"dropping {split} rows with nothing to learn")
+    if split == "train" and not len(kept):
+        raise ConfigError([("dataset", f"no training row has anything to learn: {_reasons(why)}")])
+    if why and split == "train":
+        logger.warning(
+            "dropped %d of %d training rows with nothing to learn: %s", len(ds) - len(kept), len(ds), _reasons(why)
+        )
+    return kept.remove_columns("skip")
+
+
+def _dropped(out, raw, split: str) -> dict[str, tuple[int, str]]:
+    """Why rows were dropped: reason -> (how many, the first such row), read from the `skip` column in arrow."""
+    import pyarrow.compute as pc
+
+    skip = out.with_format("arrow")["skip"]
+    why = {}
+    for item in pc.value_counts(skip).to_pylist():
+        reason, n = item["values"], item["counts"]
+        if reason:
+            first = pc.index(skip, reason).as_py()
+            why[reason] = (n, f"{split} row {first}: {str(raw[first])[:120]}")
+    return why
+
+
+def _reasons(why: dict[str, tuple[int, str]]) -> str:
+    return "; ".join(f"{n} with {reason} (e.g. {first})" if not reason.startswith("truncated") else
+                     f"{n} {reason} (e.g. {first})" for reason, (n, first) in why.items())  # fmt: skip
+
+
+def _nothing_to_learn(reason: str, rows: int, layout: Layout, data: DataArgs) -> tuple[str, str]:
+    """The problem when every training row was dropped for one reason: the answer's key, or max_seq_length."""
+    if reason.startswith("truncated"):
+        return "dataset", (
+            f"no training example has a supervised token left after truncation to max_seq_length="
+            f"{data.max_seq_length}; raise max_seq_length or check the response columns"
+        )
+    if "assistant" in reason:
+        return "messages_column", (
+            f"no conversation has an assistant turn to learn ({rows} rows read as {layout.describe()}); name the "
+            "model's turns assistant (role_map), or set messages_column to the conversations to learn"
+        )
+    key = "target_column" if layout.format == "source_target" else "response_column"
+    return key, (
+        f"every training example has {reason} (no answer to learn); fill in the answers, or set {key} to the column "
+        "that holds them"
     )
 
 

@@ -329,10 +329,18 @@ CASES = [
     Case(
         "chat_role_not_assistant",
         lambda c: c.yaml(format="chat", dataset=c.jsonl("bot.jsonl", rows_chat(20, "bot"))),
-        "messages_column",
-        "'bot'",
+        "role_map",
+        "role_map: {bot: assistant}",
         stage=DATA,
     ),
+    Case(
+        "data_shape_ambiguous",
+        lambda c: c.yaml(dataset=c.jsonl("both.jsonl", [{**r, "conversations": r["messages"]} for r in rows_chat(20)])),
+        "messages_column",
+        "'conversations'",
+        stage=DATA,
+    ),
+    Case("role_map_not_a_mapping", lambda c: c.yaml(role_map=["bot", "assistant"]), "role_map", "mapping"),
     Case("labels_empty", lambda c: cls_data(c, [0, 1, None, 1] * 5), "label_column", "empty labels", stage=DATA),
     Case("label_negative", lambda c: cls_data(c, [0, 1, -1, 2] * 5), "label_column", "-1", stage=DATA),
     Case(

@@ -146,6 +146,21 @@ can be overridden on the command line. The parallelism is chosen by the Accelera
 
 
 EPILOG = """\
+Data formats (format: auto picks the format and its shape from the columns and says which;
+docs/data.md). One row of each shape, and what the loss learns from it:
+  text            {"text": "The match ended 2-1."}  -> every token
+  instruction     {"prompt": "Topic?", "response": "weather"}  -> the response
+                  {"prompt": "Topic?", "completion": "weather"}  (TRL's standard prompt-completion)
+                  {"instruction": "Topic?", "input": "rain", "output": "weather"}  (alpaca)
+  chat            {"messages": [{"role": "user", "content": "Topic?"},
+                                {"role": "assistant", "content": "weather"}], "tools": [...]}  -> assistant turns
+                  {"conversations": [{"from": "human", "value": "Topic?"}, {"from": "gpt", "value": "weather"}]}
+                  {"prompt": [{"role": "user", ...}], "completion": [{"role": "assistant", ...}]}
+                    (TRL's conversational prompt-completion)  -> the completion's assistant turns
+                  other keys and role names: role_key, content_key, role_map
+  classification  {"text": "rain all day", "label": "weather"}  -> the label
+  source_target   {"source": "rain all day", "target": "weather"}  (task seq2seq)  -> the target
+
 Outputs (under output_dir): metrics.jsonl (one JSON row per logged step and per eval), curves.png,
 checkpoints/step_N (resumable; checkpoints/latest names the newest), final/ (a standard HF model
 directory with tokenizer, the effective run config and a model card, README.md), logs/rank<N>.log
@@ -169,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             shown = "required" if default == "" else f"default: {default!r}"
             kw: dict = {"metavar": (item or base).__name__.upper() + ("[,...]" if item else "")}
-            if item is dict:  # a list of mappings (datasets): YAML text
+            if dict in (item, base):  # a mapping (role_map), or a list of them (datasets): YAML text
                 kw = {"metavar": "YAML"}
             if base is bool:
                 kw = {"nargs": "?", "const": "true", "metavar": "BOOL"}

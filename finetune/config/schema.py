@@ -179,7 +179,11 @@ class DataArgs:
         0.05,
         "When no eval data/split is given: fraction of train held out for eval (deterministic from seed); 0 disables eval.",
     )
-    format: str = _f("auto", f"Example format: one of {', '.join(FORMATS)}; auto picks from the columns.")
+    format: str = _f(
+        "auto",
+        f"Example format: one of {', '.join(FORMATS)}; auto picks it and its shape (messages, ShareGPT, TRL's "
+        "prompt-completion, alpaca, ...) from the columns and says which.",
+    )
     text_column: str = _f("text", "Column with raw text (text and classification formats).")
     text_pair_column: str | None = _f(None, "Optional second text column (classification of sentence pairs).")
     prompt_column: str = _f("prompt", "Instruction format: prompt column (alpaca's instruction/input also accepted).")
@@ -187,8 +191,29 @@ class DataArgs:
         "### Instruction:\n{prompt}\n\n### Response:\n",
         "Instruction format: how a prompt is shown to the model; must contain {prompt}.",
     )
-    response_column: str = _f("response", "Instruction format: response column (alpaca's output also accepted).")
-    messages_column: str = _f("messages", "Chat format: column of [{role, content}] lists.")
+    response_column: str | None = _f(
+        None,
+        "The answer column: instruction format, its text (default: response, or TRL's completion; alpaca's output "
+        "also accepted); chat format, with prompt_column, the completion's messages (TRL's conversational "
+        "prompt-completion: only the completion is learned).",
+    )
+    messages_column: str | None = _f(
+        None, "Chat format: the column of message lists (default: messages, or ShareGPT's conversations)."
+    )
+    role_key: str | None = _f(
+        None, "Chat format: the message key holding the role (default: role, or ShareGPT's from)."
+    )
+    content_key: str | None = _f(
+        None, "Chat format: the message key holding the text (default: content, or ShareGPT's value)."
+    )
+    role_map: dict | None = _f(
+        None,
+        "Chat format: the data's role names -> the chat template's (system, user, assistant, tool), e.g. "
+        "{bot: assistant, narrator: system}; ShareGPT's human and gpt are read as user and assistant without it.",
+    )
+    tools_column: str | None = _f(
+        "tools", "Chat format: the column of tool definitions handed to the chat template, when the data has it."
+    )
     source_column: str = _f("source", "source_target format (task seq2seq): column the encoder reads.")
     target_column: str = _f("target", "source_target format (task seq2seq): column the decoder learns to write.")
     label_column: str = _f("label", "Classification format: label column (int ids or strings).")
@@ -399,6 +424,8 @@ def field_type(section: str, name: str) -> tuple[type, bool, type | None]:
         hint = next(a for a in args if a is not type(None))
     if typing.get_origin(hint) is list:
         return list, optional, typing.get_args(hint)[0]
+    if typing.get_origin(hint) is dict:
+        return dict, optional, None
     return hint, optional, None
 
 
@@ -434,6 +461,15 @@ def coerce(section: str, name: str, value: Any) -> tuple[Any, str | None]:
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
             return value, f"expected a list of {item.__name__}, got {value!r}"
+        return value, None
+    if base is dict:
+        if isinstance(value, str) and value.strip().startswith("{"):  # --role_map "{bot: assistant}"
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError:
+                return value, f"expected a mapping like {{a: b}}; got {value!r}: close the brace"
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            return value, f"expected a mapping of names to names like {{bot: assistant}}, got {value!r}"
         return value, None
     if base is str:
         if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -25,6 +25,10 @@ SOURCE_FIELDS = (
     "prompt_template",
     "response_column",
     "messages_column",
+    "role_key",
+    "content_key",
+    "role_map",
+    "tools_column",
     "label_column",
     "max_train_samples",
 )

@@ -1,0 +1,518 @@
+"""What a row looks like and what the loss learns from it: the data formats, the shapes the Hub writes them in,
+how `format: auto` tells them apart, and each format's row -> (input_ids, labels). Labels = -100 are not learned.
+
+format          shapes (the columns, by default)                           the loss sees
+text            text                                                       every token
+instruction     prompt + response; prompt + completion (TRL's standard     the response (or completion) + EOS; the
+                prompt-completion); instruction [+ input] + output (alpaca)  prompt is shown through prompt_template
+chat            messages of {role, content} [+ tools]; conversations of     the assistant turns (prompt-completion:
+                {from, value} (ShareGPT); prompt + completion as message     those of the completion), through the
+                lists (TRL's conversational prompt-completion)             tokenizer's chat template
+classification  text [+ text_pair] + label                                 the label
+source_target   source + target (task seq2seq)                             the target + EOS
+
+The same conversation in any of the chat shapes becomes the same tokens and labels (one assistant answer after
+its prompt: also the same as prompt-completion). Task seq2seq: the encoder reads the prompt (prompt_template is
+the causal LM's way of showing it and is not used) or the source; the labels are the answer + EOS, all learned.
+
+A row with nothing to learn (a null or empty answer, no assistant turn, or truncated away) is dropped and counted
+by why; a row the format cannot read (an unknown role, messages that are not messages) stops the run, naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from finetune.config import TASK_FORMATS, ConfigError, DataArgs
+
+IGNORE = -100
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles chat templates know
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}  # ShareGPT's role names, read without a role_map
+MESSAGE_KEYS = (("role", "content"), ("from", "value"))  # a message's (role, content) keys: ours/TRL's, ShareGPT's
+CONVERSATION_COLUMNS = ("messages", "conversations")  # where auto looks for conversations (ShareGPT: the second)
+ANSWER_COLUMNS = ("response", "completion")  # where auto looks for an instruction's answer (TRL: the second)
+
+
+class BadExample(ValueError):
+    """A row the format cannot read; `key` is the config field that would fix it."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(key, message)
+        self.key, self.message = key, message
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one data source's rows are read: the format, the shape it was found in, and the columns it reads."""
+
+    format: str
+    shape: str  # what the rows look like, in words (the start log, the model card)
+    columns: tuple[str, ...]  # the columns it reads (an eval set must have them too)
+    prompt: str | None = None  # instruction: the prompt column (None: alpaca's); chat: the prompt's messages
+    answer: str | None = None  # instruction: the answer column; chat: the completion's messages
+    messages: str | None = None  # chat: the conversation column
+    role_key: str = "role"
+    content_key: str = "content"
+    roles: dict = field(default_factory=dict)  # the data's role name -> the chat template's
+    tools: str | None = None  # chat: the column of tool definitions handed to the chat template
+
+    def describe(self) -> str:
+        return f"{self.format} format: {self.shape} (reads {', '.join(map(repr, self.columns)) or 'no column'})"
+
+
+def supervised_count(labels: list[int], task: str) -> int:
+    """Tokens (causal LM: after the one-token shift; seq2seq: every target token) or examples the loss is taken
+    over."""
+    if task == "classification":
+        return 1
+    if task == "seq2seq":
+        return sum(1 for t in labels if t != IGNORE)
+    return sum(1 for t in labels[1:] if t != IGNORE)
+
+
+# ---------------------------------------------------------------- which format and shape
+
+
+def layout_of(ds, data: DataArgs, task: str) -> Layout:
+    """The format named in config, or the one the columns imply (in the order classification, source_target,
+    chat, instruction, text, among the task's formats), read in the one shape of it the columns fit."""
+    columns = list(ds.column_names)
+    if data.format != "auto":
+        return _READERS[data.format](columns, ds.features, data)
+    for fmt in ("classification", "source_target", "chat", "instruction", "text"):
+        if fmt in TASK_FORMATS[task] and _claims(fmt, columns, ds.features, data):
+            return _READERS[fmt](columns, ds.features, data)
+    if task == "seq2seq":
+        fix = (
+            f"cannot find input -> target pairs for task seq2seq in columns {columns}; set source_column and "
+            "target_column (format source_target) or prompt_column and response_column (format instruction)"
+        )
+    else:
+        fix = (
+            f"cannot tell the format from columns {columns}: none of text, prompt + response/completion, "
+            "instruction + output, messages or conversations; set format (text/instruction/chat) and the "
+            "matching *_column fields (docs/data.md lists the shapes)"
+        )
+    raise ConfigError([("format", fix)])
+
+
+def missing_columns(layout: Layout, columns: list[str]) -> list[str]:
+    """The columns the layout reads that `columns` (another split's) lacks."""
+    return [c for c in layout.columns if c not in columns]
+
+
+def _claims(fmt: str, columns: list[str], features, data: DataArgs) -> bool:
+    """Whether auto takes the data for `fmt`: the columns that only this format's shapes have are there."""
+    if fmt == "classification":
+        return True  # the task's only format
+    if fmt == "source_target":
+        return data.source_column in columns and data.target_column in columns
+    if fmt == "chat":
+        return bool(_conversation_columns(columns, data)) or _conversational_pair(columns, features, data)
+    if fmt == "instruction":
+        return data.prompt_column in columns or "instruction" in columns
+    return data.text_column in columns
+
+
+def _is_messages(feature) -> bool:
+    """Whether a column's feature is a list of records (messages), as the datasets library reads JSON lists."""
+    inner = feature[0] if isinstance(feature, list) and feature else getattr(feature, "feature", None)
+    return isinstance(inner, dict)
+
+
+def _conversation_columns(columns: list[str], data: DataArgs) -> list[str]:
+    if data.messages_column:
+        return [data.messages_column] if data.messages_column in columns else []
+    return [c for c in CONVERSATION_COLUMNS if c in columns]
+
+
+def _answer_columns(columns: list[str], data: DataArgs) -> list[str]:
+    if data.response_column:
+        return [data.response_column] if data.response_column in columns else []
+    return [c for c in ANSWER_COLUMNS if c in columns]
+
+
+def _conversational_pair(columns: list[str], features, data: DataArgs) -> bool:
+    answers = _answer_columns(columns, data)
+    return data.prompt_column in columns and len(answers) == 1 and _is_messages(features[data.prompt_column])
+
+
+def _ambiguous(key: str, found: list[str], what: str, columns: list[str]) -> ConfigError:
+    return ConfigError(
+        [
+            (
+                key,
+                f"columns {found} could each be {what} (columns: {columns}); set {key} to the one to learn from",
+            )
+        ]
+    )
+
+
+def _text_layout(columns: list[str], features, data: DataArgs) -> Layout:
+    if data.text_column not in columns:
+        raise ConfigError([("text_column", _not_there(data.text_column, columns, "text_column"))])
+    return Layout("text", f"raw text in {data.text_column!r}", (data.text_column,))
+
+
+def _classification_layout(columns: list[str], features, data: DataArgs) -> Layout:
+    keys = [("text_column", data.text_column), ("label_column", data.label_column)]
+    keys += [("text_pair_column", data.text_pair_column)] if data.text_pair_column else []
+    problems = [(key, _not_there(col, columns, key)) for key, col in keys if col not in columns]
+    if problems:
+        raise ConfigError(problems)
+    return Layout("classification", "text and label", tuple(col for _, col in keys))
+
+
+def _source_target_layout(columns: list[str], features, data: DataArgs) -> Layout:
+    keys = [("source_column", data.source_column), ("target_column", data.target_column)]
+    problems = [(key, _not_there(col, columns, key)) for key, col in keys if col not in columns]
+    if problems:
+        raise ConfigError(problems)
+    return Layout(
+        "source_target", "source -> target", (data.source_column, data.target_column), answer=data.target_column
+    )
+
+
+def _instruction_layout(columns: list[str], features, data: DataArgs) -> Layout:
+    answers = _answer_columns(columns, data)
+    if len(answers) > 1:
+        raise _ambiguous("response_column", answers, "the answer", columns)
+    if data.prompt_column not in columns and "instruction" in columns and "output" in columns:
+        return Layout(
+            "instruction", "alpaca (instruction [+ input] -> output)", ("instruction", "output"), answer="output"
+        )
+    if data.prompt_column not in columns or not answers:
+        want = data.response_column or " or ".join(map(repr, ANSWER_COLUMNS))
+        return _missing_pair(columns, data, want)
+    prompt, answer = data.prompt_column, answers[0]
+    for col in (prompt, answer):
+        if _is_messages(features[col]):
+            raise ConfigError(
+                [
+                    (
+                        "prompt_column" if col == prompt else "response_column",
+                        f"column {col!r} holds messages, not text: the instruction format (and task seq2seq) needs "
+                        f"text; for causal LM, write both {prompt!r} and {answer!r} as message lists "
+                        "(conversational prompt-completion, format chat)",
+                    )
+                ]
+            )
+    shape = (
+        "prompt -> completion (TRL's standard prompt-completion)" if answer == "completion" else "prompt -> response"
+    )
+    return Layout("instruction", shape, (prompt, answer), prompt=prompt, answer=answer)
+
+
+def _missing_pair(columns: list[str], data: DataArgs, want: str):
+    problems = []
+    if data.prompt_column not in columns:
+        problems.append(("prompt_column", _not_there(data.prompt_column, columns, "prompt_column")))
+    if not _answer_columns(columns, data):
+        problems.append(
+            (
+                "response_column",
+                f"no answer column ({want}) in the data (columns: {columns}); set response_column, or a format "
+                "that fits the data",
+            )
+        )
+    raise ConfigError(problems)
+
+
+def _chat_layout(columns: list[str], features, data: DataArgs) -> Layout:
+    conversations = _conversation_columns(columns, data)
+    pair = _conversational_pair(columns, features, data) and not data.messages_column
+    if len(conversations) + pair > 1:
+        found = conversations + ([f"{data.prompt_column} + {_answer_columns(columns, data)[0]}"] if pair else [])
+        raise _ambiguous("messages_column", found, "the conversation", columns)
+    tools = data.tools_column if data.tools_column in columns else None
+    if pair:
+        prompt, answer = data.prompt_column, _answer_columns(columns, data)[0]
+        if not _is_messages(features[answer]):
+            raise ConfigError(
+                [
+                    (
+                        "response_column",
+                        f"column {prompt!r} holds messages but {answer!r} holds text; write both as message lists "
+                        "(conversational prompt-completion) or both as text (format instruction)",
+                    )
+                ]
+            )
+        role_key, content_key = _message_keys(features[prompt], prompt, data)
+        shape = "prompt -> completion as messages (TRL's conversational prompt-completion)"
+        return Layout(
+            "chat", shape, (prompt, answer) + ((tools,) if tools else ()), prompt=prompt, answer=answer,
+            role_key=role_key, content_key=content_key, roles=role_names(data), tools=tools,
+        )  # fmt: skip
+    if not conversations:
+        want = data.messages_column or " or ".join(map(repr, CONVERSATION_COLUMNS))
+        raise ConfigError(
+            [
+                (
+                    "messages_column",
+                    f"no conversation column ({want}) in the data (columns: {columns}); set messages_column, or a "
+                    "format that fits the data",
+                )
+            ]
+        )
+    messages = conversations[0]
+    role_key, content_key = _message_keys(features[messages], messages, data)
+    shape = (
+        f"ShareGPT conversations ({{{role_key}, {content_key}}} messages)"
+        if (role_key, content_key) == MESSAGE_KEYS[1]
+        else f"conversations of {{{role_key}, {content_key}}} messages"
+    )
+    return Layout(
+        "chat", shape, (messages,) + ((tools,) if tools else ()), messages=messages,
+        role_key=role_key, content_key=content_key, roles=role_names(data), tools=tools,
+    )  # fmt: skip
+
+
+def _message_keys(feature, column: str, data: DataArgs) -> tuple[str, str]:
+    """(role key, content key) of the messages in `column`: role_key/content_key, else role/content or from/value."""
+    if not _is_messages(feature):
+        raise ConfigError(
+            [
+                (
+                    "messages_column",
+                    f"column {column!r} must hold lists of messages ({{role, content}}, or ShareGPT's "
+                    f"{{from, value}}); it holds {_kind(feature)}. Set messages_column to such a column, or a format "
+                    "that fits the data",
+                )
+            ]
+        )
+    inner = feature[0] if isinstance(feature, list) else feature.feature
+    keys = list(inner)
+    found = next(((r, c) for r, c in MESSAGE_KEYS if r in keys and c in keys), (None, None))
+    role_key, content_key = data.role_key or found[0], data.content_key or found[1]
+    problems = [
+        (key, f"the messages in {column!r} have no {value!r} key (their keys: {keys}); set {key} to the one that "
+              f"holds the {key.split('_')[0]}")
+        for key, value in (("role_key", role_key), ("content_key", content_key))
+        if value not in keys
+    ]  # fmt: skip
+    if role_key is None or content_key is None:
+        problems = [
+            (
+                "role_key",
+                f"the messages in {column!r} have the keys {keys}, neither role/content nor from/value; set role_key "
+                "and content_key to the keys that hold each message's role and text",
+            )
+        ]
+    if problems:
+        raise ConfigError(problems)
+    return role_key, content_key
+
+
+def _kind(feature) -> str:
+    dtype = getattr(feature, "dtype", None)
+    return f"{dtype} values" if dtype else type(feature).__name__
+
+
+def _not_there(col: str, columns: list[str], key: str) -> str:
+    return f"column {col!r} not in the data (columns: {columns}); set {key}, or a format that fits the data"
+
+
+def role_names(data: DataArgs) -> dict:
+    """The data's role name -> the chat template's: each template role as itself, ShareGPT's names, role_map."""
+    return {**{r: r for r in CHAT_ROLES}, **SHAREGPT_ROLES, **(data.role_map or {})}
+
+
+_READERS: dict[str, Callable[..., Layout]] = {
+    "text": _text_layout,
+    "instruction": _instruction_layout,
+    "chat": _chat_layout,
+    "classification": _classification_layout,
+    "source_target": _source_target_layout,
+}
+
+
+# ---------------------------------------------------------------- rows -> tokens and labels
+
+
+def _blank(value) -> bool:
+    return value is None or (isinstance(value, str) and not value.strip())
+
+
+def _why_blank(value, column: str) -> str:
+    return f"a null {column!r}" if value is None else f"an empty {column!r}"
+
+
+def _kept(ids: list[int], labels: list[int], max_len: int, task: str) -> dict:
+    """A tokenized row, cut to max_len; `skip` says why it has nothing to learn left ('' when it has)."""
+    ids, labels = ids[:max_len], labels[:max_len]
+    skip = "" if supervised_count(labels, task) else f"truncated away at max_seq_length={max_len}"
+    return {"input_ids": ids, "labels": labels, "skip": skip}
+
+
+def _skipped(why: str) -> dict:
+    return {"input_ids": [], "labels": [], "skip": why}
+
+
+def _prompt_answer(ex: dict, layout: Layout) -> tuple:
+    """An instruction row's (prompt, answer) and their columns; alpaca's instruction + input is the prompt."""
+    if layout.prompt:
+        return (ex[layout.prompt], layout.prompt), (ex[layout.answer], layout.answer)
+    prompt = (
+        ex["instruction"]
+        if _blank(ex["instruction"])
+        else ex["instruction"] + (f"\n\n{ex['input']}" if ex.get("input") else "")
+    )
+    return (prompt, "instruction"), (ex["output"], "output")
+
+
+def instruction_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int) -> Callable:
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+    def fn(ex: dict, idx: int) -> dict:
+        (prompt, p_col), (answer, a_col) = _prompt_answer(ex, layout)
+        if _blank(answer) or prompt is None:
+            return _skipped(_why_blank(answer, a_col) if _blank(answer) else _why_blank(prompt, p_col))
+        p = tokenizer(data.prompt_template.format(prompt=prompt), add_special_tokens=True)["input_ids"]
+        r = tokenizer(str(answer), add_special_tokens=False)["input_ids"] + eos
+        return _kept(p + r, [IGNORE] * len(p) + r, max_len, "causal_lm")
+
+    return fn
+
+
+def seq2seq_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int) -> Callable:
+    """Encoder input: the prompt (or source) with the tokenizer's special tokens (T5 appends EOS, BART wraps in
+    BOS/EOS); labels: the response (or target) + EOS, each truncated to max_len on its own."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+    def fn(ex: dict, idx: int) -> dict:
+        if layout.format == "source_target":
+            (source, s_col), (target, t_col) = (
+                (ex[data.source_column], data.source_column),
+                (ex[layout.answer], layout.answer),
+            )
+        else:
+            (source, s_col), (target, t_col) = _prompt_answer(ex, layout)
+        if _blank(target) or source is None:
+            return _skipped(_why_blank(target, t_col) if _blank(target) else _why_blank(source, s_col))
+        ids = tokenizer(str(source), add_special_tokens=True)["input_ids"][:max_len]
+        labels = (tokenizer(str(target), add_special_tokens=False)["input_ids"] + eos)[:max_len]
+        return {"input_ids": ids, "labels": labels, "skip": ""}
+
+    return fn
+
+
+def _clean(value):
+    """A value as the data meant it: the datasets library fills a record's missing keys with None (every message
+    gets every key any message has); a template must not see them."""
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+def conversation(ex: dict, layout: Layout, where: str) -> tuple[list[dict], int]:
+    """A chat row's messages ({role, content, ...} with the template's role names) and the index of the first one
+    that may be learned (prompt-completion: the completion's first)."""
+    if layout.messages:
+        parts = [(ex[layout.messages], layout.messages)]
+    else:
+        parts = [(ex[layout.prompt], layout.prompt), (ex[layout.answer], layout.answer)]
+    messages: list[dict] = []
+    for raw, column in parts:
+        if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw):
+            raise BadExample(
+                "messages_column",
+                f"{where}: column {column!r} must hold a list of messages, got {str(raw)[:60]!r}; fix the row",
+            )
+        for m in raw:
+            role = m.get(layout.role_key)
+            if role not in layout.roles:
+                raise BadExample(
+                    "role_map",
+                    f"{where}: the role {role!r} in {column!r} is not a chat role ({', '.join(CHAT_ROLES)}); set "
+                    f"role_map to map it to one, e.g. role_map: {{{role}: assistant}}",
+                )
+            rest = {k: v for k, v in m.items() if k not in (layout.role_key, layout.content_key)}
+            messages.append({"role": layout.roles[role], "content": m.get(layout.content_key), **_clean(rest)})
+    return messages, (len(parts[0][0]) if not layout.messages else 0)
+
+
+def chat_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int, split: str) -> Callable:
+    """Render with the chat template; learn exactly the tokens each assistant turn adds.
+
+    Works with any template whose rendering of a conversation prefix is a token prefix of the
+    whole rendering (true of the usual ChatML/Llama/Mistral templates); others are refused.
+    """
+
+    def fn(ex: dict, idx: int) -> dict:
+        messages, first = conversation(ex, layout, f"{split} row {idx}")
+        tools = _tools(ex, layout)
+        learned = [k for k, m in enumerate(messages) if m["role"] == "assistant" and k >= first]
+        if layout.answer and not ex[layout.answer]:
+            return _skipped(f"an empty {layout.answer!r}")
+        if not learned:
+            return _skipped("no assistant turn" + (f" in {layout.answer!r}" if layout.answer else ""))
+        ids: list[int] = []
+        labels: list[int] = []
+        for k in range(len(messages)):
+            steps = [(messages[:k], True, False)] if k in learned and k else []
+            steps.append((messages[: k + 1], False, k in learned))
+            for prefix, gen, supervised in steps:
+                new = render(tokenizer, prefix, gen, tools)
+                if new[: len(ids)] != ids:
+                    raise ValueError(
+                        "the chat template does not render a conversation prefix as a token prefix; "
+                        "set chat_template to one that does"
+                    )
+                labels += new[len(ids) :] if supervised else [IGNORE] * (len(new) - len(ids))
+                ids = new
+        return _kept(ids, labels, max_len, "causal_lm")
+
+    return fn
+
+
+def render(tokenizer, messages: list[dict], gen: bool, tools: list | None) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _tools(ex: dict, layout: Layout) -> list | None:
+    """The row's tool definitions (a list, or its JSON text, as the Hub often stores them), or None."""
+    value = ex[layout.tools] if layout.tools else None
+    if isinstance(value, str):
+        value = json.loads(value) if value.strip() else None
+    return _clean(value) or None
+
+
+def classification_rows(tokenizer, data: DataArgs, max_len: int, label_ids: dict | None) -> Callable:
+    def fn(batch: dict) -> dict:
+        pair = batch[data.text_pair_column] if data.text_pair_column else None
+        enc = tokenizer(batch[data.text_column], pair, truncation=True, max_length=max_len)
+        labels = batch[data.label_column]
+        return {"input_ids": enc["input_ids"], "labels": [label_ids[v] if label_ids else v for v in labels]}
+
+    return fn
+
+
+def text_rows(tokenizer, data: DataArgs, max_len: int) -> Callable:
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+    def fn(batch: dict) -> dict:
+        stream = [t for ids in tokenizer(batch[data.text_column])["input_ids"] for t in ids + eos]
+        n = max(len(stream) // max_len, 1)  # a short batch still yields one (shorter) block
+        blocks = [stream[i * max_len : (i + 1) * max_len] for i in range(n)]
+        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+
+    return fn
+
+
+def tools_problem(layout: Layout, tokenizer) -> tuple[str, str] | None:
+    """Tool definitions in the data that the chat template would silently drop."""
+    template = tokenizer.chat_template
+    text = " ".join(template.values()) if isinstance(template, dict) else str(template or "")
+    if layout.tools and "tools" not in text:
+        return (
+            "tools_column",
+            f"the data has tool definitions in {layout.tools!r} but the chat template never renders tools, so the "
+            "model would learn tool calls without seeing the tools; set chat_template to one that renders them, or "
+            "tools_column: null to train without them",
+        )
+    return None

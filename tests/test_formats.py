@@ -1,0 +1,253 @@
+"""The shapes the Hub writes data in (formats.py): each is found without configuration, the same conversation in any
+of them is the same tokens and labels (and so the same training), and bad rows are named as what they are.
+
+Tokens and labels are checked against the chat template's own rendering here, not against the product's code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+
+import pytest
+from conftest import base_args, finetune, max_weight_diff
+
+from finetune.config import ConfigError, DataArgs
+from finetune.data import IGNORE, build_datasets
+from finetune.demo import write_jsonl
+
+SHAREGPT = {"system": "system", "user": "human", "assistant": "gpt"}
+# A ChatML template that renders tool definitions in the system turn (as Qwen's and Hermes' do).
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t['function']['name'] }}"
+    "({{ t['function']['parameters'] | tojson }}) {% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def conversations(n: int, seed: int = 0) -> list[list[dict]]:
+    """Single-answer conversations (optional system, user, assistant): every chat shape can hold them."""
+    rng = random.Random(seed)
+    words = "match rain code bread storm team chip soup wind goal oven data".split()
+    out = []
+    for i in range(n):
+        turns = [{"role": "system", "content": "You name topics."}] if i % 3 else []
+        turns.append({"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(3, 9)))})
+        turns.append({"role": "assistant", "content": rng.choice(["sports", "weather", "tech", "food"]) + f" {i}"})
+        out.append(turns)
+    return out
+
+
+def as_messages(convs):
+    return [{"messages": c} for c in convs]
+
+
+def as_prompt_completion(convs):
+    return [{"prompt": c[:-1], "completion": c[-1:]} for c in convs]
+
+
+def as_sharegpt(convs):
+    return [{"conversations": [{"from": SHAREGPT[m["role"]], "value": m["content"]} for m in c]} for c in convs]
+
+
+def as_text_pairs(convs, answer: str):
+    return [{"prompt": c[-2]["content"], answer: c[-1]["content"]} for c in convs]
+
+
+def build(path: str, tokenizer, **kw):
+    data = DataArgs(dataset=path, **{"eval_fraction": 0.0, **kw})
+    return build_datasets(data, "causal_lm", tokenizer, 0, contextlib.nullcontext)
+
+
+def tokens(ds) -> list[tuple[list[int], list[int]]]:
+    return list(zip(ds.train["input_ids"], ds.train["labels"]))
+
+
+def shape_said(caplog) -> str:
+    return next(r.getMessage() for r in caplog.records if r.getMessage().startswith("data "))
+
+
+def test_every_conversational_shape_is_detected_and_gives_the_same_tokens_and_labels(assets, tmp_path, caplog):
+    tok = assets.tokenizer
+    convs = conversations(12)
+    shapes = {
+        "messages": (as_messages(convs), "conversations of {role, content} messages"),
+        "prompt_completion": (as_prompt_completion(convs), "TRL's conversational prompt-completion"),
+        "sharegpt": (as_sharegpt(convs), "ShareGPT conversations ({from, value} messages)"),
+    }
+    built = {}
+    for name, (rows, shape) in shapes.items():
+        caplog.clear()
+        with caplog.at_level("INFO", logger="finetune"):
+            ds = build(write_jsonl(rows, tmp_path / f"{name}.jsonl"), tok)
+        assert ds.format == "chat" and shape in shape_said(caplog), (name, shape_said(caplog))
+        built[name] = tokens(ds)
+    expected = []  # from the template itself: the whole rendering, the assistant's answer and its end learned
+    for c in convs:
+        prompt = tok(tok.apply_chat_template(c[:-1], tokenize=False, add_generation_prompt=True))["input_ids"]
+        whole = tok(tok.apply_chat_template(c, tokenize=False))["input_ids"]
+        assert whole[: len(prompt)] == prompt
+        expected.append((whole, [IGNORE] * len(prompt) + whole[len(prompt) :]))
+        assert tok.decode(whole[len(prompt) :]) == c[-1]["content"] + "<|im_end|>\n"
+    assert len(expected) == 12
+    for name, got in built.items():
+        assert got == expected, name
+
+
+def test_conversational_prompt_completion_learns_only_the_completion(assets, tmp_path):
+    """With an earlier assistant turn in the prompt: the messages shape learns both answers, prompt-completion only
+    the completion's; the tokens are the same."""
+    tok = assets.tokenizer
+    convs = [c + [{"role": "user", "content": "sure?"}, {"role": "assistant", "content": f"yes {i}"}]
+             for i, c in enumerate(conversations(6, seed=6))]  # fmt: skip
+    whole = tokens(build(write_jsonl(as_messages(convs), tmp_path / "m.jsonl"), tok))
+    split = tokens(
+        build(write_jsonl([{"prompt": c[:-1], "completion": c[-1:]} for c in convs], tmp_path / "pc.jsonl"), tok)
+    )
+    assert len(whole) == 6 and [ids for ids, _ in whole] == [ids for ids, _ in split]
+    for (_, all_labels), (_, labels), c in zip(whole, split, convs):
+        assert tok.decode([t for t in labels if t != IGNORE]) == c[-1]["content"] + "<|im_end|>\n"
+        learned = tok.decode([t for t in all_labels if t != IGNORE])
+        assert learned == "".join(m["content"] + "<|im_end|>\n" for m in c if m["role"] == "assistant")
+        assert learned.count("<|im_end|>") == 2
+
+
+def test_standard_prompt_completion_is_prompt_response(assets, tmp_path, caplog):
+    tok = assets.tokenizer
+    convs = conversations(10, seed=1)
+    built = {}
+    for answer in ("response", "completion"):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="finetune"):
+            ds = build(write_jsonl(as_text_pairs(convs, answer), tmp_path / f"{answer}.jsonl"), tok)
+        assert ds.format == "instruction"
+        assert ("TRL's standard prompt-completion" in shape_said(caplog)) == (answer == "completion")
+        built[answer] = tokens(ds)
+    assert len(built["response"]) == 10 and built["response"] == built["completion"]
+    for (ids, labels), c in zip(built["completion"], convs):
+        learned = [t for t, lab in zip(ids, labels) if lab != IGNORE]
+        assert tok.decode(learned) == c[-1]["content"] + tok.eos_token
+
+
+def test_the_same_conversations_in_every_shape_train_the_same(assets, tmp_path):
+    """Losses step by step and the exported weights: identical whichever shape the data is written in."""
+    convs = conversations(48, seed=2)
+    runs = {}
+    for name, rows in {
+        "messages": as_messages(convs),
+        "sharegpt": as_sharegpt(convs),
+        "prompt_completion": as_prompt_completion(convs),
+    }.items():
+        path = write_jsonl(rows, tmp_path / f"{name}.jsonl")
+        args = base_args(assets.llama, path, "--max_steps", "4", "--eval_fraction", "0.1", "--seed", "3")
+        runs[name] = finetune(tmp_path / f"out_{name}", *args, launcher="python")
+    losses = {name: r.losses() for name, r in runs.items()}
+    assert len(losses["messages"]) == 4, losses
+    assert losses["sharegpt"] == losses["messages"] == losses["prompt_completion"], losses
+    evals = {name: [row["eval_loss"] for row in r.eval_rows] for name, r in runs.items()}
+    assert evals["messages"] and evals["sharegpt"] == evals["messages"] == evals["prompt_completion"], evals
+    for other in ("sharegpt", "prompt_completion"):
+        assert max_weight_diff(tmp_path / "out_messages" / "final", tmp_path / f"out_{other}" / "final") == 0.0
+
+
+def test_role_and_content_keys_and_role_names_are_mapped(assets, tmp_path):
+    """Any other shape through role_key, content_key and role_map: the same tokens as the messages shape; also per
+    source of a mixture."""
+    tok = assets.tokenizer
+    convs = conversations(8, seed=3)
+    names = {"system": "narrator", "user": "person", "assistant": "bot"}
+    odd = [{"dialog": [{"speaker": names[m["role"]], "text": m["content"]} for m in c]} for c in convs]
+    odd_path = write_jsonl(odd, tmp_path / "odd.jsonl")
+    mapping = {"role_key": "speaker", "content_key": "text", "role_map": {v: k for k, v in names.items()}}
+    mapped = build(odd_path, tok, format="chat", messages_column="dialog", **mapping)
+    plain = build(write_jsonl(as_messages(convs), tmp_path / "plain.jsonl"), tok)
+    assert len(tokens(plain)) == 8 and tokens(mapped) == tokens(plain)
+
+    sharegpt = write_jsonl(as_sharegpt(convs), tmp_path / "sharegpt.jsonl")
+    mix = DataArgs(
+        datasets=[{"dataset": sharegpt}, {"dataset": odd_path, "messages_column": "dialog", **mapping}],
+        eval_fraction=0.0,
+    )
+    from finetune.mixture import build_mixture_datasets
+
+    both = build_mixture_datasets(mix, "causal_lm", tok, 0, contextlib.nullcontext)
+    assert both.format == "chat" and len(both.train) == 16
+    assert sorted(map(str, both.train["input_ids"])) == sorted(map(str, list(plain.train["input_ids"]) * 2))
+
+
+def test_tools_reach_the_template_and_a_template_without_tools_is_refused(assets, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(assets.root / "tokenizer")
+    convs = conversations(6, seed=4)
+    tools = [{"type": "function", "function": {"name": "topic_of", "parameters": {"type": "object"}}}]
+    rows = [{"messages": c, "tools": tools if i % 2 else json.dumps(tools)} for i, c in enumerate(convs)]
+    path = write_jsonl(rows, tmp_path / "tools.jsonl")
+    with pytest.raises(ConfigError) as info:  # ChatML here never renders tools
+        build(path, tok)
+    assert [k for k, _ in info.value.problems] == ["tools_column"]
+    without = build(path, tok, tools_column=None)
+    tok.chat_template = TOOLS_TEMPLATE
+    with_tools = build(path, tok)
+    assert len(tokens(with_tools)) == 6
+    for (ids, labels), (plain_ids, plain_labels), c in zip(tokens(with_tools), tokens(without), convs):
+        text = tok.decode(ids)
+        assert 'Tools: topic_of({"type": "object"})' in text and "topic_of" not in tok.decode(plain_ids)
+        learned = tok.decode([t for t, lab in zip(ids, labels) if lab != IGNORE])
+        assert learned == tok.decode([t for t, lab in zip(plain_ids, plain_labels) if lab != IGNORE])
+        assert learned == c[-1]["content"] + "<|im_end|>\n"
+
+
+@pytest.mark.parametrize(
+    "rows, key, words",
+    [
+        ([{"messages": [], "conversations": []}], "messages_column", ["'messages'", "'conversations'"]),
+        ([{"prompt": "p", "response": "r", "completion": "c"}], "response_column", ["'response'", "'completion'"]),
+        (
+            [{"prompt": [{"role": "user", "content": "p"}], "completion": "c"}],
+            "response_column",
+            ["holds messages but 'completion' holds text"],
+        ),
+        ([{"question": "q", "answer": "a"}], "format", ["['question', 'answer']", "set format"]),
+        ([{"dialog": [{"who": "user", "said": "p"}]}], "role_key", ["['who', 'said']", "content_key"]),
+    ],
+    ids=["two_conversations", "two_answers", "mixed_prompt_completion", "unknown", "unknown_message_keys"],
+)
+def test_ambiguous_and_unknown_shapes_are_refused_with_the_columns_seen(assets, tmp_path, rows, key, words):
+    extra = {"format": "chat", "messages_column": "dialog"} if "dialog" in rows[0] else {}
+    with pytest.raises(ConfigError) as info:
+        build(write_jsonl(rows * 4, tmp_path / "data.jsonl"), assets.tokenizer, **extra)
+    [(said_key, message)] = info.value.problems
+    assert said_key == key and all(w in message for w in words), message
+
+
+def test_bad_rows_are_named_as_such(assets, tmp_path, caplog):
+    """An unknown role stops the run naming the row; an empty completion and a conversation with no assistant
+    turn are dropped, counted by why, with an example row, never blamed on truncation."""
+    tok = assets.tokenizer
+    convs = conversations(9, seed=5)
+    rows = as_prompt_completion(convs)
+    rows[2]["completion"] = []
+    rows[5] = {"prompt": convs[5][:-1], "completion": [{"role": "user", "content": "and?"}]}
+    with caplog.at_level("WARNING", logger="finetune"):
+        ds = build(write_jsonl(rows, tmp_path / "pc.jsonl"), tok)
+    assert len(ds.train) == 7
+    said = caplog.text
+    assert "dropped 2 of 9 training rows with nothing to learn" in said and "truncated" not in said
+    assert "1 with an empty 'completion' (e.g. train row 2:" in said
+    assert "1 with no assistant turn in 'completion' (e.g. train row 5:" in said
+
+    unknown = as_messages(convs)
+    unknown[4]["messages"][-1]["role"] = "bot"
+    with pytest.raises(ConfigError) as info:
+        build(write_jsonl(unknown, tmp_path / "bot.jsonl"), tok)
+    [(key, message)] = info.value.problems
+    assert key == "role_map" and "train row 4" in message and "'bot'" in message
+
+    no_answer = [{"messages": c[:-1]} for c in convs]
+    with pytest.raises(ConfigError) as info:
+        build(write_jsonl(no_answer, tmp_path / "no_answer.jsonl"), tok)
+    [(key, message)] = info.value.problems
+    assert key == "messages_column" and "no conversation has an assistant turn" in message
