@@ -408,6 +408,7 @@ FIXED_ON_RESUME = (
     "packing",
     "max_train_samples",
     "eval_fraction",
+    "eval_fraction_max_rows",
     "seed",
     "datasets",
     "metric_for_best_model",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import torch
 
 from finetune import formats
 from finetune.config import DATA_EXTENSIONS, ConfigError, DataArgs, data_files, looks_local
-from finetune.formats import IGNORE, Layout, supervised_count
+from finetune.formats import IGNORE, Layout
 
 logger = logging.getLogger("finetune")
 
@@ -99,6 +100,12 @@ def load_splits(data: DataArgs, seed: int) -> tuple[Any, Any | None]:
         n_eval = max(1, round(len(train) * data.eval_fraction))
         if n_eval >= len(train):
             raise ConfigError([("eval_fraction", f"leaves no training data out of {len(train)} examples; lower it")])
+        if data.eval_fraction_max_rows and n_eval > data.eval_fraction_max_rows:
+            logger.info(
+                "eval: %d rows held out of %d (eval_fraction %g would be %d; eval_fraction_max_rows caps it, the "
+                "rest trains)", data.eval_fraction_max_rows, len(train), data.eval_fraction, n_eval,
+            )  # fmt: skip
+            n_eval = data.eval_fraction_max_rows
         parts = train.train_test_split(test_size=n_eval, seed=seed, shuffle=True)
         train, evalset = parts["train"], parts["test"]
     else:
@@ -343,32 +350,33 @@ def build_datasets(
     layout = _checked_layout(train_raw, eval_raw, data, task, tokenizer)
     logger.info("data %s: %s", data.dataset, layout.describe())
     label_names, label_ids = _labels(train_raw, eval_raw, data) if layout.format == "classification" else (None, None)
-    rows, batched = _rows(layout, data, task, tokenizer, label_ids)
+    rows = _rows(layout, data, task, tokenizer, label_ids)
     with main_first():
-        train = _tokenize(train_raw, "train", rows, batched, data, layout)
-        evalset = _tokenize(eval_raw, "eval", rows, batched, data, layout) if eval_raw is not None else None
+        start = time.perf_counter()
+        train, n_super = _tokenize(train_raw, "train", rows, data, layout)  # packing keeps what is learned
+        evalset = _tokenize(eval_raw, "eval", rows, data, layout)[0] if eval_raw is not None else None
         if data.packing:
             train = _packed(train, data.max_seq_length)
-    if layout.format == "classification":
-        n_super = len(train)
-    else:
-        n_super = sum(supervised_count(lab, task) for lab in train["labels"])
+        took, n = time.perf_counter() - start, len(train_raw) + (len(eval_raw) if eval_raw is not None else 0)
+        logger.info(
+            "data prepared: %d rows in %.1f s (%.0f rows/s; the datasets cache makes a rerun's near 0)%s",
+            n, took, n / max(took, 1e-9), ", packed" if data.packing else "",
+        )  # fmt: skip
     return Datasets(train=train, eval=evalset, format=layout.format, label_names=label_names, supervised_tokens=n_super)
 
 
-def _rows(layout: Layout, data: DataArgs, task: str, tokenizer, label_ids) -> tuple[Callable, bool]:
-    """The layout's row -> tokens function (per split: chat names the row it cannot read), and whether it is
-    batched."""
+def _rows(layout: Layout, data: DataArgs, task: str, tokenizer, label_ids) -> Callable:
+    """The layout's batched rows -> tokens function, per split (chat names the row it cannot read)."""
     max_len = data.max_seq_length
     if task == "seq2seq":  # the layout is instruction or source_target here (TASK_FORMATS)
-        return (lambda split: formats.seq2seq_rows(tokenizer, data, layout, max_len)), False
+        return lambda split: formats.seq2seq_rows(tokenizer, data, layout, max_len)
     if layout.format == "chat":
-        return (lambda split: formats.chat_rows(tokenizer, data, layout, max_len, split)), False
+        return lambda split: formats.chat_rows(tokenizer, data, layout, max_len, split)
     if layout.format == "instruction":
-        return (lambda split: formats.instruction_rows(tokenizer, data, layout, max_len)), False
+        return lambda split: formats.instruction_rows(tokenizer, data, layout, max_len)
     if layout.format == "text":
-        return (lambda split: formats.text_rows(tokenizer, data, max_len)), True
-    return (lambda split: formats.classification_rows(tokenizer, data, max_len, label_ids)), True
+        return lambda split: formats.text_rows(tokenizer, data, max_len)
+    return lambda split: formats.classification_rows(tokenizer, data, max_len, label_ids)
 
 
 def _checked_layout(train_raw, eval_raw, data: DataArgs, task: str, tokenizer) -> Layout:
@@ -420,13 +428,13 @@ def _labels(train_raw, eval_raw, data: DataArgs):
     return label_names, label_ids
 
 
-def _tokenize(ds, split: str, rows: Callable, batched: bool, data: DataArgs, layout: Layout):
+def _tokenize(ds, split: str, rows: Callable, data: DataArgs, layout: Layout):
     """Rows -> tokens and labels; rows left with nothing to learn are dropped, and said why (train)."""
     try:
         out = ds.map(
             rows(split),
-            batched=batched,
-            with_indices=not batched,
+            batched=True,
+            with_indices=True,
             remove_columns=ds.column_names,
             num_proc=data.preprocessing_num_workers,
             desc=f"tokenizing {split}",
@@ -442,19 +450,24 @@ def _tokenize(ds, split: str, rows: Callable, batched: bool, data: DataArgs, lay
                 )
             ]
         ) from None
-    if "skip" not in out.column_names:  # text and classification: every row has something to learn
-        return out
     why = _dropped(out, ds, split)
-    if split == "train" and len(why) == 1 and sum(n for n, _ in why.values()) == len(ds):
-        raise ConfigError([_nothing_to_learn(next(iter(why)), len(ds), layout, data)])
+    if split == "train" and len(why) == 1 and sum(n for n, _ in why.values()) == len(out):
+        raise ConfigError([_nothing_to_learn(next(iter(why)), len(out), layout, data)])
     kept = out.filter(lambda skip: not skip, input_columns="skip", desc=f"dropping {split} rows with nothing to learn")
     if split == "train" and not len(kept):
         raise ConfigError([("dataset", f"no training row has anything to learn: {_reasons(why)}")])
     if why and split == "train":
         logger.warning(
-            "dropped %d of %d training rows with nothing to learn: %s", len(ds) - len(kept), len(ds), _reasons(why)
+            "dropped %d of %d training rows with nothing to learn: %s", len(out) - len(kept), len(out), _reasons(why)
         )
-    return kept.remove_columns("skip")
+    return kept.remove_columns(["skip", "learned"]), _column_sum(kept, "learned")
+
+
+def _column_sum(ds, column: str) -> int:
+    """A number column's sum, in Arrow (a small column: the rest of the rows is never read)."""
+    import pyarrow.compute as pc
+
+    return pc.sum(ds.with_format("arrow")[column]).as_py() or 0
 
 
 def _dropped(out, raw, split: str) -> dict[str, tuple[int, str]]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from finetune.config import TASK_FORMATS, ConfigError, DataArgs
 
@@ -339,15 +340,57 @@ def _why_blank(value, column: str) -> str:
     return f"a null {column!r}" if value is None else f"an empty {column!r}"
 
 
-def _kept(ids: list[int], labels: list[int], max_len: int, task: str) -> dict:
-    """A tokenized row, cut to max_len; `skip` says why it has nothing to learn left ('' when it has)."""
-    ids, labels = ids[:max_len], labels[:max_len]
-    skip = "" if supervised_count(labels, task) else f"truncated away at max_seq_length={max_len}"
-    return {"input_ids": ids, "labels": labels, "skip": skip}
+def _kept(ids: list[int], labels: list[int], max_len: int, spans: list[tuple[int, int]]) -> dict:
+    """A causal-LM row, cut to max_len. `spans` are the [start, end) runs of learned labels; `learned` counts those
+    left after the cut and the one-token shift (supervised_count, without a pass over the labels), and `skip` says
+    why there are none ('' when there are)."""
+    learned = sum(max(0, min(end, max_len) - max(start, 1)) for start, end in spans)
+    skip = "" if learned else f"truncated away at max_seq_length={max_len}"
+    return {"input_ids": ids[:max_len], "labels": labels[:max_len], "skip": skip, "learned": learned}
 
 
 def _skipped(why: str) -> dict:
-    return {"input_ids": [], "labels": [], "skip": why}
+    return {"input_ids": [], "labels": [], "skip": why, "learned": 0}
+
+
+def _rows_of(batch: dict) -> list[dict]:
+    return [dict(zip(batch, values)) for values in zip(*batch.values())]
+
+
+def _columns(rows: list[dict]) -> dict:
+    return {key: [r[key] for r in rows] for key in ("input_ids", "labels", "skip", "learned")}
+
+
+_PROBES = ["Hello world.", " two  spaces\tand a tab\n\nnew lines 12345 ünïcode", "<|im_start|>user\nhi<|im_end|>\n"]
+
+
+@dataclass(frozen=True)
+class Encoder:
+    """A batch of texts -> token ids: the Rust tokenizer's encode_batch_fast (ids only, no offsets) where it gives
+    what tokenizer(...) gives, else tokenizer(...) itself. (Its fields are what datasets hashes into the cache key.)"""
+
+    tokenizer: Any
+    fast: bool
+
+    @classmethod
+    def of(cls, tokenizer) -> Encoder:
+        """Checked on probe texts, with and without special tokens."""
+        fast = getattr(getattr(tokenizer, "backend_tokenizer", None), "encode_batch_fast", None)
+        same = fast is not None and all(
+            [e.ids for e in fast(_PROBES, add_special_tokens=special)]
+            == tokenizer(_PROBES, add_special_tokens=special)["input_ids"]
+            for special in (True, False)
+        )
+        return cls(tokenizer, same)
+
+    def __call__(self, texts: list[str], special: bool) -> list[list[int]]:
+        if not texts:
+            return []
+        if self.fast:
+            return [
+                e.ids for e in self.tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=special)
+            ]
+        return self.tokenizer(texts, add_special_tokens=special)["input_ids"]
 
 
 def _prompt_answer(ex: dict, layout: Layout) -> tuple:
@@ -362,16 +405,35 @@ def _prompt_answer(ex: dict, layout: Layout) -> tuple:
     return (prompt, "instruction"), (ex["output"], "output")
 
 
-def instruction_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int) -> Callable:
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+def _pairs(batch: dict, layout: Layout, data: DataArgs) -> tuple[list, list[str]]:
+    """A batch's (prompt, answer) pairs (instruction, source_target) and why each row has nothing to learn."""
+    if layout.format == "source_target":
+        s, t = data.source_column, layout.answer
+        pairs = [((src, s), (tgt, t)) for src, tgt in zip(batch[s], batch[t])]
+    else:
+        pairs = [_prompt_answer(ex, layout) for ex in _rows_of(batch)]
+    why = [
+        _why_blank(a, a_col) if _blank(a) else _why_blank(p, p_col) if p is None else ""
+        for (p, p_col), (a, a_col) in pairs
+    ]
+    return pairs, why
 
-    def fn(ex: dict, idx: int) -> dict:
-        (prompt, p_col), (answer, a_col) = _prompt_answer(ex, layout)
-        if _blank(answer) or prompt is None:
-            return _skipped(_why_blank(answer, a_col) if _blank(answer) else _why_blank(prompt, p_col))
-        p = tokenizer(data.prompt_template.format(prompt=prompt), add_special_tokens=True)["input_ids"]
-        r = tokenizer(str(answer), add_special_tokens=False)["input_ids"] + eos
-        return _kept(p + r, [IGNORE] * len(p) + r, max_len, "causal_lm")
+
+def instruction_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int) -> Callable:
+    """The prompt through prompt_template (with the tokenizer's special tokens), then the answer + EOS: learned."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    encode = Encoder.of(tokenizer)
+
+    def fn(batch: dict, idx: list[int]) -> dict:
+        pairs, why = _pairs(batch, layout, data)
+        keep = [k for k, w in enumerate(why) if not w]
+        prompts = [data.prompt_template.format(prompt=pairs[k][0][0]) for k in keep]
+        rows = [_skipped(w) for w in why]
+        answers = encode([str(pairs[k][1][0]) for k in keep], False)
+        for k, p, r in zip(keep, encode(prompts, True), answers):
+            ids = p + r + eos
+            rows[k] = _kept(ids, [IGNORE] * len(p) + r + eos, max_len, [(len(p), len(ids))])
+        return _columns(rows)
 
     return fn
 
@@ -380,20 +442,17 @@ def seq2seq_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int) -> Cal
     """Encoder input: the prompt (or source) with the tokenizer's special tokens (T5 appends EOS, BART wraps in
     BOS/EOS); labels: the response (or target) + EOS, each truncated to max_len on its own."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    encode = Encoder.of(tokenizer)
 
-    def fn(ex: dict, idx: int) -> dict:
-        if layout.format == "source_target":
-            (source, s_col), (target, t_col) = (
-                (ex[data.source_column], data.source_column),
-                (ex[layout.answer], layout.answer),
-            )
-        else:
-            (source, s_col), (target, t_col) = _prompt_answer(ex, layout)
-        if _blank(target) or source is None:
-            return _skipped(_why_blank(target, t_col) if _blank(target) else _why_blank(source, s_col))
-        ids = tokenizer(str(source), add_special_tokens=True)["input_ids"][:max_len]
-        labels = (tokenizer(str(target), add_special_tokens=False)["input_ids"] + eos)[:max_len]
-        return {"input_ids": ids, "labels": labels, "skip": ""}
+    def fn(batch: dict, idx: list[int]) -> dict:
+        pairs, why = _pairs(batch, layout, data)
+        keep = [k for k, w in enumerate(why) if not w]
+        rows = [_skipped(w) for w in why]
+        sources = encode([str(pairs[k][0][0]) for k in keep], True)
+        for k, s, t in zip(keep, sources, encode([str(pairs[k][1][0]) for k in keep], False)):
+            labels = (t + eos)[:max_len]  # all learned (no shift)
+            rows[k] = {"input_ids": s[:max_len], "labels": labels, "skip": "", "learned": len(labels)}
+        return _columns(rows)
 
     return fn
 
@@ -441,37 +500,55 @@ def chat_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int, split: st
     Works with any template whose rendering of a conversation prefix is a token prefix of the
     whole rendering (true of the usual ChatML/Llama/Mistral templates); others are refused.
     """
+    encode = Encoder.of(tokenizer)
 
-    def fn(ex: dict, idx: int) -> dict:
-        messages, first = conversation(ex, layout, f"{split} row {idx}")
-        tools = _tools(ex, layout)
-        learned = [k for k, m in enumerate(messages) if m["role"] == "assistant" and k >= first]
-        if layout.answer and not ex[layout.answer]:
-            return _skipped(f"an empty {layout.answer!r}")
-        if not learned:
-            return _skipped("no assistant turn" + (f" in {layout.answer!r}" if layout.answer else ""))
-        ids: list[int] = []
-        labels: list[int] = []
-        for k in range(len(messages)):
-            steps = [(messages[:k], True, False)] if k in learned and k else []
-            steps.append((messages[: k + 1], False, k in learned))
-            for prefix, gen, supervised in steps:
-                new = render(tokenizer, prefix, gen, tools)
+    def fn(batch: dict, idx: list[int]) -> dict:
+        plans = [_renders(tokenizer, ex, layout, f"{split} row {i}") for ex, i in zip(_rows_of(batch), idx)]
+        tokens = iter(encode([text for p in plans if isinstance(p, list) for text, _ in p], False))
+        rows = []
+        for plan in plans:
+            if isinstance(plan, str):
+                rows.append(_skipped(plan))
+                continue
+            ids: list[int] = []
+            labels: list[int] = []
+            spans = []
+            for _, learned in plan:
+                new = next(tokens)
                 if new[: len(ids)] != ids:
                     raise ValueError(
                         "the chat template does not render a conversation prefix as a token prefix; "
                         "set chat_template to one that does"
                     )
-                labels += new[len(ids) :] if supervised else [IGNORE] * (len(new) - len(ids))
+                labels += new[len(ids) :] if learned else [IGNORE] * (len(new) - len(ids))
+                spans += [(len(ids), len(new))] if learned else []
                 ids = new
-        return _kept(ids, labels, max_len, "causal_lm")
+            rows.append(_kept(ids, labels, max_len, spans))
+        return _columns(rows)
 
     return fn
 
 
-def render(tokenizer, messages: list[dict], gen: bool, tools: list | None) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+def _renders(tokenizer, ex: dict, layout: Layout, where: str) -> list[tuple[str, bool]] | str:
+    """A chat row as the template's renderings of its growing prefixes, each with whether the tokens it adds are
+    learned (an assistant turn's; the generation prompt before it is not); or why the row has nothing to learn."""
+    messages, first = conversation(ex, layout, where)
+    learned = [k for k, m in enumerate(messages) if m["role"] == "assistant" and k >= first]
+    if layout.answer and not ex[layout.answer]:
+        return f"an empty {layout.answer!r}"
+    if not learned:
+        return "no assistant turn" + (f" in {layout.answer!r}" if layout.answer else "")
+    tools = _tools(ex, layout)
+    out = []
+    for k in range(len(messages)):
+        if k in learned and k:
+            out.append((render(tokenizer, messages[:k], True, tools), False))
+        out.append((render(tokenizer, messages[: k + 1], False, tools), k in learned))
+    return out
+
+
+def render(tokenizer, messages: list[dict], gen: bool, tools: list | None) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen)
 
 
 def _tools(ex: dict, layout: Layout) -> list | None:
@@ -483,11 +560,16 @@ def _tools(ex: dict, layout: Layout) -> list | None:
 
 
 def classification_rows(tokenizer, data: DataArgs, max_len: int, label_ids: dict | None) -> Callable:
-    def fn(batch: dict) -> dict:
+    def fn(batch: dict, idx: list[int]) -> dict:
         pair = batch[data.text_pair_column] if data.text_pair_column else None
         enc = tokenizer(batch[data.text_column], pair, truncation=True, max_length=max_len)
-        labels = batch[data.label_column]
-        return {"input_ids": enc["input_ids"], "labels": [label_ids[v] if label_ids else v for v in labels]}
+        labels = [label_ids[v] if label_ids else v for v in batch[data.label_column]]
+        return {
+            "input_ids": enc["input_ids"],
+            "labels": labels,
+            "skip": [""] * len(labels),
+            "learned": [1] * len(labels),
+        }
 
     return fn
 
@@ -495,11 +577,13 @@ def classification_rows(tokenizer, data: DataArgs, max_len: int, label_ids: dict
 def text_rows(tokenizer, data: DataArgs, max_len: int) -> Callable:
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
-    def fn(batch: dict) -> dict:
+    def fn(batch: dict, idx: list[int]) -> dict:
         stream = [t for ids in tokenizer(batch[data.text_column])["input_ids"] for t in ids + eos]
         n = max(len(stream) // max_len, 1)  # a short batch still yields one (shorter) block
         blocks = [stream[i * max_len : (i + 1) * max_len] for i in range(n)]
-        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+        learned = [len(b) - 1 for b in blocks]  # every token but the first is predicted
+        skip = ["" if n else "a single token (nothing to predict)" for n in learned]
+        return {"input_ids": blocks, "labels": [list(b) for b in blocks], "skip": skip, "learned": learned}
 
     return fn
 

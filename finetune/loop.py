@@ -351,17 +351,19 @@ def _log_train(run: Run, state: TrainState, win: _Window, grad_norm, bar) -> Non
 
 
 def _log_eval(run: Run, state: TrainState, bar) -> dict[str, float]:
+    start = time.perf_counter()
     result = evaluate(run)
     if run.generation is not None:
         result.update(run.generation.evaluate(run, state.step))
-    run.log.write({"step": state.step, **result})
+    runtime = time.perf_counter() - start  # what this evaluation cost (metrics.jsonl, the summary's final eval)
+    run.log.write({"step": state.step, **result, "runtime_s": round(runtime, 3)})
     if run.log.enabled:  # the main process: curves.png so far
         write_curves(os.path.dirname(run.log.path), min_interval=CURVES_EVERY_S)
     if run.args.report_to:
         run.accelerator.log(result, step=state.step)
     if run.accelerator.is_main_process:
         text = "  ".join(f"{k} {v:.4f}" for k, v in result.items())
-        (bar.write if not bar.disable else logger.info)(f"eval @ step {state.step}: {text}")
+        (bar.write if not bar.disable else logger.info)(f"eval @ step {state.step}: {text}  ({runtime:.1f} s)")
     return result
 
 

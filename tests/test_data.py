@@ -21,9 +21,9 @@ from finetune.data import (
     balanced_split,
     build_datasets,
     pack,
-    supervised_count,
 )
 from finetune.demo import write_jsonl
+from finetune.formats import supervised_count
 from finetune.parallel import Topology, global_batch_index, make_plan
 
 
@@ -480,3 +480,37 @@ def test_length_aware_batches_keep_each_steps_examples():
             assert sorted(i for b in got[4 * s : 4 * s + 4] for i in b) == sorted(order[16 * s : 16 * s + 16])
         widths = [max(lengths[i] for i in b) for b in got]
         assert widths != sorted(widths) or len(set(len(b) for b in got)) > 1  # really reshaped
+
+
+def test_held_out_eval_is_capped_and_the_rest_trains(assets, tmp_path):
+    """eval_fraction_max_rows caps a held-out eval_fraction (the rows it leaves out train); null holds out the
+    whole fraction; the split is the same seeded one either way (the capped eval rows are a held-out sample)."""
+    rows = [{"prompt": f"Which topic? {i}", "response": "sports"} for i in range(100)]
+    path = write_jsonl(rows, tmp_path / "hundred.jsonl")
+    capped = build(path, assets.tokenizer, eval_fraction=0.3, eval_fraction_max_rows=7)
+    whole = build(path, assets.tokenizer, eval_fraction=0.3, eval_fraction_max_rows=None)
+    assert (len(capped.train), len(capped.eval)) == (93, 7)
+    assert (len(whole.train), len(whole.eval)) == (70, 30)
+    texts = {tuple(ids) for ids in capped.train["input_ids"]} | {tuple(ids) for ids in capped.eval["input_ids"]}
+    assert len(texts) == 100  # every row once: in train or in eval
+
+
+def test_a_second_build_reads_the_datasets_cache(assets, tmp_path):
+    """The same data, tokenizer and settings: the second build (a fresh tokenizer object, as in a new process)
+    writes no cache file and reads the first one's, for train and eval."""
+    from transformers import AutoTokenizer
+
+    path = write_jsonl([{"prompt": f"Which topic? {i}", "response": "sports"} for i in range(40)], tmp_path / "d.jsonl")
+    kw = {"eval_fraction": 0.25, "packing": True}
+    first = build(path, AutoTokenizer.from_pretrained(assets.root / "tokenizer"), **kw)
+    here = Path(first.train.cache_files[0]["filename"]).parent  # this file's cache (other tests write elsewhere)
+
+    def files() -> set[str]:
+        return {str(p) for p in here.rglob("*.arrow")}
+
+    before = files()
+    second = build(path, AutoTokenizer.from_pretrained(assets.root / "tokenizer"), **kw)
+    assert files() == before
+    for a, b in ((first.train, second.train), (first.eval, second.eval)):
+        assert a.cache_files and [f["filename"] for f in a.cache_files] == [f["filename"] for f in b.cache_files]
+    assert first.supervised_tokens == second.supervised_tokens > 0

@@ -251,3 +251,25 @@ def test_bad_rows_are_named_as_such(assets, tmp_path, caplog):
         build(write_jsonl(no_answer, tmp_path / "no_answer.jsonl"), tok)
     [(key, message)] = info.value.problems
     assert key == "messages_column" and "no conversation has an assistant turn" in message
+
+
+def test_the_batch_encoder_gives_what_the_tokenizer_gives(assets):
+    """formats.Encoder (the Rust tokenizer's encode_batch_fast where it agrees on probe texts) gives exactly the ids
+    of tokenizer(...) for each model family's tokenizer, with and without special tokens."""
+    from transformers import AutoTokenizer
+
+    from finetune.formats import Encoder
+
+    rng = random.Random(7)
+    words = ["rain", "Match", "  spaced", "tab\there", "new\nline", "ünï", "42", "<|im_start|>", "</s>", "!?"]
+    texts = [
+        "".join(rng.choice(words) + rng.choice([" ", "", "  "]) for _ in range(rng.randint(0, 30))) for _ in range(60)
+    ]
+    fast = []
+    for model in (assets.llama, assets.t5, assets.bart, assets.bert, assets.gpt2):
+        tok = AutoTokenizer.from_pretrained(model)
+        encode = Encoder.of(tok)
+        fast.append(encode.fast)
+        for special in (True, False):
+            assert encode(texts, special) == tok(texts, add_special_tokens=special)["input_ids"], (model, special)
+    assert any(fast)  # the fast path was exercised

@@ -117,6 +117,7 @@ AT_LEAST_ONE_OR_NULL = (
     "save_steps",
     "save_total_limit",
     "max_train_samples",
+    "eval_fraction_max_rows",
     "preprocessing_num_workers",
 )
 NON_NEGATIVE = ("weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon", "dataloader_num_workers")

@@ -179,6 +179,11 @@ class DataArgs:
         0.05,
         "When no eval data/split is given: fraction of train held out for eval (deterministic from seed); 0 disables eval.",
     )
+    eval_fraction_max_rows: int | None = _f(
+        2000,
+        "The most rows eval_fraction holds out: on a large set the eval stays cheap and the rest trains (5% of up "
+        "to 40,000 rows is under it); null: no cap. An eval_dataset or eval_split is evaluated whole.",
+    )
     format: str = _f(
         "auto",
         f"Example format: one of {', '.join(FORMATS)}; auto picks it and its shape (messages, ShareGPT, TRL's "

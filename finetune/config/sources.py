@@ -18,6 +18,7 @@ SOURCE_FIELDS = (
     "eval_dataset",
     "eval_split",
     "eval_fraction",
+    "eval_fraction_max_rows",
     "format",
     "text_column",
     "text_pair_column",
@@ -178,8 +179,9 @@ def _source_problems(p: list, d: DataArgs, task: str, i: int, entry: dict, names
             p.append((f"{at}.format", SOURCE_FORMAT_FIXES[misfits[0]].format(fmt=s.format)))
     if not 0 <= s.eval_fraction < 1:
         p.append((f"{at}.eval_fraction", f"must be in [0, 1), got {s.eval_fraction}"))
-    if s.max_train_samples is not None and s.max_train_samples < 1:
-        p.append((f"{at}.max_train_samples", f"must be >= 1 or null (off), got {s.max_train_samples}"))
+    for key in ("max_train_samples", "eval_fraction_max_rows"):
+        if getattr(s, key) is not None and getattr(s, key) < 1:
+            p.append((f"{at}.{key}", f"must be >= 1 or null (off), got {getattr(s, key)}"))
     if "{prompt}" not in s.prompt_template:
         p.append((f"{at}.prompt_template", "must contain the placeholder {prompt}"))
     if check_path:

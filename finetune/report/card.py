@@ -139,7 +139,8 @@ def _data_lines(d, facts: RunFacts) -> list[str]:
         lines = [f"- a mixture of {len(sources)} sources ({rows}; eval also reported per source):"]
         lines += [f"  - `{src.name}`: `{src.args.dataset}`, weight {src.weight / total:.2f}" for src in sources]
         return lines + fmt
-    held_out = f", split `{d.eval_split}`" if d.eval_split else f", {d.eval_fraction:g} of train held out"
+    cap = f" (at most {d.eval_fraction_max_rows} rows)" if d.eval_fraction_max_rows else ""
+    held_out = f", split `{d.eval_split}`" if d.eval_split else f", {d.eval_fraction:g} of train held out{cap}"
     return [
         f"- train: `{d.dataset}`"
         + (f" (config `{d.dataset_config}`)" if d.dataset_config else "")

@@ -27,6 +27,7 @@ def outcome(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "steps": train[-1]["step"] if train else 0,
         "final_eval": {k: v for k, v in (evals[-1] if evals else {}).items() if k.startswith("eval_")},
+        "final_eval_s": evals[-1].get("runtime_s") if evals else None,  # what the last evaluation took
         "final_loss": train[-1]["loss"] if train else None,
         "tokens_seen": train[-1]["tokens_seen"] if train else 0,
         "train_seconds": seconds,

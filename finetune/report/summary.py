@@ -40,7 +40,8 @@ def summary(cfg: RunConfig, rows, facts: RunFacts, final_dir: str, card: str, cu
     if curves:
         lines.append(f"curves       {os.path.abspath(curves)}")
     if res["final_eval"]:
-        lines.append("final eval   " + "  ".join(f"{k} {v:.4f}" for k, v in res["final_eval"].items()))
+        took = f"  ({res['final_eval_s']:.1f} s)" if res["final_eval_s"] is not None else ""
+        lines.append("final eval   " + "  ".join(f"{k} {v:.4f}" for k, v in res["final_eval"].items()) + took)
     speed = f"{res['tokens_per_s']:.0f} tokens/s" if res["tokens_per_s"] else "tokens/s ?"
     mfu = f", MFU {100 * res['mfu']:.1f}%" if res["mfu"] is not None else ""
     lines.append(
