@@ -45,6 +45,10 @@ def run_cli(argv: list[str] | None = None) -> int:
         from finetune.commands.plot import main as plot
 
         return plot(argv[1:])
+    if argv[:1] == ["prepare"]:
+        from finetune.commands.prepare import main as prepare
+
+        return prepare(argv[1:])
     if argv[:1] == ["check"]:
         from finetune.commands.check import main as check
 

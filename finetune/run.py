@@ -39,6 +39,7 @@ from finetune import (
     model,
     optim,
     parallel,
+    prepared,
     report,
     watchdog,
 )
@@ -136,9 +137,12 @@ def find_resume(cfg: RunConfig, acc, storage, layout) -> checkpoint.Resume | Non
 def build_data(cfg: RunConfig, acc, topology: parallel.Topology, tokenizer):
     """Tokenized datasets (each machine's local main first, the others from the cache), the Plan, the eval metrics."""
     t = cfg.train
-    ds = mixture.build_mixture_datasets(
-        cfg.data, cfg.model.task, tokenizer, t.seed, functools.partial(cluster.node_first, acc)
-    )
+    if cfg.data.prepared_data:
+        ds = prepared.load(cfg, tokenizer)
+    else:
+        ds = mixture.build_mixture_datasets(
+            cfg.data, cfg.model.task, tokenizer, t.seed, functools.partial(cluster.node_first, acc)
+        )
     eval_metrics = metrics.load_metrics(t.metrics, cfg.model.task) if ds.eval is not None else {}
     plan = parallel.make_plan(t, len(ds.train), topology)
     logger.info(

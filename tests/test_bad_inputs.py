@@ -340,6 +340,12 @@ CASES = [
         "'conversations'",
         stage=DATA,
     ),
+    Case(
+        "prepared_data_not_prepared",
+        lambda c: c.yaml(prepared_data=c.mkdir("not_prepared")),
+        "prepared_data",
+        "finetune prepare",
+    ),
     Case("role_map_not_a_mapping", lambda c: c.yaml(role_map=["bot", "assistant"]), "role_map", "mapping"),
     Case("labels_empty", lambda c: cls_data(c, [0, 1, None, 1] * 5), "label_column", "empty labels", stage=DATA),
     Case("label_negative", lambda c: cls_data(c, [0, 1, -1, 2] * 5), "label_column", "-1", stage=DATA),

@@ -69,10 +69,11 @@ def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
-def build_config(values: dict[str, Any], *, check_filesystem: bool = True) -> RunConfig:
+def build_config(values: dict[str, Any], *, check_filesystem: bool = True, ignore: tuple[str, ...] = ()) -> RunConfig:
     """Turn a flat {field: value} dict (YAML merged with overrides) into a validated RunConfig.
 
-    Every problem is collected and raised together as one ConfigError.
+    Every problem (but those keyed `ignore`: what a subcommand does not use) is collected and raised together as
+    one ConfigError.
     """
     fields = all_fields()
     problems: list[tuple[str, str]] = []
@@ -102,6 +103,7 @@ def build_config(values: dict[str, Any], *, check_filesystem: bool = True) -> Ru
             sections[section][key.removeprefix(f"{section}.")] = coerced
     cfg = RunConfig(**{s: cls(**sections[s]) for s, cls in SECTIONS.items()})
     problems += validate(cfg, values.keys(), check_filesystem=check_filesystem)
+    problems = [(key, message) for key, message in problems if key not in ignore]
     if problems:
         raise ConfigError(problems)
     return cfg
@@ -114,7 +116,8 @@ def validate(
     check_filesystem is off (`finetune plan` reads no data), what the values say about the disk (preflight.py)."""
     has_eval = has_eval_data(cfg.data)
     p = rules.required_problems(cfg)
-    p += source_problems(cfg.data, cfg.model.task, preflight.check_data_path if check_filesystem else None)
+    reads_raw = check_filesystem and not cfg.data.prepared_data
+    p += source_problems(cfg.data, cfg.model.task, preflight.check_data_path if reads_raw else None)
     p += rules.choice_problems(cfg) + rules.format_problems(cfg) + rules.task_problems(cfg, given)
     p += rules.peft_problems(cfg.peft)
     if check_filesystem:
@@ -139,6 +142,7 @@ can be overridden on the command line. The parallelism is chosen by the Accelera
   finetune parity --config examples/sft.yaml --steps 10                    # same losses under every backend?
   finetune merge outputs/sft/final                                         # adapter + base -> one model
   finetune check --config examples/sft.yaml                                # preflight: launch it like the run
+  finetune prepare --config examples/sft.yaml --prepared_data data/sft     # tokenize and pack once, ahead of a job
   finetune plan --config examples/sft.yaml --num_gpus 8 --gpu_memory 80GB  # memory per rank, which config fits
   finetune plot outputs/ddp outputs/zero3 -o parity.png                    # several runs' curves in one PNG
   accelerate launch --config_file accelerate_configs/ddp.yaml finetune --config examples/sft.yaml --max_steps 50
@@ -193,8 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse(argv: list[str]):
-    """argv -> RunConfig. Raises ConfigError listing every problem (file, unknown flags, values)."""
+def parse(argv: list[str], ignore: tuple[str, ...] = ()):
+    """argv -> RunConfig. Raises ConfigError listing every problem (file, unknown flags, values) but those keyed
+    `ignore`."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     problems = unknown_option_problems(unknown)
@@ -209,7 +214,7 @@ def parse(argv: list[str]):
     if not args.config and not overrides:  # nothing given at all: the one thing to say is how to start
         raise ConfigError(problems)
     try:
-        cfg = build_config({**values, **overrides})
+        cfg = build_config({**values, **overrides}, ignore=ignore)
     except ConfigError as e:
         raise ConfigError(problems + e.problems) from None
     if problems:

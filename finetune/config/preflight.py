@@ -178,9 +178,18 @@ def filesystem_problems(cfg: RunConfig) -> list[tuple[str, str]]:
                     "give the template text or the path of a template file",
                 )
             )
-    if d.dataset and not d.datasets:
+    if d.prepared_data:  # the run reads the prepared rows, not the raw data (which this machine may not have)
+        if not os.path.isfile(os.path.join(d.prepared_data, "prepared.json")):
+            p.append(
+                (
+                    "prepared_data",
+                    f"{d.prepared_data!r} holds no prepared data (no prepared.json); run `finetune prepare --config "
+                    f"<this run's config> --prepared_data {d.prepared_data}` first, or remove prepared_data to read the raw data",
+                )
+            )
+    elif d.dataset and not d.datasets:
         check_data_path(p, "dataset", d.dataset)
-    if d.eval_dataset and not d.datasets:
+    if d.eval_dataset and not d.datasets and not d.prepared_data:
         check_data_path(p, "eval_dataset", d.eval_dataset)
     if t.metrics:
         check_metrics(p, t.metrics)

@@ -181,7 +181,7 @@ class DataArgs:
     )
     eval_fraction_max_rows: int | None = _f(
         2000,
-        "The most rows eval_fraction holds out: on a large set the eval stays cheap and the rest trains (5% of up "
+        "The most rows eval_fraction holds out: on a large set the eval stays cheap and the rest trains (a 0.05 fraction of up "
         "to 40,000 rows is under it); null: no cap. An eval_dataset or eval_split is evaluated whole.",
     )
     format: str = _f(
@@ -231,6 +231,12 @@ class DataArgs:
         "each optimizer step stay the same; per_device_train_batch_size becomes the average rows per micro batch.",
     )
     max_train_samples: int | None = _f(None, "Use only the first N training examples (debugging).")
+    prepared_data: str | None = _f(
+        None,
+        "A directory written by `finetune prepare` (the data tokenized, filtered and packed once, ahead of the "
+        "job): the run reads its rows instead of the raw data, after checking they were made with this run's data "
+        "fields, seed and tokenizer. `finetune prepare` writes it.",
+    )
     preprocessing_num_workers: int | None = _f(None, "Processes for tokenization (datasets.map num_proc).")
 
 

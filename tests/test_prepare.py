@@ -1,0 +1,57 @@
+"""`finetune prepare`: the data prepared once and read by the run (no raw data touched), the same training as from
+the raw data, and a run whose tokenizer or data fields differ from the preparation's refused, key by key."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+from conftest import base_args, finetune, max_rel_diff, max_weight_diff
+
+from finetune import demo
+
+
+def prepare(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "finetune", "prepare", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_a_prepared_run_trains_as_the_raw_data_does_and_differences_are_refused(assets, tmp_path):
+    raw = tmp_path / "raw" / "instruction.jsonl"
+    raw.parent.mkdir()
+    shutil.copy(assets.instruction, raw)
+    args = base_args(assets.llama, str(raw), "--max_steps", "4", "--packing", "true", "--eval_fraction", "0.1")
+    where = tmp_path / "prepared"
+    made = prepare(*args, "--output_dir", str(tmp_path / "unused"), "--prepared_data", str(where))
+    assert made.returncode == 0, made.stdout + made.stderr
+    manifest = json.loads((where / "prepared.json").read_text())
+    assert manifest["made_from"]["max_seq_length"] == 64 and manifest["made_from"]["packing"] is True
+    again = prepare(*args, "--prepared_data", str(where))  # never over an earlier preparation
+    assert again.returncode == 2 and "prepared_data" in again.stderr and "not empty" in again.stderr
+
+    from_raw = finetune(tmp_path / "from_raw", *args, "--gradient_accumulation_steps", "2", launcher="single")
+    os.rename(raw, raw.with_suffix(".moved"))  # the prepared run must not need the raw data
+    from_prepared = finetune(tmp_path / "from_prepared", *args, "--prepared_data", str(where), launcher="ddp")
+    # (2 ranks x accumulation 1 against 1 x 2: the same global batches)
+    assert f"the rows prepared by `finetune prepare` in {where}" in from_prepared.output
+    assert "tokenizing" not in from_prepared.output
+    assert len(from_raw.losses()) == 4 and max_rel_diff(from_raw.losses(), from_prepared.losses()) <= 1e-5
+    assert from_raw.eval_rows
+    assert abs(from_prepared.eval_rows[-1]["eval_loss"] / from_raw.eval_rows[-1]["eval_loss"] - 1) <= 1e-5
+    assert max_weight_diff(from_raw.output_dir / "final", from_prepared.output_dir / "final") <= 1e-5
+
+    other = tmp_path / "other_tokenizer"  # the same model with a tokenizer of another vocabulary
+    shutil.copytree(assets.llama, other)
+    for f in other.glob("*token*"):
+        f.unlink()
+    demo.build_tokenizer(other, vocab_size=500).save_pretrained(other)
+    for changed, key in ((["--model", str(other)], "model"), (["--max_seq_length", "128"], "max_seq_length")):
+        refused = finetune(
+            tmp_path / f"refused_{key}", *args, *changed, "--prepared_data", str(where), launcher="python",
+            expect_ok=False,
+        )  # fmt: skip
+        assert refused.returncode == 2 and f"  - {key}: the data in '{where}' was prepared with" in refused.output
+        assert "Traceback" not in refused.output
