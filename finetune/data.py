@@ -348,7 +348,8 @@ def build_datasets(
     with main_first():
         train_raw, eval_raw = load_splits(data, seed)
     layout = _checked_layout(train_raw, eval_raw, data, task, tokenizer)
-    logger.info("data %s: %s", data.dataset, layout.describe())
+    how = "detected from the columns" if data.format == "auto" else "as configured"
+    logger.info("data %s: %s; %s %s", data.dataset, layout.describe(), how, train_raw.column_names)
     label_names, label_ids = _labels(train_raw, eval_raw, data) if layout.format == "classification" else (None, None)
     rows = _rows(layout, data, task, tokenizer, label_ids)
     with main_first():
