@@ -172,8 +172,9 @@ def _source_target_layout(columns: list[str], features, data: DataArgs) -> Layou
     if problems:
         raise ConfigError(problems)
     return Layout(
-        "source_target", "source -> target", (data.source_column, data.target_column), answer=data.target_column
-    )
+        "source_target", "source -> target", (data.source_column, data.target_column),
+        prompt=data.source_column, answer=data.target_column,
+    )  # fmt: skip
 
 
 def _instruction_layout(columns: list[str], features, data: DataArgs) -> Layout:
@@ -405,10 +406,10 @@ def _prompt_answer(ex: dict, layout: Layout) -> tuple:
     return (prompt, "instruction"), (ex["output"], "output")
 
 
-def _pairs(batch: dict, layout: Layout, data: DataArgs) -> tuple[list, list[str]]:
+def _pairs(batch: dict, layout: Layout) -> tuple[list, list[str]]:
     """A batch's (prompt, answer) pairs (instruction, source_target) and why each row has nothing to learn."""
     if layout.format == "source_target":
-        s, t = data.source_column, layout.answer
+        s, t = layout.prompt, layout.answer
         pairs = [((src, s), (tgt, t)) for src, tgt in zip(batch[s], batch[t])]
     else:
         pairs = [_prompt_answer(ex, layout) for ex in _rows_of(batch)]
@@ -423,11 +424,12 @@ def instruction_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int) ->
     """The prompt through prompt_template (with the tokenizer's special tokens), then the answer + EOS: learned."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     encode = Encoder.of(tokenizer)
+    template = data.prompt_template  # (fn captures only what shapes the rows: its hash is datasets' cache key)
 
     def fn(batch: dict, idx: list[int]) -> dict:
-        pairs, why = _pairs(batch, layout, data)
+        pairs, why = _pairs(batch, layout)
         keep = [k for k, w in enumerate(why) if not w]
-        prompts = [data.prompt_template.format(prompt=pairs[k][0][0]) for k in keep]
+        prompts = [template.format(prompt=pairs[k][0][0]) for k in keep]
         rows = [_skipped(w) for w in why]
         answers = encode([str(pairs[k][1][0]) for k in keep], False)
         for k, p, r in zip(keep, encode(prompts, True), answers):
@@ -445,7 +447,7 @@ def seq2seq_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int) -> Cal
     encode = Encoder.of(tokenizer)
 
     def fn(batch: dict, idx: list[int]) -> dict:
-        pairs, why = _pairs(batch, layout, data)
+        pairs, why = _pairs(batch, layout)
         keep = [k for k, w in enumerate(why) if not w]
         rows = [_skipped(w) for w in why]
         sources = encode([str(pairs[k][0][0]) for k in keep], True)
@@ -560,10 +562,12 @@ def _tools(ex: dict, layout: Layout) -> list | None:
 
 
 def classification_rows(tokenizer, data: DataArgs, max_len: int, label_ids: dict | None) -> Callable:
+    text, pair_column, label = data.text_column, data.text_pair_column, data.label_column
+
     def fn(batch: dict, idx: list[int]) -> dict:
-        pair = batch[data.text_pair_column] if data.text_pair_column else None
-        enc = tokenizer(batch[data.text_column], pair, truncation=True, max_length=max_len)
-        labels = [label_ids[v] if label_ids else v for v in batch[data.label_column]]
+        pair = batch[pair_column] if pair_column else None
+        enc = tokenizer(batch[text], pair, truncation=True, max_length=max_len)
+        labels = [label_ids[v] if label_ids else v for v in batch[label]]
         return {
             "input_ids": enc["input_ids"],
             "labels": labels,
@@ -576,9 +580,10 @@ def classification_rows(tokenizer, data: DataArgs, max_len: int, label_ids: dict
 
 def text_rows(tokenizer, data: DataArgs, max_len: int) -> Callable:
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    column = data.text_column
 
     def fn(batch: dict, idx: list[int]) -> dict:
-        stream = [t for ids in tokenizer(batch[data.text_column])["input_ids"] for t in ids + eos]
+        stream = [t for ids in tokenizer(batch[column])["input_ids"] for t in ids + eos]
         n = max(len(stream) // max_len, 1)  # a short batch still yields one (shorter) block
         blocks = [stream[i * max_len : (i + 1) * max_len] for i in range(n)]
         learned = [len(b) - 1 for b in blocks]  # every token but the first is predicted

@@ -496,8 +496,9 @@ def test_held_out_eval_is_capped_and_the_rest_trains(assets, tmp_path):
 
 
 def test_a_second_build_reads_the_datasets_cache(assets, tmp_path):
-    """The same data, tokenizer and settings: the second build (a fresh tokenizer object, as in a new process)
-    writes no cache file and reads the first one's, for train and eval."""
+    """The same data, tokenizer and row-shaping settings: the second build (a fresh tokenizer object, as in a new
+    process; data fields that do not shape the rows changed, as between `finetune prepare` and a run) writes no
+    cache file and reads the first one's, for train and eval."""
     from transformers import AutoTokenizer
 
     path = write_jsonl([{"prompt": f"Which topic? {i}", "response": "sports"} for i in range(40)], tmp_path / "d.jsonl")
@@ -509,7 +510,8 @@ def test_a_second_build_reads_the_datasets_cache(assets, tmp_path):
         return {str(p) for p in here.rglob("*.arrow")}
 
     before = files()
-    second = build(path, AutoTokenizer.from_pretrained(assets.root / "tokenizer"), **kw)
+    unrelated = {"length_aware_batching": True, "prepared_data": str(tmp_path / "elsewhere")}
+    second = build(path, AutoTokenizer.from_pretrained(assets.root / "tokenizer"), **kw, **unrelated)
     assert files() == before
     for a, b in ((first.train, second.train), (first.eval, second.eval)):
         assert a.cache_files and [f["filename"] for f in a.cache_files] == [f["filename"] for f in b.cache_files]
