@@ -6,6 +6,7 @@ The formats, their shapes and what the loss sees of each: finetune/formats.py.
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -172,13 +173,12 @@ def pack(batch: dict, max_len: int) -> dict:
         members[row].append(i)
         room[row] -= n
     rows: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
+    chain = itertools.chain.from_iterable  # (joins in C: packing runs at the speed of the tokenizer's output)
     for row in members:
-        rows["input_ids"].append([t for i in row for t in ids[i]])
+        rows["input_ids"].append(list(chain(ids[i] for i in row)))
         # The first token of a later example would be "predicted" from the previous example: mask it.
-        rows["labels"].append(
-            [t for k, i in enumerate(row) for t in (labels[i] if k == 0 else [IGNORE, *labels[i][1:]])]
-        )
-        rows["position_ids"].append([p for i in row for p in range(len(ids[i]))])
+        rows["labels"].append(list(chain(labels[i] if k == 0 else [IGNORE, *labels[i][1:]] for k, i in enumerate(row))))
+        rows["position_ids"].append(list(chain(range(len(ids[i])) for i in row)))
     return rows
 
 
