@@ -140,7 +140,7 @@ def measure(kind: str, n: int, packing: bool, tokenizer: str, model: str) -> dic
         rows, prep_s = int(m.group(1)), float(m.group(2))
         run = [*common, "--max_steps", "2", "--logging_steps", "1", "--save_steps", "null", "--disable_tqdm", "true"]
         out, run_s, run_peak, first_step = timed([PY, "-m", "finetune", *run, "--output_dir", str(scratch / "o")], env)
-        assert "tokenizing train" not in out, "the run did not read the datasets cache"
+        assert "tokenizing train" not in out and "packing:" not in out, "the run did not read the datasets cache"
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return {
