@@ -63,16 +63,6 @@ class Layout:
         return f"{self.format} format: {self.shape} (reads {', '.join(map(repr, self.columns)) or 'no column'})"
 
 
-def supervised_count(labels: list[int], task: str) -> int:
-    """Tokens (causal LM: after the one-token shift; seq2seq: every target token) or examples the loss is taken
-    over."""
-    if task == "classification":
-        return 1
-    if task == "seq2seq":
-        return sum(1 for t in labels if t != IGNORE)
-    return sum(1 for t in labels[1:] if t != IGNORE)
-
-
 # ---------------------------------------------------------------- which format and shape
 
 
@@ -117,10 +107,15 @@ def _claims(fmt: str, columns: list[str], features, data: DataArgs) -> bool:
     return data.text_column in columns
 
 
-def _is_messages(feature) -> bool:
-    """Whether a column's feature is a list of records (messages), as the datasets library reads JSON lists."""
+def _message_fields(feature) -> list[str] | None:
+    """The keys of the records a column's feature lists (messages, as the datasets library reads JSON lists of
+    objects); None when it holds something else."""
     inner = feature[0] if isinstance(feature, list) and feature else getattr(feature, "feature", None)
-    return isinstance(inner, dict)
+    return list(inner) if isinstance(inner, dict) else None
+
+
+def _is_messages(feature) -> bool:
+    return _message_fields(feature) is not None
 
 
 def _conversation_columns(columns: list[str], data: DataArgs) -> list[str]:
@@ -273,7 +268,8 @@ def _chat_layout(columns: list[str], features, data: DataArgs) -> Layout:
 
 def _message_keys(feature, column: str, data: DataArgs) -> tuple[str, str]:
     """(role key, content key) of the messages in `column`: role_key/content_key, else role/content or from/value."""
-    if not _is_messages(feature):
+    keys = _message_fields(feature)
+    if keys is None:
         raise ConfigError(
             [
                 (
@@ -284,8 +280,6 @@ def _message_keys(feature, column: str, data: DataArgs) -> tuple[str, str]:
                 )
             ]
         )
-    inner = feature[0] if isinstance(feature, list) else feature.feature
-    keys = list(inner)
     found = next(((r, c) for r, c in MESSAGE_KEYS if r in keys and c in keys), (None, None))
     role_key, content_key = data.role_key or found[0], data.content_key or found[1]
     problems = [
@@ -343,7 +337,7 @@ def _why_blank(value, column: str) -> str:
 
 def _kept(ids: list[int], labels: list[int], max_len: int, spans: list[tuple[int, int]]) -> dict:
     """A causal-LM row, cut to max_len. `spans` are the [start, end) runs of learned labels; `learned` counts those
-    left after the cut and the one-token shift (supervised_count, without a pass over the labels), and `skip` says
+    left after the cut and the one-token shift (without a pass over the labels), and `skip` says
     why there are none ('' when there are)."""
     learned = sum(max(0, min(end, max_len) - max(start, 1)) for start, end in spans)
     skip = "" if learned else f"truncated away at max_seq_length={max_len}"

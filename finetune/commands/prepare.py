@@ -29,12 +29,13 @@ def main(argv: list[str]) -> int:
     try:
         cfg = _config(argv)
         start = time.perf_counter()
-        out = _prepare(cfg)
+        ds = _prepare(cfg)
     except ConfigError as e:
         print(e.render(), file=sys.stderr)
         return 2
+    eval_rows = len(ds.eval) if ds.eval is not None else 0
     print(
-        f"prepared {out.rows} train rows ({out.supervised} supervised tokens), {out.eval_rows} eval rows in "
+        f"prepared {len(ds.train)} train rows ({ds.supervised_tokens} supervised tokens), {eval_rows} eval rows in "
         f"{time.perf_counter() - start:.1f} s into {os.path.abspath(cfg.data.prepared_data)}\n"
         f"train with them: finetune --config <this config> --prepared_data {cfg.data.prepared_data}"
     )
@@ -59,13 +60,8 @@ def _config(argv: list[str]):
     return cfg
 
 
-class _Prepared:
-    def __init__(self, ds):
-        self.rows, self.supervised = len(ds.train), ds.supervised_tokens
-        self.eval_rows = len(ds.eval) if ds.eval is not None else 0
-
-
-def _prepare(cfg) -> _Prepared:
+def _prepare(cfg):
+    """The run config's data, built as a run builds it (finetune.mixture), saved into prepared_data."""
     from finetune import mixture, prepared
     from finetune.model import load_tokenizer
 
@@ -73,4 +69,4 @@ def _prepare(cfg) -> _Prepared:
     tokenizer = load_tokenizer(cfg.model)
     ds = mixture.build_mixture_datasets(cfg.data, cfg.model.task, tokenizer, cfg.train.seed, contextlib.nullcontext)
     prepared.save(ds, cfg, tokenizer, cfg.data.prepared_data)
-    return _Prepared(ds)
+    return ds
