@@ -406,6 +406,8 @@ FIXED_ON_RESUME = (
     "format",
     "max_seq_length",
     "packing",
+    "streaming",
+    "shuffle_buffer_size",
     "max_train_samples",
     "eval_fraction",
     "eval_fraction_max_rows",

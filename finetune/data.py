@@ -32,15 +32,20 @@ class Datasets:
     eval: Any | None
     format: str
     label_names: list[str] | None  # classification: id -> name
-    supervised_tokens: int  # in train, after truncation
+    supervised_tokens: int | None  # in train, after truncation (None: streamed, not counted ahead)
     mixture: Any = None  # finetune.mixture.Mixture: the sources of the train rows (mixture.build_mixture_datasets)
+
+    @property
+    def streamed(self) -> bool:
+        return isinstance(self.train, StreamedRows)
 
 
 # ---------------------------------------------------------------- loading
 
 
-def _load(spec: str, data: DataArgs, split: str | None) -> Any:
-    """Load one split from a Hub id or local files. Errors are ConfigErrors naming the key."""
+def _load(spec: str, data: DataArgs, split: str | None, streaming: bool = False) -> Any:
+    """Load one split from a Hub id or local files (a datasets.IterableDataset when streaming). Errors are
+    ConfigErrors naming the key."""
     import datasets
 
     key = "dataset" if spec == data.dataset else "eval_dataset"
@@ -53,13 +58,13 @@ def _load(spec: str, data: DataArgs, split: str | None) -> Any:
             )
         kind = kinds.pop()
         try:
-            return datasets.load_dataset(kind, data_files=files, split="train")
+            return datasets.load_dataset(kind, data_files=files, split="train", streaming=streaming)
         except Exception as e:  # datasets raises many types for malformed files
             raise ConfigError(
                 [(key, f"could not read {spec!r} as {kind}: {_first_line(_cause(e))}; fix the file (or leave it out)")]
             ) from None
     try:
-        return datasets.load_dataset(spec, data.dataset_config, split=split or data.train_split)
+        return datasets.load_dataset(spec, data.dataset_config, split=split or data.train_split, streaming=streaming)
     except Exception as e:
         raise ConfigError(
             [
@@ -89,15 +94,8 @@ def load_splits(data: DataArgs, seed: int) -> tuple[Any, Any | None]:
     train = _load(data.dataset, data, None if looks_local(data.dataset) else data.train_split)
     if len(train) == 0:
         raise ConfigError([("dataset", f"{data.dataset!r} has no examples")])
-    if data.eval_dataset:
-        evalset = _load(data.eval_dataset, data, data.eval_split)
-    elif data.eval_split:
-        if looks_local(data.dataset):
-            raise ConfigError(
-                [("eval_split", "local files have one split; give eval_dataset or eval_fraction instead")]
-            )
-        evalset = _load(data.dataset, data, data.eval_split)
-    elif data.eval_fraction > 0:
+    evalset = _given_eval(data)
+    if evalset is None and data.eval_fraction > 0:
         n_eval = max(1, round(len(train) * data.eval_fraction))
         if n_eval >= len(train):
             raise ConfigError([("eval_fraction", f"leaves no training data out of {len(train)} examples; lower it")])
@@ -109,11 +107,22 @@ def load_splits(data: DataArgs, seed: int) -> tuple[Any, Any | None]:
             n_eval = data.eval_fraction_max_rows
         parts = train.train_test_split(test_size=n_eval, seed=seed, shuffle=True)
         train, evalset = parts["train"], parts["test"]
-    else:
-        evalset = None
     if data.max_train_samples:
         train = train.select(range(min(data.max_train_samples, len(train))))
     return train, evalset
+
+
+def _given_eval(data: DataArgs) -> Any | None:
+    """The eval data an eval_dataset or eval_split names, else None."""
+    if data.eval_dataset:
+        return _load(data.eval_dataset, data, data.eval_split)
+    if data.eval_split:
+        if looks_local(data.dataset):
+            raise ConfigError(
+                [("eval_split", "local files have one split; give eval_dataset or eval_fraction instead")]
+            )
+        return _load(data.dataset, data, data.eval_split)
+    return None
 
 
 # ---------------------------------------------------------------- labels
@@ -364,6 +373,94 @@ def build_datasets(
             n, took, n / max(took, 1e-9), ", packed" if data.packing else "",
         )  # fmt: skip
     return Datasets(train=train, eval=evalset, format=layout.format, label_names=label_names, supervised_tokens=n_super)
+
+
+# ---------------------------------------------------------------- streaming
+
+
+class StreamedRows(torch.utils.data.IterableDataset):
+    """`streaming: true`: the training rows read, shuffled in a seeded buffer, tokenized and packed as training
+    consumes them, never all at once.
+
+    The stream is the whole run (one "epoch"): when it runs out it starts again, reshuffled (pass p shuffles with
+    seed + p), and max_steps decides where it ends. Every rank reads the same stream; accelerate's
+    IterableDatasetShard keeps each rank's micro batches (in every chunk of data-parallel x micro rows, rank r's
+    are the r-th micro batch), as its batch sampler deals map-style batches: 2 ranks x GA 1 and 1 rank x GA 2
+    train the same rows. A resume reads the stream again up to its step (accelerate's skip_first_batches) and
+    trains from there: the same rows as the uninterrupted run, at the cost of tokenizing the skipped ones.
+    """
+
+    def __init__(self, rows: Any, empty: tuple[str, str]):
+        self.rows = rows  # a datasets.IterableDataset of token rows
+        self.empty = empty  # the problem when a pass yields no row
+
+    def set_epoch(self, epoch: int) -> None:
+        """accelerate's loader calls it; a stream's run is one epoch (its passes are counted in __iter__)."""
+
+    def __iter__(self):
+        for p in itertools.count():
+            self.rows.set_epoch(p)
+            n = 0
+            try:
+                for row in self.rows:
+                    n += 1
+                    yield row
+            except formats.BadExample as e:
+                raise ConfigError([(e.key, e.message)]) from None
+            if not n:
+                raise ConfigError([self.empty])
+
+
+def build_stream(
+    data: DataArgs, task: str, tokenizer, seed: int, main_first: Callable[[], AbstractContextManager]
+) -> Datasets:
+    """streaming: the training rows as a StreamedRows, eval (small) tokenized as usual: from eval_dataset,
+    eval_split, or the stream's first eval_fraction_max_rows rows (which training then skips)."""
+    import datasets
+
+    train_raw = _load(data.dataset, data, None if looks_local(data.dataset) else data.train_split, streaming=True)
+    with main_first():
+        eval_raw = _given_eval(data)
+    held_out = eval_raw is None and data.eval_fraction > 0
+    if held_out:
+        n = data.eval_fraction_max_rows
+        eval_raw = datasets.Dataset.from_list(list(train_raw.take(n)), features=train_raw.features)
+        train_raw = train_raw.skip(n)
+        logger.info(
+            "eval: the stream's first %d rows (eval_fraction_max_rows; a fraction of a stream of unknown length "
+            "cannot be taken), skipped by training", len(eval_raw),
+        )  # fmt: skip
+    if data.max_train_samples:
+        train_raw = train_raw.take(data.max_train_samples)
+    if next(iter(train_raw), None) is None:
+        key, fix = (
+            ("eval_fraction_max_rows", f"lower it ({n}) or give more data") if held_out else ("dataset", "give data")
+        )
+        raise ConfigError([(key, f"{data.dataset!r} has no training rows left to stream; {fix}")])
+    layout = _checked_layout(train_raw, eval_raw, data, task, tokenizer)
+    how = "detected from the columns" if data.format == "auto" else "as configured"
+    logger.info("data %s (streamed): %s; %s %s", data.dataset, layout.describe(), how, train_raw.column_names)
+    rows = _rows(layout, data, task, tokenizer, None)
+    evalset = _tokenize(eval_raw, "eval", rows, data, layout)[0] if eval_raw is not None else None
+    train = (
+        train_raw.shuffle(seed=seed, buffer_size=data.shuffle_buffer_size)
+        .map(rows("train"), batched=True, with_indices=True, remove_columns=train_raw.column_names)
+        .filter(lambda skip: not skip, input_columns="skip")  # rows with nothing to learn
+        .remove_columns(["skip", "learned"])
+    )
+    if data.packing:
+        train = train.map(pack, batched=True, batch_size=1000, fn_kwargs={"max_len": data.max_seq_length})
+    empty = (
+        f"no row of {data.dataset!r} has anything to learn (after formatting and truncation to max_seq_length="
+        f"{data.max_seq_length}); check the data"
+    )
+    stream = StreamedRows(train, ("dataset", empty))
+    next(iter(stream))  # bad rows at the start, or none to learn, fail here rather than at step 1
+    logger.info(
+        "streaming: shuffled in a buffer of %d rows (shuffle_buffer_size), tokenized%s as training reads",
+        data.shuffle_buffer_size, " and packed" if data.packing else "",
+    )  # fmt: skip
+    return Datasets(stream, evalset, layout.format, None, None)
 
 
 def _rows(layout: Layout, data: DataArgs, task: str, tokenizer, label_ids) -> Callable:

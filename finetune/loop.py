@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from finetune.best import BestRule
 from finetune.checkpoint import Checkpointer
 from finetune.config import TrainArgs
+from finetune.data import StreamedRows
 from finetune.faults import fault_point
 from finetune.generate import GenerationEval
 from finetune.metrics import MetricsLog, PrecisionProbe
@@ -59,7 +60,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: Any  # accelerate's AcceleratedScheduler (or the backend's): .step() once per optimizer step
     train_loader: torch.utils.data.DataLoader
-    sampler: MixtureSampler  # the order of an epoch depends only on (seed, epoch)
+    sampler: MixtureSampler | StreamedRows  # the order of an epoch depends only on (seed, epoch)
     eval_loader: torch.utils.data.DataLoader | None
     plan: Plan
     args: TrainArgs
@@ -330,7 +331,7 @@ def _log_train(run: Run, state: TrainState, win: _Window, grad_norm, bar) -> Non
         "padding_fraction": 1 - tokens.item() / positions.item(),  # of the token positions computed
         "step_time_s": seconds / win.steps,
         "mfu": run.flops_per_token * tokens.item() / seconds / run.peak_flops if run.peak_flops else None,
-        "epoch": state.step / run.plan.steps_per_epoch,
+        "epoch": None if run.plan.streamed else state.step / run.plan.steps_per_epoch,  # a stream's is unknown
         "skipped_steps": state.skipped_steps,
         **run.extra,
         **(run.precision.row() if run.precision is not None else {}),

@@ -77,7 +77,7 @@ def _run(cfg: RunConfig, acc, backend, storage) -> dict:
     r = build_loop(cfg, acc, backend, parts, ds, plan, facts, ckpt, eval_metrics, generation)
     facts = report.RunFacts(
         data_format=ds.format,
-        train_rows=len(ds.train),
+        train_rows=None if ds.streamed else len(ds.train),
         eval_rows=len(ds.eval) if ds.eval is not None else 0,
         label_names=ds.label_names,
         estimate=memory.train_peak_estimate(estimate, acc.device),
@@ -137,22 +137,27 @@ def find_resume(cfg: RunConfig, acc, storage, layout) -> checkpoint.Resume | Non
 def build_data(cfg: RunConfig, acc, topology: parallel.Topology, tokenizer):
     """Tokenized datasets (each machine's local main first, the others from the cache), the Plan, the eval metrics."""
     t = cfg.train
+    node_first = functools.partial(cluster.node_first, acc)
     if cfg.data.prepared_data:
         ds = prepared.load(cfg, tokenizer)
+    elif cfg.data.streaming:
+        ds = data.build_stream(cfg.data, cfg.model.task, tokenizer, t.seed, node_first)
     else:
-        ds = mixture.build_mixture_datasets(
-            cfg.data, cfg.model.task, tokenizer, t.seed, functools.partial(cluster.node_first, acc)
-        )
+        ds = mixture.build_mixture_datasets(cfg.data, cfg.model.task, tokenizer, t.seed, node_first)
     eval_metrics = metrics.load_metrics(t.metrics, cfg.model.task) if ds.eval is not None else {}
-    plan = parallel.make_plan(t, len(ds.train), topology)
-    logger.info(
-        "data: %s format, %d train rows (%d supervised %s), %s eval rows",
-        ds.format,
-        len(ds.train),
-        ds.supervised_tokens,
-        "examples" if cfg.model.task == "classification" else "tokens",
-        len(ds.eval) if ds.eval is not None else "no",
-    )
+    plan = parallel.make_plan(t, None if ds.streamed else len(ds.train), topology)
+    eval_rows = len(ds.eval) if ds.eval is not None else "no"
+    if ds.streamed:
+        logger.info("data: %s format, train rows streamed, %s eval rows", ds.format, eval_rows)
+    else:
+        logger.info(
+            "data: %s format, %d train rows (%d supervised %s), %s eval rows",
+            ds.format,
+            len(ds.train),
+            ds.supervised_tokens,
+            "examples" if cfg.model.task == "classification" else "tokens",
+            eval_rows,
+        )
     logger.info(
         "batch: micro %d x gradient accumulation %d x data parallel %d = global batch %d; "
         "%d steps (%d per epoch), warmup %d",
@@ -219,7 +224,7 @@ class Prepared:
     train_loader: Any
     scheduler: Any
     eval_loader: Any | None
-    sampler: mixture.MixtureSampler
+    sampler: mixture.MixtureSampler | data.StreamedRows  # set_epoch(epoch): the order of every epoch
 
 
 def build_optimization(cfg: RunConfig, acc, backend, net, ds: data.Datasets, plan, tokenizer) -> Prepared:
@@ -229,15 +234,20 @@ def build_optimization(cfg: RunConfig, acc, backend, net, ds: data.Datasets, pla
     warmup, length = plan.scheduler_steps
     scheduler = optim.build_scheduler(optimizer, t.lr_scheduler_type, warmup, length)
     collate = data.Collator(tokenizer.pad_token_id, encoder_decoder=cfg.model.task == "seq2seq")
-    sampler = mixture.MixtureSampler.of(ds, t.seed)  # the epoch's order; one source: EpochSampler's
-    if cfg.data.length_aware_batching:
+    if ds.streamed:  # the stream's own seeded order; accelerate keeps each rank's micro batches (StreamedRows)
+        sampler, batches = ds.train, {"batch_size": plan.loader_batch_size, "drop_last": True}
+    elif cfg.data.length_aware_batching:
+        sampler = mixture.MixtureSampler.of(ds, t.seed)  # the epoch's order; one source: EpochSampler's
         batches = {"batch_sampler": _length_aware_batches(ds.train, sampler, plan, net)}
     else:
+        sampler = mixture.MixtureSampler.of(ds, t.seed)
         batches = {"batch_size": plan.loader_batch_size, "sampler": sampler, "drop_last": True}
     gpu = acc.device.type == "cuda"
     loading = {
         "collate_fn": collate,
-        "num_workers": (2 if gpu else 0) if t.dataloader_num_workers is None else t.dataloader_num_workers,
+        "num_workers": (2 if gpu and not ds.streamed else 0)
+        if t.dataloader_num_workers is None
+        else t.dataloader_num_workers,
         "pin_memory": gpu,  # host-to-device copies from pinned memory
     }
     generator = torch.Generator().manual_seed(t.seed)

@@ -346,6 +346,16 @@ CASES = [
         "prepared_data",
         "finetune prepare",
     ),
+    Case("streaming_without_max_steps", lambda c: c.yaml(streaming=True, max_steps=-1), "max_steps", "streaming"),
+    Case(
+        "streaming_chat_role_not_assistant",  # found in the stream's first rows, before any model loads
+        lambda c: c.yaml(
+            format="chat", streaming=True, eval_fraction=0, dataset=c.jsonl("bot.jsonl", rows_chat(20, "bot"))
+        ),
+        "role_map",
+        "role_map: {bot: assistant}",
+        stage=DATA,
+    ),
     Case("role_map_not_a_mapping", lambda c: c.yaml(role_map=["bot", "assistant"]), "role_map", "mapping"),
     Case("labels_empty", lambda c: cls_data(c, [0, 1, None, 1] * 5), "label_column", "empty labels", stage=DATA),
     Case("label_negative", lambda c: cls_data(c, [0, 1, -1, 2] * 5), "label_column", "-1", stage=DATA),

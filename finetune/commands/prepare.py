@@ -47,6 +47,16 @@ def _config(argv: list[str]):
     target = cfg.data.prepared_data
     if not target:
         raise ConfigError([("prepared_data", "is required: the directory to write the prepared data into")])
+    if cfg.data.streaming:
+        raise ConfigError(
+            [
+                (
+                    "streaming",
+                    "prepare writes the whole data, tokenized, to disk, and a stream is read as training goes: "
+                    "set streaming: false to prepare, or train with streaming: true and no prepare",
+                )
+            ]
+        )
     if os.path.exists(target) and (not os.path.isdir(target) or os.listdir(target)):
         raise ConfigError(
             [

@@ -101,10 +101,44 @@ def data_problems(cfg: RunConfig) -> list[tuple[str, str]]:
         p.append(("prompt_template", "must contain the placeholder {prompt}"))
     if cfg.data.packing and cfg.model.task != "causal_lm":
         p.append(("packing", "packing applies to causal LM only; set packing: false"))
+    return p + streaming_problems(cfg)
+
+
+def streaming_problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    """What a stream of unknown length, read once in order, cannot do."""
+    d, t = cfg.data, cfg.train
+    if not d.streaming:
+        return []
+    p = []
+    off = "or set streaming: false"
+    if t.max_steps < 1:
+        p.append(("max_steps", "streaming: a stream has no length to count epochs in; set max_steps (the stream "
+                               "restarts, reshuffled, when it runs out)"))  # fmt: skip
+    if d.datasets:
+        p.append(("datasets", f"streaming reads one dataset; give `dataset` alone, {off}"))
+    if d.length_aware_batching:
+        p.append(("length_aware_batching", f"needs every row's length ahead, which a stream does not have; {off}"))
+    if cfg.model.task == "classification":
+        p.append(
+            ("task", f"classification needs the whole data's label set ahead, which a stream does not have; {off}")
+        )
+    if d.prepared_data:
+        p.append(("prepared_data", "prepared data is already tokenized and packed on disk; set streaming: false"))
+    if d.preprocessing_num_workers:
+        p.append(("preprocessing_num_workers", "streaming tokenizes as training reads, in the training process; "
+                                               "set it to null"))  # fmt: skip
+    if t.dataloader_num_workers:
+        p.append(("dataloader_num_workers", "streaming reads one stream in order in the training process; set it "
+                                            "to 0"))  # fmt: skip
+    if d.eval_fraction > 0 and not (d.eval_dataset or d.eval_split) and not d.eval_fraction_max_rows:
+        p.append(("eval_fraction_max_rows", "streaming holds out the stream's first eval_fraction_max_rows rows for "
+                                            "eval (a fraction of a stream of unknown length cannot be taken); set it, "
+                                            "give eval_dataset, or set eval_fraction: 0"))  # fmt: skip
     return p
 
 
 AT_LEAST_ONE = (
+    "shuffle_buffer_size",
     "per_device_train_batch_size",
     "per_device_eval_batch_size",
     "gradient_accumulation_steps",

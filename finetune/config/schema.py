@@ -238,6 +238,17 @@ class DataArgs:
         "fields, seed and tokenizer. `finetune prepare` writes it.",
     )
     preprocessing_num_workers: int | None = _f(None, "Processes for tokenization (datasets.map num_proc).")
+    streaming: bool = _f(
+        False,
+        "Read the training data as a stream (local files or a Hub dataset): rows are shuffled in a seeded buffer, "
+        "tokenized and packed as training consumes them, so neither the disk nor the memory holds the whole set. "
+        "Needs max_steps (the stream restarts, reshuffled, when it runs out); eval comes from eval_dataset, "
+        "eval_split or the stream's first eval_fraction_max_rows rows. Not with epochs, datasets mixtures, "
+        "length_aware_batching, classification or prepared_data (docs/data.md).",
+    )
+    shuffle_buffer_size: int = _f(
+        10_000, "streaming: rows held in the shuffle buffer (larger: closer to a full shuffle, more memory)."
+    )
 
 
 @dataclass

@@ -72,8 +72,13 @@ def make_accelerator(cfg: RunConfig):
                 gradient_accumulation_plugin=GradientAccumulationPlugin(
                     num_steps=t.gradient_accumulation_steps, sync_with_dataloader=False
                 ),
-                # Our sampler is already identical on every rank; accelerate only shards its batches.
-                dataloader_config=DataLoaderConfiguration(use_seedable_sampler=False, even_batches=True),
+                # Our sampler is already identical on every rank; accelerate only shards its batches. A stream
+                # (data.StreamedRows) is read by every rank, which keeps its own micro batches (IterableDatasetShard),
+                # instead of accelerate's default for iterables: rank 0 reads and sends batches, which must then all
+                # have one width.
+                dataloader_config=DataLoaderConfiguration(
+                    use_seedable_sampler=False, even_batches=True, dispatch_batches=False
+                ),
                 kwargs_handlers=handlers,
                 log_with=t.report_to or None,
                 # TensorBoard (report_to) writes under output_dir/runs/<tracker_project>.

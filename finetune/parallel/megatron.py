@@ -313,6 +313,14 @@ def _unsupported_problems(p: list, cfg: RunConfig) -> None:
                 "transformers generate); drop generation_max_new_tokens, or use a DDP/DeepSpeed/FSDP2 config",
             )
         )
+    if cfg.data.streaming:
+        p.append(
+            (
+                "streaming",
+                "is not supported under Megatron-LM (accelerate builds Megatron's own data loaders from sized "
+                "datasets); set streaming: false, or use a DDP/DeepSpeed/FSDP2 config",
+            )
+        )
     if cfg.data.packing:
         p.append(
             (

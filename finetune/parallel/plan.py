@@ -25,6 +25,7 @@ class Plan:
     total_steps: int
     warmup_steps: int
     num_processes: int  # accelerate steps a prepared scheduler once per process per optimizer step
+    streamed: bool = False  # the data is a stream of unknown length: the run is one "epoch" of max_steps
 
     @property
     def global_batch_size(self) -> int:
@@ -50,17 +51,18 @@ class Plan:
         return self.num_processes * self.gradient_accumulation_steps / global_count
 
 
-def make_plan(train: TrainArgs, n_train_rows: int, topology: Topology) -> Plan:
+def make_plan(train: TrainArgs, n_train_rows: int | None, topology: Topology) -> Plan:
     """How many optimizer steps, from the data size, the batch layout and max_steps/epochs.
 
     An epoch is the largest whole number of global batches in the data; the rest of an epoch's
     shuffle is not used, so every layout of the same global batch sees the same examples.
+    Streamed data (n_train_rows None) has no size: the run is one epoch of max_steps (config rules).
     Under Megatron-LM a rank's "micro batch" (what its loader yields per optimizer step) is the
     pipeline's micro batch x num_micro_batches (Topology.rows_per_micro_batch).
     """
     micro = topology.rows_per_micro_batch(train.per_device_train_batch_size)
     ga, dp = train.gradient_accumulation_steps, topology.dp
-    steps_per_epoch = (n_train_rows // micro) // (dp * ga)
+    steps_per_epoch = train.max_steps if n_train_rows is None else (n_train_rows // micro) // (dp * ga)
     if steps_per_epoch == 0:
         raise ConfigError(
             [
@@ -78,7 +80,15 @@ def make_plan(train: TrainArgs, n_train_rows: int, topology: Topology) -> Plan:
         total = max(1, math.ceil(train.num_train_epochs * steps_per_epoch))
     warmup = train.warmup_steps if train.warmup_steps > 0 else math.ceil(train.warmup_ratio * total)
     return Plan(
-        micro, train.per_device_train_batch_size, ga, dp, steps_per_epoch, total, warmup, topology.num_processes
+        micro,
+        train.per_device_train_batch_size,
+        ga,
+        dp,
+        steps_per_epoch,
+        total,
+        warmup,
+        topology.num_processes,
+        streamed=n_train_rows is None,
     )
 
 
