@@ -127,7 +127,8 @@ def evaluate(run: Run) -> dict[str, float]:
     """Eval loss (mean over supervised tokens or examples) and metrics, over the whole eval set."""
     backend = run.backend
     run.model.eval()
-    parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+    parts: dict[str, list] = defaultdict(list)
+    dtypes: dict[str, torch.dtype] = {}
     for batch in run.eval_loader:
         batch.pop("num_supervised"), batch.pop("num_tokens"), batch.pop("num_positions")
         source = batch.pop("source", None)  # a mixture's eval rows: which source each comes from
@@ -136,9 +137,14 @@ def evaluate(run: Run) -> dict[str, float]:
         if source is not None:
             stats = {**stats, "source": source}
         for k, v in backend.gather_for_metrics(stats).items():  # drops the padding of an uneven last batch
-            parts[k].append(v.cpu())
+            # Kept as Python numbers, not as small tensors: a small tensor kept from every batch lands between the
+            # batch's large freed buffers in the heap and keeps the next (wider) batch from reusing them; measured,
+            # a streamed run's 2,000-row eval grew the process from 1.1 to 3.4 GB that way.
+            parts[k].extend(v.tolist())
+            dtypes[k] = v.dtype
     run.model.train()
-    return summarize_by_source({k: torch.cat(v) for k, v in parts.items()}, run.metrics, run.n_labels, run.sources)
+    stats = {k: torch.tensor(v, dtype=dtypes[k]) for k, v in parts.items()}
+    return summarize_by_source(stats, run.metrics, run.n_labels, run.sources)
 
 
 class _Window:
