@@ -158,7 +158,7 @@ class Checkpointer:
         kept = f"{previous} is intact and `latest` still names it" if previous else "no earlier checkpoint exists"
         raise CheckpointWriteError(
             f"could not write checkpoint step_{step} ({where}). A checkpoint of this run takes about "
-            f"{needs / 1e9:.2f} GB; {free / 1e9:.2f} GB are free under {self.output_dir}. {kept}. Free space, "
+            f"{_in_units(needs)}; {_in_units(free)} are free under {self.output_dir}. {kept}. Free space, "
             "set save_total_limit (keep fewer checkpoints) or choose another output_dir, then continue with "
             "--resume_from_checkpoint latest."
         )
@@ -214,6 +214,15 @@ def as_os_error(e: BaseException) -> OSError | None:
     if type(e).__name__ == "SafetensorError" and found:
         return OSError(int(found.group(2)), found.group(1))
     return None
+
+
+def _in_units(n: int) -> str:
+    """A size in the largest unit that leaves it at least 1 (1.23 GB, 45.60 MB, 789.00 KB): a small checkpoint is not
+    "0.00 GB"."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} bytes"
 
 
 def _size_of(path: str) -> int:

@@ -213,6 +213,12 @@ def test_full_disk_while_saving_then_a_damaged_checkpoint(assets, tmp_path):
     assert "No space left on device" in full.output and "save_total_limit" in full.output
     assert (ckpts / "latest").read_text().strip() == "step_2"
     assert not (ckpts / ".tmp_step_4").exists() and not (out / "final").exists()
+    # the size it names is step_2's, in a unit that shows it (a small checkpoint is not "0.00 GB")
+    said = re.search(r"takes about ([\d.]+) (GB|MB|KB|bytes); ", full.output)
+    size = sum(f.stat().st_size for f in (ckpts / "step_2").rglob("*") if f.is_file())
+    assert said and 1 <= float(said.group(1)) < 1000, full.output[-2000:]
+    scale = {"GB": 1e9, "MB": 1e6, "KB": 1e3, "bytes": 1}[said.group(2)]
+    assert abs(float(said.group(1)) * scale / size - 1) < 0.01
     finetune(out, *args, "--resume_from_checkpoint", "latest", launcher="python")
     assert json.loads((ckpts / "step_6" / "manifest.json").read_text())["model.safetensors"][0] > 0
     weights = ckpts / "step_6" / "model.safetensors"

@@ -21,6 +21,7 @@ What differs from DDP, and why:
 from __future__ import annotations
 
 import datetime
+import math
 
 from finetune.config import RunConfig
 from finetune.parallel import base, ddp, tensor
@@ -29,7 +30,7 @@ from finetune.parallel.topology import Launcher, fsdp_offloads
 
 def environment(cfg: RunConfig) -> None:
     base.unwrap_without_deepspeed()
-    if not base.has_accelerator_device() and Launcher.read().world_size > 1:
+    if not base.has_accelerator_device() and Launcher.read().distributed:  # one process under torchrun too
         come_up_on_cpu(datetime.timedelta(seconds=cfg.train.ddp_timeout or 600))
 
 
@@ -46,8 +47,21 @@ def come_up_on_cpu(timeout: datetime.timedelta) -> None:
 
 
 def problems(cfg: RunConfig) -> list[tuple[str, str]]:
-    tp = Launcher.read().tp_size
+    launcher = Launcher.read()
+    tp = launcher.tp_size
     p = tensor.model_problems(cfg, tp) if tp > 1 else []
+    sizes = launcher.parallelism_sizes
+    mesh = math.prod(sizes.values())
+    if launcher.use_parallelism_config and mesh != launcher.world_size:
+        said = " x ".join(f"{k} {v}" for k, v in sizes.items() if v > 1)
+        p.append(
+            (
+                tensor.KEY,
+                f"the config's parallelism_config ({said}) makes a mesh of {mesh} processes and the launch has "
+                f"{launcher.world_size}; launch {mesh} processes (--num_processes {mesh}), or change the "
+                "parallelism_config sizes (for one process: accelerate_configs/fsdp2.yaml or fsdp2_offload.yaml)",
+            )
+        )
     if cfg.model.task == "seq2seq":
         p.append(
             (
