@@ -199,15 +199,24 @@ class Collator:
     input and the labels each to their own longest (the model builds the decoder input from the labels).
     """
 
-    def __init__(self, pad_token_id: int, multiple_of: int = 8, encoder_decoder: bool = False):
+    def __init__(
+        self,
+        pad_token_id: int,
+        multiple_of: int = 8,
+        encoder_decoder: bool = False,
+        references: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+    ):
         self.pad = pad_token_id
         self.multiple_of = multiple_of
         self.encoder_decoder = encoder_decoder
+        self.references = references  # preference pairs: pair index -> the reference log-probs (preference.py)
 
     def _width(self, rows: list) -> int:
         return -(-max(len(r) for r in rows) // self.multiple_of) * self.multiple_of
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        if "chosen_ids" in examples[0]:
+            return self._pairs(examples)
         batch = self._encoder_decoder(examples) if self.encoder_decoder else self._padded(examples)
         if "source" in examples[0]:  # a mixture's eval rows name their source (finetune.mixture): eval per source
             batch["source"] = torch.tensor([e["source"] for e in examples])
@@ -236,6 +245,33 @@ class Collator:
             "num_positions": torch.tensor(len(examples) * width),
             "num_supervised": (labels_t[:, 1:] != IGNORE).sum() if per_token else torch.tensor(len(examples)),
         }
+
+    def _pairs(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        """B preference pairs as 2B rows, the chosen answers first: prompt + answer, only the answer learned; the
+        batch counts pairs (num_supervised), and carries each pair's index and reference log-probs (once known)."""
+        answers = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
+        prompts = [e["prompt_ids"] for e in examples] * 2
+        width = self._width([p + a for p, a in zip(prompts, answers)])
+        ids, labels, mask = [], [], []
+        for p, a in zip(prompts, answers):
+            gap = width - len(p) - len(a)
+            ids.append(list(p) + list(a) + [self.pad] * gap)
+            labels.append([IGNORE] * len(p) + list(a) + [IGNORE] * gap)
+            mask.append([1] * (len(p) + len(a)) + [0] * gap)
+        index = torch.tensor([e["pair_index"] for e in examples])
+        batch = {
+            "input_ids": torch.tensor(ids, dtype=torch.long),
+            "attention_mask": torch.tensor(mask, dtype=torch.long),
+            "labels": torch.tensor(labels, dtype=torch.long),
+            "pair_index": index,
+            "num_tokens": torch.tensor(sum(map(sum, mask))),
+            "num_positions": torch.tensor(len(ids) * width),
+            "num_supervised": torch.tensor(len(examples)),
+        }
+        reference = self.references(index) if self.references else None
+        if reference is not None:
+            batch["ref_logps"] = reference
+        return batch
 
     def _encoder_decoder(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         """Tokens and positions count both sides; the loss is over every target token (no shift)."""
@@ -367,6 +403,10 @@ def build_datasets(
         evalset = _tokenize(eval_raw, "eval", rows, data, layout)[0] if eval_raw is not None else None
         if data.packing:
             train = _packed(train, data.max_seq_length)
+        if layout.format == "preference":  # each pair's place in its split: its reference log-probs' row
+            train, evalset = (
+                x if x is None else x.add_column("pair_index", list(range(len(x)))) for x in (train, evalset)
+            )
         took, n = time.perf_counter() - start, len(train_raw) + (len(eval_raw) if eval_raw is not None else 0)
         logger.info(
             "data prepared: %d rows in %.1f s (%.0f rows/s; the datasets cache makes a rerun's near 0)%s",
@@ -474,6 +514,8 @@ def _rows(layout: Layout, data: DataArgs, task: str, tokenizer, label_ids) -> Ca
         return lambda split: formats.instruction_rows(tokenizer, data, layout, max_len)
     if layout.format == "text":
         return lambda split: formats.text_rows(tokenizer, data, max_len)
+    if layout.format == "preference":
+        return lambda split: formats.preference_rows(tokenizer, data, layout, max_len, split)
     return lambda split: formats.classification_rows(tokenizer, data, max_len, label_ids)
 
 
@@ -492,7 +534,7 @@ def _checked_layout(train_raw, eval_raw, data: DataArgs, task: str, tokenizer) -
                     )
                 ]
             )
-    if layout.format == "chat" and not tokenizer.chat_template:
+    if (layout.format == "chat" or layout.conversational) and not tokenizer.chat_template:
         raise ConfigError(
             [
                 (
@@ -589,6 +631,11 @@ def _reasons(why: dict[str, tuple[int, str]]) -> str:
 
 def _nothing_to_learn(reason: str, rows: int, layout: Layout, data: DataArgs) -> tuple[str, str]:
     """The problem when every training row was dropped for one reason: the answer's key, or max_seq_length."""
+    if layout.format == "preference":
+        return "rejected_column", (
+            f"no training pair has anything to compare: all {rows} have {reason}; give pairs whose answers differ, or "
+            "set chosen_column and rejected_column to the columns that hold them"
+        )
     if reason.startswith("truncated"):
         return "dataset", (
             f"no training example has a supervised token left after truncation to max_seq_length="

@@ -10,6 +10,8 @@ chat            messages of {role, content} [+ tools]; conversations of     the 
                 lists (TRL's conversational prompt-completion)             tokenizer's chat template
 classification  text [+ text_pair] + label                                 the label
 source_target   source + target (task seq2seq)                             the target + EOS
+preference      prompt + chosen + rejected, as text or message lists;      the two answers, compared (method dpo,
+                chosen + rejected conversations (the prompt their start)   ipo, orpo, simpo: finetune/preference.py)
 
 The same conversation in any of the chat shapes becomes the same tokens and labels (one assistant answer after
 its prompt: also the same as prompt-completion). Task seq2seq: the encoder reads the prompt (prompt_template is
@@ -58,6 +60,8 @@ class Layout:
     content_key: str = "content"
     roles: dict = field(default_factory=dict)  # the data's role name -> the chat template's
     tools: str | None = None  # chat: the column of tool definitions handed to the chat template
+    pair: tuple[str, ...] = ()  # preference: the (chosen, rejected) columns
+    conversational: bool = False  # preference: the pair (and prompt) are message lists
 
     def describe(self) -> str:
         return f"{self.format} format: {self.shape} (reads {', '.join(map(repr, self.columns)) or 'no column'})"
@@ -72,7 +76,7 @@ def layout_of(ds, data: DataArgs, task: str) -> Layout:
     columns = list(ds.column_names)
     if data.format != "auto":
         return _READERS[data.format](columns, ds.features, data)
-    for fmt in ("classification", "source_target", "chat", "instruction", "text"):
+    for fmt in ("classification", "source_target", "preference", "chat", "instruction", "text"):
         if fmt in TASK_FORMATS[task] and _claims(fmt, columns, ds.features, data):
             return _READERS[fmt](columns, ds.features, data)
     if task == "seq2seq":
@@ -100,6 +104,8 @@ def _claims(fmt: str, columns: list[str], features, data: DataArgs) -> bool:
         return True  # the task's only format
     if fmt == "source_target":
         return data.source_column in columns and data.target_column in columns
+    if fmt == "preference":
+        return data.chosen_column in columns and data.rejected_column in columns
     if fmt == "chat":
         return bool(_conversation_columns(columns, data)) or _conversational_pair(columns, features, data)
     if fmt == "instruction":
@@ -315,7 +321,41 @@ def role_names(data: DataArgs) -> dict:
     return {**{r: r for r in CHAT_ROLES}, **SHAREGPT_ROLES, **(data.role_map or {})}
 
 
+def _preference_layout(columns: list[str], features, data: DataArgs) -> Layout:
+    """{prompt, chosen, rejected} as text (the prompt through prompt_template, as instruction data), or as message
+    lists: with a prompt column (TRL's conversational preference), or chosen and rejected whole conversations whose
+    shared start is the prompt (TRL's implicit prompt)."""
+    pair = (data.chosen_column, data.rejected_column)
+    missing = [(k, c) for k, c in (("chosen_column", pair[0]), ("rejected_column", pair[1])) if c not in columns]
+    if missing:
+        raise ConfigError([(k, _not_there(c, columns, k)) for k, c in missing])
+    kinds = {_is_messages(features[c]) for c in pair}
+    if len(kinds) > 1:
+        raise ConfigError([("rejected_column", f"{pair[0]!r} and {pair[1]!r} must both be text or both be message "
+                                               "lists; write them in one form")])  # fmt: skip
+    conversational = kinds.pop()
+    prompt = data.prompt_column if data.prompt_column in columns else None
+    if not conversational and prompt is None:
+        raise ConfigError([("prompt_column", _not_there(data.prompt_column, columns, "prompt_column") + " (text "
+                                             "pairs need the prompt they answer)")])  # fmt: skip
+    if conversational and prompt and not _is_messages(features[prompt]):
+        raise ConfigError([("prompt_column", f"{prompt!r} holds text but {pair[0]!r} holds messages; write the "
+                                             "prompt as a message list too")])  # fmt: skip
+    role_key, content_key = _message_keys(features[pair[0]], pair[0], data) if conversational else ("role", "content")
+    if not conversational:
+        shape = "prompt -> chosen / rejected answers (text, the prompt through prompt_template)"
+    elif prompt:
+        shape = "prompt -> chosen / rejected as messages (TRL's conversational preference)"
+    else:
+        shape = "chosen / rejected conversations, their shared start the prompt (TRL's implicit prompt)"
+    return Layout(
+        "preference", shape, ((prompt,) if prompt else ()) + pair, prompt=prompt, role_key=role_key,
+        content_key=content_key, roles=role_names(data), pair=pair, conversational=conversational,
+    )  # fmt: skip
+
+
 _READERS: dict[str, Callable[..., Layout]] = {
+    "preference": _preference_layout,
     "text": _text_layout,
     "instruction": _instruction_layout,
     "chat": _chat_layout,
@@ -470,24 +510,29 @@ def conversation(ex: dict, layout: Layout, where: str) -> tuple[list[dict], int]
         parts = [(ex[layout.messages], layout.messages)]
     else:
         parts = [(ex[layout.prompt], layout.prompt), (ex[layout.answer], layout.answer)]
-    messages: list[dict] = []
-    for raw, column in parts:
-        if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw):
-            raise BadExample(
-                "messages_column",
-                f"{where}: column {column!r} must hold a list of messages, got {str(raw)[:60]!r}; fix the row",
-            )
-        for m in raw:
-            role = m.get(layout.role_key)
-            if role not in layout.roles:
-                raise BadExample(
-                    "role_map",
-                    f"{where}: the role {role!r} in {column!r} is not a chat role ({', '.join(CHAT_ROLES)}); set "
-                    f"role_map to map it to one, e.g. role_map: {{{role}: assistant}}",
-                )
-            rest = {k: v for k, v in m.items() if k not in (layout.role_key, layout.content_key)}
-            messages.append({"role": layout.roles[role], "content": m.get(layout.content_key), **_clean(rest)})
+    messages = [m for raw, column in parts for m in _to_messages(raw, column, layout, where)]
     return messages, (len(parts[0][0]) if not layout.messages else 0)
+
+
+def _to_messages(raw, column: str, layout: Layout, where: str) -> list[dict]:
+    """One column's messages as the chat template reads them: {role, content, ...} with the template's role names."""
+    if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw):
+        raise BadExample(
+            "messages_column",
+            f"{where}: column {column!r} must hold a list of messages, got {str(raw)[:60]!r}; fix the row",
+        )
+    messages = []
+    for m in raw:
+        role = m.get(layout.role_key)
+        if role not in layout.roles:
+            raise BadExample(
+                "role_map",
+                f"{where}: the role {role!r} in {column!r} is not a chat role ({', '.join(CHAT_ROLES)}); set "
+                f"role_map to map it to one, e.g. role_map: {{{role}: assistant}}",
+            )
+        rest = {k: v for k, v in m.items() if k not in (layout.role_key, layout.content_key)}
+        messages.append({"role": layout.roles[role], "content": m.get(layout.content_key), **_clean(rest)})
+    return messages
 
 
 def chat_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int, split: str) -> Callable:
@@ -553,6 +598,89 @@ def _tools(ex: dict, layout: Layout) -> list | None:
     if isinstance(value, str):
         value = json.loads(value) if value.strip() else None
     return _clean(value) or None
+
+
+PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")  # a tokenized preference pair (data.Collator joins them)
+
+
+def preference_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int, split: str) -> Callable:
+    """A pair as token ids: the prompt (text through prompt_template with the tokenizer's special tokens, or the chat
+    template's rendering of the prompt messages with its generation prompt) and each answer (text + EOS, or what
+    the chat template adds for the answer's messages), tokenized apart, as TRL does. Cut to max_seq_length prompt
+    first (its start, down to half of max_seq_length), then the answers (their ends). A pair with an empty answer,
+    or whose answers are the same tokens after the cut, has nothing to compare and is dropped (counted)."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    encode = Encoder.of(tokenizer)
+    template = data.prompt_template
+    chosen, rejected = layout.pair
+
+    def fn(batch: dict, idx: list[int]) -> dict:
+        texts = [
+            _pair_texts(tokenizer, ex, layout, template, f"{split} row {i}") for ex, i in zip(_rows_of(batch), idx)
+        ]
+        kept = [t for t in texts if isinstance(t, tuple)]
+        prompts = iter(encode([t[0] for t in kept], not layout.conversational))
+        answers = iter(encode([a for t in kept for a in t[1:]], False))
+        out: dict[str, list] = {k: [] for k in (*PAIR_COLUMNS, "skip", "learned")}
+        for t in texts:
+            row = dict(zip(PAIR_COLUMNS, ([], [], []))) | {"skip": t, "learned": 0}
+            if isinstance(t, tuple):
+                end = [] if layout.conversational else eos
+                whole = next(prompts), next(answers) + end, next(answers) + end
+                p, c, r = _fit_pair(*whole, max_len)
+                why = (
+                    ""
+                    if c != r
+                    else f"the same {chosen!r} and {rejected!r}"
+                    + (f" after the cut to max_seq_length={max_len}" if whole[1] != whole[2] else "")
+                )
+                row = {"prompt_ids": p, "chosen_ids": c, "rejected_ids": r, "skip": why, "learned": int(not why)}
+            for k, v in row.items():
+                out[k].append(v)
+        return out
+
+    return fn
+
+
+def _pair_texts(tokenizer, ex: dict, layout: Layout, template: str, where: str) -> tuple[str, str, str] | str:
+    """(prompt, chosen answer, rejected answer) as text, or why the row has nothing to compare."""
+    chosen, rejected = layout.pair
+    for col in layout.pair:
+        if _blank(ex[col]) or ex[col] == []:
+            return _why_blank(ex[col], col) if ex[col] != [] else f"an empty {col!r}"
+    if not layout.conversational:
+        if ex[layout.prompt] is None:
+            return _why_blank(None, layout.prompt)
+        return template.format(prompt=ex[layout.prompt]), str(ex[chosen]), str(ex[rejected])
+    c, r = (_to_messages(ex[col], col, layout, where) for col in layout.pair)
+    if layout.prompt:
+        prompt = _to_messages(ex[layout.prompt], layout.prompt, layout, where)
+    else:  # the shared start of the two conversations
+        k = next((k for k, (a, b) in enumerate(zip(c, r)) if a != b), min(len(c), len(r)))
+        prompt, c, r = c[:k], c[k:], r[k:]
+        if not prompt or not c or not r:
+            return f"no shared prompt before different answers in {chosen!r} and {rejected!r}"
+    start = render(tokenizer, prompt, True, None)
+    answers = []
+    for messages in (c, r):
+        whole = render(tokenizer, prompt + messages, False, None)
+        if not whole.startswith(start):
+            raise ValueError(
+                "the chat template does not render the prompt as the start of the whole conversation; set "
+                "chat_template to one that does"
+            )
+        answers.append(whole[len(start) :])
+    return start, answers[0], answers[1]
+
+
+def _fit_pair(p: list[int], c: list[int], r: list[int], max_len: int) -> tuple[list[int], list[int], list[int]]:
+    """Prompt + the longer answer within max_len: the prompt's start cut first (down to half of max_len), then the
+    answers' ends."""
+    longest = max(len(c), len(r))
+    if len(p) + longest > max_len:
+        p = p[-max(max_len - longest, max_len // 2) :]
+        c, r = c[: max_len - len(p)], r[: max_len - len(p)]
+    return p, c, r
 
 
 def classification_rows(tokenizer, data: DataArgs, max_len: int, label_ids: dict | None) -> Callable:

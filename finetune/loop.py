@@ -29,6 +29,7 @@ from finetune.metrics import MetricsLog, PrecisionProbe
 from finetune.mixture import MixtureSampler, summarize_by_source
 from finetune.parallel import Plan, global_batch_index
 from finetune.parallel.surface import Backend
+from finetune.preference import INPUTS, Objective
 from finetune.report import CURVES_EVERY_S, write_curves
 from finetune.stop import STOP, Diverged, Preempted
 from finetune.watchdog import Watchdog
@@ -77,6 +78,7 @@ class Run:
     best: BestRule | None = None  # best checkpoint and early stopping (None: off)
     generation: GenerationEval | None = None  # scores what the model writes
     precision: PrecisionProbe | None = None  # the dtypes the model really trains in
+    objective: Objective | None = None  # a preference method's loss (None: the model's own, SFT)
 
 
 def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: int):
@@ -109,7 +111,10 @@ def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: i
             & (2**63 - 1)
         )
         with acc.accumulate(run.model):
-            loss = backend.forward_loss(run.model, batch)  # Megatron-LM: the whole step runs in here
+            if run.objective is None:
+                loss = backend.forward_loss(run.model, batch)  # Megatron-LM: the whole step runs in here
+            else:  # preference pairs: the method's loss from the answers' log-probs (finetune.preference)
+                loss = run.objective.loss(backend.forward_logits(run.model, _inputs(batch)), batch)
             acc.backward(loss * (n * scale))  # Megatron-LM: returns at once (the step already ran)
             if acc.sync_gradients:  # true on the last micro batch only
                 grad_norm = backend.clip_grad_norm(run.model, run.args.max_grad_norm)
@@ -132,8 +137,11 @@ def evaluate(run: Run) -> dict[str, float]:
     for batch in run.eval_loader:
         batch.pop("num_supervised"), batch.pop("num_tokens"), batch.pop("num_positions")
         source = batch.pop("source", None)  # a mixture's eval rows: which source each comes from
-        labels = batch.pop("labels")
-        stats = backend.eval_stats(run.model, batch, labels, run.task)
+        if run.objective is not None:
+            stats = run.objective.per_pair(backend.forward_logits(run.model, _inputs(batch)), batch)
+        else:
+            labels = batch.pop("labels")
+            stats = backend.eval_stats(run.model, batch, labels, run.task)
         if source is not None:
             stats = {**stats, "source": source}
         for k, v in backend.gather_for_metrics(stats).items():  # drops the padding of an uneven last batch
@@ -144,7 +152,14 @@ def evaluate(run: Run) -> dict[str, float]:
             dtypes[k] = v.dtype
     run.model.train()
     stats = {k: torch.tensor(v, dtype=dtypes[k]) for k, v in parts.items()}
+    if run.objective is not None:
+        return run.objective.summarize(stats)
     return summarize_by_source(stats, run.metrics, run.n_labels, run.sources)
+
+
+def _inputs(batch: dict) -> dict:
+    """What the model's forward reads of a preference batch (the rest is for the loss)."""
+    return {k: batch[k] for k in INPUTS}
 
 
 class _Window:
@@ -341,6 +356,7 @@ def _log_train(run: Run, state: TrainState, win: _Window, grad_norm, bar) -> Non
         "skipped_steps": state.skipped_steps,
         **run.extra,
         **(run.precision.row() if run.precision is not None else {}),
+        **(run.objective.window_row(acc) if run.objective is not None else {}),
     }
     run.log.write(row)
     if run.args.report_to:

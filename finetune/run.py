@@ -39,6 +39,7 @@ from finetune import (
     model,
     optim,
     parallel,
+    preference,
     prepared,
     report,
     watchdog,
@@ -68,6 +69,7 @@ def _run(cfg: RunConfig, acc, backend, storage) -> dict:
     estimate = memory.run_estimate(cfg, acc, backend, net)  # logged; compared at the end
     parts = build_optimization(cfg, acc, backend, net, ds, plan, tokenizer)
     state = restore_or_start(cfg, acc, backend, parts, plan, resume, storage)
+    with_references(cfg, acc, backend, parts, ds, tokenizer, state.step, storage)
     console.attach(cfg.train.output_dir)  # output_dir is this run's now: the rank's log goes there
     run_config = cfg.to_flat()
     t = cfg.train
@@ -144,6 +146,9 @@ def build_data(cfg: RunConfig, acc, topology: parallel.Topology, tokenizer):
         ds = data.build_stream(cfg.data, cfg.model.task, tokenizer, t.seed, node_first)
     else:
         ds = mixture.build_mixture_datasets(cfg.data, cfg.model.task, tokenizer, t.seed, node_first)
+    if (ds.format == "preference") != (t.method != "sft"):
+        fix = "set method: dpo (or ipo, orpo, simpo)" if t.method == "sft" else "give {prompt, chosen, rejected} data"
+        raise ConfigError([("method", f"method {t.method} cannot train {ds.format} data; {fix}")])
     eval_metrics = metrics.load_metrics(t.metrics, cfg.model.task) if ds.eval is not None else {}
     plan = parallel.make_plan(t, None if ds.streamed else len(ds.train), topology)
     eval_rows = len(ds.eval) if ds.eval is not None else "no"
@@ -155,7 +160,7 @@ def build_data(cfg: RunConfig, acc, topology: parallel.Topology, tokenizer):
             ds.format,
             len(ds.train),
             ds.supervised_tokens,
-            "examples" if cfg.model.task == "classification" else "tokens",
+            "pairs" if ds.format == "preference" else "examples" if cfg.model.task == "classification" else "tokens",
             eval_rows,
         )
     logger.info(
@@ -225,6 +230,7 @@ class Prepared:
     scheduler: Any
     eval_loader: Any | None
     sampler: mixture.MixtureSampler | data.StreamedRows  # set_epoch(epoch): the order of every epoch
+    references: preference.References  # preference pairs: the reference log-probs the collators add
 
 
 def build_optimization(cfg: RunConfig, acc, backend, net, ds: data.Datasets, plan, tokenizer) -> Prepared:
@@ -233,7 +239,12 @@ def build_optimization(cfg: RunConfig, acc, backend, net, ds: data.Datasets, pla
     optimizer = optim.build_optimizer(net, t)
     warmup, length = plan.scheduler_steps
     scheduler = optim.build_scheduler(optimizer, t.lr_scheduler_type, warmup, length)
-    collate = data.Collator(tokenizer.pad_token_id, encoder_decoder=cfg.model.task == "seq2seq")
+    references = preference.References()  # preference pairs: filled before training (with_references)
+
+    def collate(split: str) -> data.Collator:
+        lookup = functools.partial(references.lookup, split) if ds.format == "preference" else None
+        return data.Collator(tokenizer.pad_token_id, encoder_decoder=cfg.model.task == "seq2seq", references=lookup)
+
     if ds.streamed:  # the stream's own seeded order; accelerate keeps each rank's micro batches (StreamedRows)
         sampler, batches = ds.train, {"batch_size": plan.loader_batch_size, "drop_last": True}
     elif cfg.data.length_aware_batching:
@@ -244,23 +255,38 @@ def build_optimization(cfg: RunConfig, acc, backend, net, ds: data.Datasets, pla
         batches = {"batch_size": plan.loader_batch_size, "sampler": sampler, "drop_last": True}
     gpu = acc.device.type == "cuda"
     loading = {
-        "collate_fn": collate,
         "num_workers": (2 if gpu and not ds.streamed else 0)
         if t.dataloader_num_workers is None
         else t.dataloader_num_workers,
         "pin_memory": gpu,  # host-to-device copies from pinned memory
     }
     generator = torch.Generator().manual_seed(t.seed)
-    train_loader = torch.utils.data.DataLoader(ds.train, **batches, **loading, generator=generator)
+    train_loader = torch.utils.data.DataLoader(
+        ds.train, **batches, **loading, collate_fn=collate("train"), generator=generator
+    )
     eval_loader = None
     if ds.eval is not None:
         eval_loader = torch.utils.data.DataLoader(
-            ds.eval, batch_size=t.per_device_eval_batch_size, shuffle=False, **loading
+            ds.eval, batch_size=t.per_device_eval_batch_size, shuffle=False, **loading, collate_fn=collate("eval")
         )
     net, optimizer, train_loader, eval_loader, scheduler = backend.prepare(
         net, optimizer, train_loader, eval_loader, scheduler, plan
     )
-    return Prepared(net, optimizer, train_loader, scheduler, eval_loader, sampler)
+    return Prepared(net, optimizer, train_loader, scheduler, eval_loader, sampler, references)
+
+
+def with_references(cfg: RunConfig, acc, backend, p: Prepared, ds: data.Datasets, tokenizer, step: int, storage):
+    """dpo/ipo: the starting model's log-probs of every pair, computed once by the prepared model (read back on a
+    resume) and handed to the collators: training holds one model."""
+    objective = preference.Objective.of(cfg.train)
+    if objective is None or not objective.needs_reference:
+        return
+    fingerprint = f"{ds.train._fingerprint}/{ds.eval._fingerprint if ds.eval is not None else ''}/{cfg.model.model}"
+    tables = preference.load_or_compute_references(
+        acc, backend, p.model, ds, data.Collator(tokenizer.pad_token_id), cfg.train.per_device_eval_batch_size,
+        cfg.train.output_dir, step, storage.writes, fingerprint,
+    )  # fmt: skip
+    p.references.train, p.references.eval = tables["train"], tables.get("eval")
 
 
 def _length_aware_batches(train, sampler, plan: parallel.Plan, net) -> data.LengthAwareBatchSampler:
@@ -349,6 +375,7 @@ def build_loop(
         best=best.BestRule.of(t),
         generation=generation,
         precision=metrics.PrecisionProbe(backend.hf_model(p.model)),
+        objective=preference.Objective.of(t),
     )
 
 

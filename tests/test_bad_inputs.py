@@ -346,6 +346,20 @@ CASES = [
         "prepared_data",
         "finetune prepare",
     ),
+    Case(
+        "dpo_on_instruction_data", lambda c: c.yaml(method="dpo"), "method", "cannot train instruction data", stage=DATA
+    ),  # fmt: skip
+    Case(
+        "preference_pairs_all_the_same",
+        lambda c: c.yaml(
+            method="orpo",
+            dataset=c.jsonl("same.jsonl", [{"prompt": f"p{i}", "chosen": "a", "rejected": "a"} for i in range(20)]),
+        ),
+        "rejected_column",
+        "anything to compare",
+        stage=DATA,
+    ),
+    Case("preference_method_unknown", lambda c: c.yaml(method="kto"), "method", "one of"),
     Case("streaming_without_max_steps", lambda c: c.yaml(streaming=True, max_steps=-1), "max_steps", "streaming"),
     Case(
         "streaming_chat_role_not_assistant",  # found in the stream's first rows, before any model loads

@@ -164,6 +164,9 @@ docs/data.md). One row of each shape, and what the loss learns from it:
                   other keys and role names: role_key, content_key, role_map
   classification  {"text": "rain all day", "label": "weather"}  -> the label
   source_target   {"source": "rain all day", "target": "weather"}  (task seq2seq)  -> the target
+  preference      {"prompt": "Topic?", "chosen": "weather", "rejected": "sports"}; chosen/rejected as
+                  message lists too  (method dpo, ipo, orpo, simpo; docs/preference.md)  -> the two compared
+  streaming: true reads the training data as a stream, tokenized as training goes (docs/data.md)
 
 Outputs (under output_dir): metrics.jsonl (one JSON row per logged step and per eval), curves.png,
 checkpoints/step_N (resumable; checkpoints/latest names the newest), final/ (a standard HF model

@@ -13,6 +13,7 @@ from finetune.config.schema import (
     DTYPES,
     FORMATS,
     GENERATION_METRICS,
+    METHODS,
     MIXED_PRECISIONS,
     NO_EVAL_DATA,
     PEFT_METHODS,
@@ -77,6 +78,7 @@ def choice_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     choice(p, "format", d.format, FORMATS)
     choice(p, "lr_scheduler_type", t.lr_scheduler_type, SCHEDULERS)
     choice(p, "cpu_allocator", t.cpu_allocator, CPU_ALLOCATORS)
+    choice(p, "method", t.method, METHODS)
     return p
 
 
@@ -101,7 +103,41 @@ def data_problems(cfg: RunConfig) -> list[tuple[str, str]]:
         p.append(("prompt_template", "must contain the placeholder {prompt}"))
     if cfg.data.packing and cfg.model.task != "causal_lm":
         p.append(("packing", "packing applies to causal LM only; set packing: false"))
-    return p + streaming_problems(cfg)
+    return p + streaming_problems(cfg) + preference_problems(cfg)
+
+
+def preference_problems(cfg: RunConfig) -> list[tuple[str, str]]:
+    """A preference method needs preference pairs, a causal LM and whole pairs per row; sft needs no pairs."""
+    d, t = cfg.data, cfg.train
+    p = []
+    if t.method == "sft":
+        if d.format == "preference":
+            p.append(("method", "format preference holds {prompt, chosen, rejected} pairs: set method: dpo (or ipo, "
+                                "orpo, simpo), or give supervised data"))  # fmt: skip
+        return p
+    if t.method not in METHODS:
+        return p
+    if cfg.model.task != "causal_lm":
+        p.append(("task", f"method {t.method} trains a causal LM on preference pairs; set task: causal_lm"))
+    if d.format not in ("auto", "preference"):
+        p.append(("format", f"method {t.method} reads preference pairs; set format: preference (or auto)"))
+    off = "or set method: sft"
+    for key, on, why in (
+        ("packing", d.packing, "a pair's two answers are compared whole, each in its own row"),
+        ("length_aware_batching", d.length_aware_batching, "a pair is two rows of its own lengths"),
+        ("streaming", d.streaming, "the reference log-probs are computed over the whole data before training"),
+        ("datasets", d.datasets, "one preference source per run for now"),
+        ("generation_max_new_tokens", t.generation_max_new_tokens, "generation eval scores supervised answers"),
+    ):
+        if on:
+            p.append((key, f"is not supported with method {t.method} ({why}); turn it off, {off}"))
+    if not t.beta > 0:
+        p.append(("beta", f"must be > 0, got {t.beta}"))
+    if not 0 <= t.label_smoothing < 0.5:
+        p.append(("label_smoothing", f"must be in [0, 0.5), got {t.label_smoothing}"))
+    if t.label_smoothing and t.method not in ("dpo", "simpo"):
+        p.append(("label_smoothing", f"applies to dpo and simpo, not {t.method}; set it to 0"))
+    return p
 
 
 def streaming_problems(cfg: RunConfig) -> list[tuple[str, str]]:

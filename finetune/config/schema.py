@@ -23,7 +23,9 @@ import yaml
 TASKS = ("causal_lm", "classification", "seq2seq")
 
 
-FORMATS = ("auto", "text", "instruction", "chat", "classification", "source_target")
+FORMATS = ("auto", "text", "instruction", "chat", "classification", "source_target", "preference")
+METHODS = ("sft", "dpo", "ipo", "orpo", "simpo")  # sft: the formats above; the others: preference pairs
+REFERENCE_METHODS = ("dpo", "ipo")  # compared with a reference model (ORPO and SimPO need none)
 
 
 GENERATION_METRICS = ("exact_match", "rouge", "bleu")  # scored on generated text (generation_metrics)
@@ -52,7 +54,7 @@ SHIPPED_METRICS = Path(__file__).parents[1] / "metric_modules"  # evaluate modul
 
 # The data formats each task trains on (format: auto picks one of them from the columns, data.detect_format).
 TASK_FORMATS = {
-    "causal_lm": ("text", "instruction", "chat"),
+    "causal_lm": ("text", "instruction", "chat", "preference"),
     "classification": ("classification",),
     "seq2seq": ("instruction", "source_target"),
 }
@@ -219,6 +221,10 @@ class DataArgs:
     tools_column: str | None = _f(
         "tools", "Chat format: the column of tool definitions handed to the chat template, when the data has it."
     )
+    chosen_column: str = _f(
+        "chosen", "Preference format: the preferred answer (text, or a message list: the conversation or its answer)."
+    )
+    rejected_column: str = _f("rejected", "Preference format: the dispreferred answer, in the same form as chosen.")
     source_column: str = _f("source", "source_target format (task seq2seq): column the encoder reads.")
     target_column: str = _f("target", "source_target format (task seq2seq): column the decoder learns to write.")
     label_column: str = _f("label", "Classification format: label column (int ids or strings).")
@@ -257,6 +263,19 @@ class TrainArgs:
 
     output_dir: str = _f("outputs/run", "Where metrics.jsonl, checkpoints/ and final/ are written.")
     overwrite_output_dir: bool = _f(False, "Replace a previous run in output_dir (refused otherwise).")
+    method: str = _f(
+        "sft",
+        f"One of {', '.join(METHODS)}. sft: supervised fine-tuning on text, instruction or chat data. dpo, ipo, "
+        "orpo, simpo: preference tuning on {prompt, chosen, rejected} pairs (format preference; docs/preference.md); "
+        "dpo and ipo compare with the starting model's log-probs, computed once before training.",
+    )
+    beta: float = _f(
+        0.1, "Preference methods: dpo/ipo/simpo: the strength of the preference (dpo's beta, ipo's tau); orpo: lambda."
+    )
+    label_smoothing: float = _f(
+        0.0, "dpo and simpo: the assumed rate of wrongly labelled pairs (robust DPO), in [0, 0.5)."
+    )
+    simpo_gamma: float = _f(0.5, "simpo: the target reward margin gamma.")
     max_steps: int = _f(-1, "Optimizer steps to run; -1 uses num_train_epochs.")
     num_train_epochs: float = _f(1.0, "Epochs to run when max_steps is -1.")
     per_device_train_batch_size: int = _f(8, "Micro batch per process.")

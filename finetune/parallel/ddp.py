@@ -126,6 +126,10 @@ class Backend:
     def forward_loss(self, model, batch: dict) -> torch.Tensor:
         return model(**batch, **self.no_kv_cache(model)).loss
 
+    def forward_logits(self, model, inputs: dict) -> torch.Tensor:
+        """The logits of a forward over `inputs` (no labels: the caller computes its own loss, preference.py)."""
+        return model(**inputs, **self.no_kv_cache(model)).logits
+
     def no_kv_cache(self, model) -> dict:
         """use_cache=False where the model's forward takes it (as Trainer sets it): a training or eval forward needs
         no KV cache, and one built per forward keeps every layer's keys and values until the output is dropped.

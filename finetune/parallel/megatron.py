@@ -313,6 +313,14 @@ def _unsupported_problems(p: list, cfg: RunConfig) -> None:
                 "transformers generate); drop generation_max_new_tokens, or use a DDP/DeepSpeed/FSDP2 config",
             )
         )
+    if cfg.train.method != "sft":
+        p.append(
+            (
+                "method",
+                f"{cfg.train.method} is not supported under Megatron-LM (its step computes the SFT loss inside "
+                "Megatron's GPT); use a DDP/DeepSpeed/FSDP2 config for preference tuning",
+            )
+        )
     if cfg.data.streaming:
         p.append(
             (

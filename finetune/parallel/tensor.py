@@ -57,6 +57,9 @@ def model_problems(cfg: RunConfig, tp: int) -> list[tuple[str, str]]:
     p: list[tuple[str, str]] = []
     if cfg.peft.method != "none":
         p.append(("peft.method", "adapters are not supported with tensor parallelism; set peft.method: none"))
+    if cfg.train.method != "sft":
+        p.append(("method", f"{cfg.train.method} is not supported with tensor parallelism yet (its log-probs need the "
+                            "whole vocabulary's logits); use a DDP/DeepSpeed/FSDP2 config"))  # fmt: skip
     if cfg.model.task != "causal_lm":
         p.append(
             (

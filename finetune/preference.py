@@ -1,0 +1,233 @@
+"""Preference tuning: `method: dpo | ipo | orpo | simpo` on {prompt, chosen, rejected} pairs (format preference).
+
+A micro batch of B pairs is one forward over 2B rows (the B chosen answers, then the B rejected ones, each after
+its prompt: data.Collator). Each row's log-probability of its answer is the sum of its answer tokens' log-probs
+(`sequence_logps`); the loss of a pair is one of the formulas below, as TRL writes them (trl/trainer/dpo_trainer.py
+`dpo_loss`, trl/trainer/orpo_trainer.py `odds_ratio_loss`, trl/trainer/cpo_trainer.py `cpo_loss` with loss_type
+simpo), and the loop averages it over every pair of the global batch (num_supervised counts pairs), so 2 ranks x
+GA 1 and 1 rank x GA 2 make the same update, as for SFT.
+
+    dpo    z = (pc - pr) - (rc - rr)                 loss = -(1-e) log s(b z) - e log s(-b z)     rewards b(p - r)
+    ipo    z = (pc/nc - pr/nr) - (rc/nc - rr/nr)     loss = (z - 1/(2b))^2                        rewards b(p/n - r/n)
+    orpo   a = p/n;  z = (ac - ar) - (log(1 - e^ac) - log(1 - e^ar))
+                                                     loss = -ac - b log s(z)                      rewards b a
+    simpo  a = p/n;  z = ac - ar - g/b               loss = -(1-e) log s(b z) - e log s(-b z)     rewards b a
+
+p: the policy's summed answer log-prob, r: the reference model's (the starting model, computed once before
+training: `compute_references`), n: answer tokens, c/r suffixes: chosen/rejected, s: sigmoid, b: beta, e:
+label_smoothing, g: simpo_gamma. ORPO's first term is the chosen answer's mean NLL per pair (the paper's per-example
+L_SFT; TRL takes the token mean over its batch, which depends on how the batch is cut); SimPO is TRL's CPO with
+loss_type simpo and cpo_alpha 0 (no NLL term), as in the SimPO paper.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from finetune.config import REFERENCE_METHODS
+from finetune.formats import IGNORE
+
+logger = logging.getLogger("finetune")
+
+REFERENCE_FILE = "reference_logps.pt"  # in output_dir: the starting model's log-probs (a resume reads them)
+INPUTS = ("input_ids", "attention_mask")  # what the model's forward reads of a pair batch
+
+
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the summed log-prob of its labelled tokens (each predicted from the one before) and their count."""
+    logits, labels = logits[:, :-1].float(), labels[:, 1:]
+    mask = labels != IGNORE
+    picked = torch.gather(logits, 2, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    logps = (picked - torch.logsumexp(logits, dim=-1)) * mask
+    return logps.sum(-1), mask.sum(-1)
+
+
+def pair_losses(
+    method: str,
+    beta: float,
+    policy: tuple[torch.Tensor, torch.Tensor],
+    counts: tuple[torch.Tensor, torch.Tensor],
+    reference: tuple[torch.Tensor, torch.Tensor] | None = None,
+    label_smoothing: float = 0.0,
+    simpo_gamma: float = 0.5,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, chosen reward, rejected reward) per pair, from summed log-probs (chosen, rejected) and token counts."""
+    (pc, pr), (nc, nr) = policy, (counts[0].clamp(min=1), counts[1].clamp(min=1))
+    if method == "dpo":
+        rc, rr = reference
+        z = (pc - pr) - (rc - rr)
+        loss = -F.logsigmoid(beta * z) * (1 - label_smoothing) - F.logsigmoid(-beta * z) * label_smoothing
+        return loss, beta * (pc - rc), beta * (pr - rr)
+    if method == "ipo":
+        rc, rr = reference
+        z = (pc / nc - pr / nr) - (rc / nc - rr / nr)
+        return (z - 1 / (2 * beta)) ** 2, beta * (pc - rc) / nc, beta * (pr - rr) / nr
+    ac, ar = pc / nc, pr / nr
+    if method == "orpo":
+        z = (ac - ar) - (torch.log1p(-torch.exp(ac)) - torch.log1p(-torch.exp(ar)))
+        return -ac - beta * F.logsigmoid(z), beta * ac, beta * ar
+    if method == "simpo":
+        z = ac - ar - simpo_gamma / beta
+        loss = -F.logsigmoid(beta * z) * (1 - label_smoothing) - F.logsigmoid(-beta * z) * label_smoothing
+        return loss, beta * ac, beta * ar
+    raise ValueError(f"unknown preference method {method!r}")
+
+
+@dataclass
+class References:
+    """The starting model's summed answer log-probs per pair, (N, 2) chosen/rejected, by the pair's index in its
+    split; None until computed (data.Collator puts them in each batch as `ref_logps`)."""
+
+    train: torch.Tensor | None = None
+    eval: torch.Tensor | None = None
+
+    def lookup(self, split: str, index: torch.Tensor) -> torch.Tensor | None:
+        table = getattr(self, split)
+        return None if table is None else table[index]
+
+
+@dataclass
+class Objective:
+    """A preference method's loss for the loop, the reward statistics of its log rows, and its eval."""
+
+    method: str
+    beta: float
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    window: dict = field(default_factory=dict)  # sums since the last log row
+
+    @classmethod
+    def of(cls, t) -> Objective | None:
+        """None for sft (the loop then takes the model's own loss)."""
+        if t.method == "sft":
+            return None
+        return cls(t.method, t.beta, t.label_smoothing, t.simpo_gamma)
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.method in REFERENCE_METHODS
+
+    def per_pair(self, logits: torch.Tensor, batch: dict) -> dict[str, torch.Tensor]:
+        """Loss, rewards and log-probs of each pair of a batch."""
+        sums, counts = sequence_logps(logits, batch["labels"])
+        b = sums.shape[0] // 2
+        reference = None
+        if self.needs_reference:
+            ref = batch["ref_logps"].to(sums.dtype)
+            reference = (ref[:, 0], ref[:, 1])
+        loss, chosen, rejected = pair_losses(
+            self.method, self.beta, (sums[:b], sums[b:]), (counts[:b], counts[b:]), reference,
+            self.label_smoothing, self.simpo_gamma,
+        )  # fmt: skip
+        return {"loss": loss, "chosen_reward": chosen, "rejected_reward": rejected, "chosen_logps": sums[:b],
+                "rejected_logps": sums[b:]}  # fmt: skip
+
+    def loss(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
+        """The micro batch's mean loss over its pairs (the loop weighs it by pairs / global pairs)."""
+        stats = self.per_pair(logits, batch)
+        with torch.no_grad():
+            for k, v in _row_sums(stats).items():
+                self.window[k] = self.window.get(k, 0.0) + v
+        return stats["loss"].mean()
+
+    def window_row(self, acc) -> dict[str, float]:
+        """The reward statistics since the last row, over every rank's pairs (a collective: every rank calls it)."""
+        keys = sorted(_ROW_KEYS)
+        sums = torch.stack([torch.as_tensor(self.window.get(k, 0.0), device=acc.device).float() for k in keys])
+        sums = dict(zip(keys, acc.reduce(sums, reduction="sum").tolist()))
+        self.window = {}
+        return _named(sums)
+
+    def summarize(self, stats: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Eval metrics from the gathered per-pair statistics: eval_loss and the reward statistics."""
+        sums = {k: float(v) for k, v in _row_sums(stats).items()}
+        return {"eval_loss": sums["loss"] / max(sums["pairs"], 1), **{f"eval_{k}": v for k, v in _named(sums).items()}}
+
+
+_ROW_KEYS = ("pairs", "loss", "chosen_reward", "rejected_reward", "correct", "chosen_logps", "rejected_logps")
+
+
+def _row_sums(stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {k: stats[k].detach().double().sum() for k in _ROW_KEYS if k in stats}
+    out["pairs"] = torch.tensor(float(stats["loss"].numel()))
+    out["correct"] = (stats["chosen_reward"] > stats["rejected_reward"]).double().sum()
+    return out
+
+
+def _named(sums: dict[str, float]) -> dict[str, float]:
+    n = max(sums["pairs"], 1)
+    return {
+        "rewards_chosen": sums["chosen_reward"] / n,
+        "rewards_rejected": sums["rejected_reward"] / n,
+        "reward_margin": (sums["chosen_reward"] - sums["rejected_reward"]) / n,
+        "reward_accuracy": sums["correct"] / n,
+        "logps_chosen": sums["chosen_logps"] / n,
+        "logps_rejected": sums["rejected_logps"] / n,
+    }
+
+
+# ---------------------------------------------------------------- the reference: the starting model, once
+
+
+@torch.no_grad()
+def compute_references(acc, backend, model, splits: dict, collate, batch_size: int) -> dict[str, torch.Tensor]:
+    """Each split's (N, 2) summed answer log-probs under the model as it is now (the start of training), every rank
+    its share of the batches (the prepared model: sharded as training shards it), gathered by pair index."""
+    out = {}
+    model.eval()
+    for split, ds in splits.items():
+        loader = acc.prepare_data_loader(
+            torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=False, collate_fn=collate)
+        )
+        table = torch.full((len(ds), 2), float("nan"), dtype=torch.float64)
+        for batch in loader:
+            sums, _ = sequence_logps(backend.forward_logits(model, {k: batch[k] for k in INPUTS}), batch["labels"])
+            b = sums.shape[0] // 2
+            got = backend.gather_for_metrics(
+                {"index": batch["pair_index"], "chosen": sums[:b].double(), "rejected": sums[b:].double()}
+            )
+            table[got["index"].cpu()] = torch.stack([got["chosen"], got["rejected"]], dim=1).cpu()
+        if torch.isnan(table).any():
+            raise RuntimeError(
+                f"reference log-probs: {int(torch.isnan(table).any(1).sum())} {split} pairs not computed"
+            )
+        out[split] = table
+    model.train()
+    return out
+
+
+def load_or_compute_references(acc, backend, model, ds, collate, batch_size: int, output_dir: str, step: int,
+                               writes: bool, fingerprint: str) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The starting model's log-probs: from output_dir when a run with this data saved them (a resume), else
+    computed now (a run at step 0) and saved there. A resume without them cannot recover them: refused."""
+    from finetune.config import ConfigError
+
+    path = os.path.join(output_dir, REFERENCE_FILE)
+    if os.path.exists(path):
+        saved = torch.load(path, weights_only=True)
+        if saved.get("fingerprint") == fingerprint:
+            logger.info("reference log-probs: read from %s", path)
+            return {k: v for k, v in saved.items() if k != "fingerprint"}
+    if step > 0:
+        raise ConfigError([("resume_from_checkpoint", f"{path} (the starting model's log-probs for this data) is "
+                            "missing or was made for other data; resume from the output_dir of the run that started "
+                            "it, or start over")])  # fmt: skip
+    splits = {"train": ds.train, **({"eval": ds.eval} if ds.eval is not None else {})}
+    import time
+
+    start = time.perf_counter()
+    tables = compute_references(acc, backend, model, splits, collate, batch_size)
+    logger.info(
+        "reference log-probs: the starting model over %s pairs in %.1f s (computed once; training holds one model)",
+        " + ".join(f"{len(t)} {k}" for k, t in tables.items()), time.perf_counter() - start,
+    )  # fmt: skip
+    if writes and acc.is_main_process:
+        torch.save({"fingerprint": fingerprint, **tables}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+    acc.wait_for_everyone()
+    return tables

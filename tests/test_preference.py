@@ -1,0 +1,218 @@
+"""Preference tuning (method dpo/ipo/orpo/simpo): the losses are TRL's formulas (written out here, apart from the
+product's code), the reference log-probs are the starting model's, 2 ranks x GA 1 make the same updates as 1 rank x
+GA 2, and what cannot work is refused by key."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import base_args, finetune, max_rel_diff, max_weight_diff
+
+from finetune.config import ConfigError, DataArgs
+from finetune.preference import pair_losses, sequence_logps
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+def pairs(path, n: int = 160, seed: int = 0, conversational: bool = False) -> str:
+    """Pairs whose chosen answer lists the prompt's words sorted, the rejected one sorted backwards."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        ws = rng.sample(WORDS, 4)
+        prompt, good, bad = "List: " + " ".join(ws), " ".join(sorted(ws)), " ".join(sorted(ws, reverse=True))
+        if conversational:
+            user = [{"role": "user", "content": prompt}]
+            rows.append({"chosen": user + [{"role": "assistant", "content": good}],
+                         "rejected": user + [{"role": "assistant", "content": bad}]})  # fmt: skip
+        else:
+            rows.append({"prompt": prompt, "chosen": good, "rejected": bad})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+# ---------------------------------------------------------------- TRL's formulas, written out
+
+
+def trl_dpo(pc, pr, rc, rr, beta, ls):  # trl DPOTrainer.dpo_loss, loss_type "sigmoid"
+    logits = (pc - pr) - (rc - rr)
+    losses = -F.logsigmoid(beta * logits) * (1 - ls) - F.logsigmoid(-beta * logits) * ls
+    return losses, beta * (pc - rc), beta * (pr - rr)
+
+
+def trl_ipo(pc, pr, rc, rr, beta):  # loss_type "ipo": log-probs averaged over the answer's tokens first
+    logits = (pc - pr) - (rc - rr)
+    return (logits - 1 / (2 * beta)) ** 2
+
+
+def trl_orpo(ac, ar, beta):  # ORPOTrainer.odds_ratio_loss (average log-probs), plus the chosen NLL
+    log_odds = (ac - ar) - (torch.log1p(-torch.exp(ac)) - torch.log1p(-torch.exp(ar)))
+    return -ac - beta * F.logsigmoid(log_odds), beta * ac, beta * ar
+
+
+def trl_simpo(ac, ar, beta, gamma, ls):  # CPOTrainer.cpo_loss, loss_type "simpo" (cpo_alpha 0)
+    logits = (ac - ar) - gamma / beta
+    return -F.logsigmoid(beta * logits) * (1 - ls) - F.logsigmoid(-beta * logits) * ls
+
+
+def test_the_losses_are_trls_formulas():
+    g = torch.Generator().manual_seed(0)
+    nc, nr = torch.randint(1, 30, (6,), generator=g), torch.randint(1, 30, (6,), generator=g)
+    pc, pr = (
+        -torch.rand(6, generator=g, dtype=torch.float64) * nc,
+        -torch.rand(6, generator=g, dtype=torch.float64) * nr,
+    )
+    rc, rr = (
+        pc + torch.randn(6, generator=g, dtype=torch.float64),
+        pr + torch.randn(6, generator=g, dtype=torch.float64),
+    )
+    close = lambda a, b: torch.allclose(a, b, rtol=1e-12, atol=1e-12)  # noqa: E731
+    for ls in (0.0, 0.2):
+        ours, want = pair_losses("dpo", 0.3, (pc, pr), (nc, nr), (rc, rr), ls), trl_dpo(pc, pr, rc, rr, 0.3, ls)
+        assert all(close(a, b) for a, b in zip(ours, want))
+    ipo = pair_losses("ipo", 0.3, (pc, pr), (nc, nr), (rc, rr))[0]
+    assert close(ipo, trl_ipo(pc / nc, pr / nr, rc / nc, rr / nr, 0.3))
+    ours = pair_losses("orpo", 0.25, (pc, pr), (nc, nr))
+    assert all(close(a, b) for a, b in zip(ours, trl_orpo(pc / nc, pr / nr, 0.25)))
+    simpo = pair_losses("simpo", 2.0, (pc, pr), (nc, nr), None, 0.1, 0.5)[0]
+    assert close(simpo, trl_simpo(pc / nc, pr / nr, 2.0, 0.5, 0.1))
+    assert pair_losses("dpo", 0.1, (pc, pr), (nc, nr), (pc, pr))[0].sub(math.log(2)).abs().max() < 1e-12
+
+    logits, labels = torch.randn(3, 7, 11, generator=g), torch.randint(0, 11, (3, 7), generator=g)
+    labels[:, :3] = -100  # the prompt
+    sums, counts = sequence_logps(logits, labels)
+    for row in range(3):  # token by token: log p(label t | tokens before t)
+        want = sum(torch.log_softmax(logits[row, t - 1], -1)[labels[row, t]] for t in range(3, 7))
+        assert abs(sums[row] - want) < 1e-5 and counts[row] == 4
+
+
+# ---------------------------------------------------------------- the data
+
+
+def test_pairs_in_text_and_conversational_shapes(assets, tmp_path):
+    from finetune.data import Collator, build_datasets
+
+    text = build_datasets(
+        DataArgs(dataset=pairs(tmp_path / "t.jsonl"), max_seq_length=64, eval_fraction=0),
+        "causal_lm", assets.tokenizer, 1, contextlib.nullcontext,
+    )  # fmt: skip
+    chat = build_datasets(
+        DataArgs(dataset=pairs(tmp_path / "c.jsonl", conversational=True), max_seq_length=64, eval_fraction=0),
+        "causal_lm", assets.tokenizer, 1, contextlib.nullcontext,
+    )  # fmt: skip
+    assert text.format == chat.format == "preference" and len(text.train) == len(chat.train) == 160
+    row = text.train[0]
+    tok = assets.tokenizer
+    assert row["chosen_ids"][-1] == tok.eos_token_id and row["chosen_ids"] != row["rejected_ids"]
+    assert tok.decode(row["chosen_ids"][:-1]).strip() == json.loads(open(tmp_path / "t.jsonl").readline())["chosen"]
+    c = chat.train[0]
+    assert tok.decode(c["prompt_ids"]).endswith(tok.decode(tok.apply_chat_template(
+        [{"role": "user", "content": "x"}], add_generation_prompt=True))[-20:])  # fmt: skip
+    batch = Collator(tok.pad_token_id)([text.train[i] for i in range(3)])
+    assert batch["input_ids"].shape[0] == 6 and batch["num_supervised"] == 3
+    learned = (batch["labels"] != -100).sum(1).tolist()
+    assert learned == [len(text.train[i]["chosen_ids"]) for i in range(3)] + [
+        len(text.train[i]["rejected_ids"]) for i in range(3)
+    ]
+
+
+def test_pairs_with_nothing_to_compare_are_refused_or_dropped(assets, tmp_path):
+    from finetune.data import build_datasets
+
+    path = tmp_path / "same.jsonl"
+    rows = [{"prompt": f"p{i}", "chosen": "same", "rejected": "same"} for i in range(20)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError) as e:
+        build_datasets(DataArgs(dataset=str(path), eval_fraction=0), "causal_lm", assets.tokenizer, 1,
+                       contextlib.nullcontext)  # fmt: skip
+    key, message = e.value.problems[0]
+    assert key == "rejected_column" and "same 'chosen' and 'rejected'" in message
+    rows[0]["rejected"] = "different"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = build_datasets(DataArgs(dataset=str(path), eval_fraction=0), "causal_lm", assets.tokenizer, 1,
+                        contextlib.nullcontext)  # fmt: skip
+    assert len(ds.train) == 1 and ds.supervised_tokens == 1
+
+
+# ---------------------------------------------------------------- runs
+
+
+def _references_of_the_start(model_dir, tokenizer, ds) -> torch.Tensor:
+    """Summed answer log-probs of each train pair under the starting model, one pair at a time, token by token."""
+    from transformers import AutoModelForCausalLM
+
+    net = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for row in ds:
+            p = row["prompt_ids"]
+            pair = []
+            for answer in (row["chosen_ids"], row["rejected_ids"]):
+                logp = torch.log_softmax(net(torch.tensor([p + answer])).logits[0].double(), -1)
+                pair.append(sum(logp[len(p) + k - 1, a].item() for k, a in enumerate(answer)))
+            out.append(pair)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("method", ["dpo", "orpo"])
+def test_two_ranks_equal_one_process_with_accumulation(assets, tmp_path, method):
+    data = pairs(tmp_path / "pairs.jsonl")
+    args = base_args(
+        assets.llama, data, "--method", method, "--max_steps", "4", "--per_device_train_batch_size", "2",
+        "--eval_fraction", "0.1", "--beta", "0.5",
+    )  # fmt: skip
+    one = finetune(tmp_path / "one", *args, "--gradient_accumulation_steps", "2", launcher="single")
+    two = finetune(tmp_path / "two", *args, launcher="ddp")
+    assert len(one.losses()) == 4 and max_rel_diff(one.losses(), two.losses()) <= 1e-5
+    for key in ("rewards_chosen", "reward_accuracy", "logps_rejected"):
+        a, b = [r[key] for r in one.train_rows], [r[key] for r in two.train_rows]
+        assert len(a) == 4 and all(abs(x - y) <= 1e-5 * max(1.0, abs(x)) for x, y in zip(a, b)), (key, a, b)
+    assert one.eval_rows and abs(one.eval_rows[-1]["eval_loss"] / two.eval_rows[-1]["eval_loss"] - 1) <= 1e-5
+    assert max_weight_diff(one.output_dir / "final", two.output_dir / "final") <= 1e-5
+    if method == "dpo":
+        assert one.losses()[0] == pytest.approx(0.693147, abs=1e-5)  # the policy starts as the reference
+        saved = torch.load(one.output_dir / "reference_logps.pt", weights_only=True)
+        from finetune.data import build_datasets
+
+        ds = build_datasets(DataArgs(dataset=data, max_seq_length=64, eval_fraction=0.1), "causal_lm",
+                            assets.tokenizer, 42, contextlib.nullcontext)  # fmt: skip
+        want = _references_of_the_start(assets.llama, assets.tokenizer, ds.train)
+        assert saved["train"].shape == want.shape == (len(ds.train), 2)
+        assert (saved["train"] - want).abs().max() <= 1e-6 * want.abs().max()
+        assert torch.equal(saved["train"], torch.load(two.output_dir / "reference_logps.pt")["train"]) or (
+            (saved["train"] - torch.load(two.output_dir / "reference_logps.pt")["train"]).abs().max() <= 1e-9
+        )
+
+
+def test_method_and_data_that_do_not_fit_are_refused(assets, tmp_path):
+    sft_on_pairs = finetune(tmp_path / "a", *base_args(assets.llama, pairs(tmp_path / "p.jsonl"), "--max_steps", "1"),
+                            launcher="python", expect_ok=False)  # fmt: skip
+    assert sft_on_pairs.returncode == 2 and "  - method: method sft cannot train preference data" in sft_on_pairs.output
+    dpo_on_sft = finetune(tmp_path / "b", *base_args(assets.llama, assets.instruction, "--method", "dpo"),
+                          launcher="python", expect_ok=False)  # fmt: skip
+    assert dpo_on_sft.returncode == 2 and "  - method: method dpo cannot train instruction data" in dpo_on_sft.output
+    packed = finetune(tmp_path / "c", *base_args(assets.llama, pairs(tmp_path / "p.jsonl"), "--method", "orpo",
+                      "--packing", "true"), launcher="python", expect_ok=False)  # fmt: skip
+    assert packed.returncode == 2 and "  - packing: is not supported with method orpo" in packed.output
+    for out in (sft_on_pairs, dpo_on_sft, packed):
+        assert "Traceback" not in out.output
+
+
+def test_dpo_learns_a_preference_it_was_not_shown(assets, tmp_path):
+    """Held-out pairs (word sets not trained on): the reward ranks the sorted answer over the backwards one in >= 90%
+    of them after 40 steps; at the start the policy is the reference and ranks none (every margin 0)."""
+    args = base_args(
+        assets.llama, pairs(tmp_path / "pairs.jsonl", n=240, seed=1), "--method", "dpo", "--beta", "0.5",
+        "--max_steps", "40", "--per_device_train_batch_size", "8", "--learning_rate", "3e-3", "--eval_fraction", "0.2",
+        "--eval_on_start", "true", "--logging_steps", "10",
+    )  # fmt: skip
+    r = finetune(tmp_path / "run", *args, launcher="python")
+    start, end = r.eval_rows[0], r.eval_rows[-1]
+    assert start["step"] == 0 and start["eval_reward_margin"] == 0 and start["eval_reward_accuracy"] == 0
+    assert end["step"] == 40 and end["eval_reward_accuracy"] >= 0.9 and end["eval_reward_margin"] > 1
