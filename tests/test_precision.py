@@ -92,6 +92,7 @@ def bf16_runs(assets, tmp_path_factory):
     return out, tmp / "fp32" / "single"
 
 
+@pytest.mark.xdist_group("bf16_runs")  # one worker: the module fixture (every layout in bf16) runs once
 def test_bf16_every_layout_equals_one_bf16_process(assets, bf16_runs):
     out, fp32 = bf16_runs
     base = load_file(os.path.join(assets.llama, "model.safetensors"))
@@ -123,6 +124,7 @@ def test_bf16_every_layout_equals_one_bf16_process(assets, bf16_runs):
         assert held == "float32", (name, held)
 
 
+@pytest.mark.xdist_group("bf16_runs")  # one worker: the module fixture (every layout in bf16) runs once
 def test_an_fp32_fallback_fails_the_bf16_check(bf16_runs):
     """The check the layouts pass must catch a run that silently trained in fp32."""
     _, fp32 = bf16_runs
@@ -132,6 +134,7 @@ def test_an_fp32_fallback_fails_the_bf16_check(bf16_runs):
         assert_ran_in(rows, "bfloat16")
 
 
+@pytest.mark.xdist_group("bf16_runs")  # one worker: the module fixture (every layout in bf16) runs once
 def test_two_loopback_machines_in_bf16_equal_one_process(assets, tmp_path, bf16_runs):
     """mixed_precision from the run config (the launcher says nothing): two machines x 1 process on 127.0.0.1."""
     import conftest
