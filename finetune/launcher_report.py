@@ -47,6 +47,11 @@ MARK = "finetune"  # top-level key of an error file written here; torch reads on
 SHOW_TRACEBACK = "FINETUNE_LAUNCHER_TRACEBACK"
 CHILD_ERROR_FILE = "FINETUNE_LAUNCHER_ERROR_FILE"  # set by an `accelerate launch` of finetune for its children
 _stopped_by: list[int] = []  # the signal this launcher forwarded to its children
+# torchrun's own one-line records about its ranks ("failed (exitcode: 2) local_rank: 0 ...", "Sending process N closing
+# signal SIGTERM", "Received Signals.SIGTERM death signal"): they repeat what the ranks said, so in a launch of
+# finetune they go to a file the report names (_torchrun_records_to_file), not to the screen.
+TORCHRUN_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api")
+_torchrun_log: list[str] = []  # the file they went to, once one did
 
 
 def write_error_file(message: str) -> None:
@@ -86,6 +91,38 @@ def install_excepthook() -> None:
     sys.excepthook = hook
     if _launches_finetune() and os.environ.get(SHOW_TRACEBACK) != "1":
         _forward_stop_signal()
+        _torchrun_records_to_file()
+
+
+def _torchrun_records_to_file() -> None:
+    """torchrun's warnings and errors about its ranks into <tmp>/finetune-launcher-<pid>.log (a filter on its
+    loggers, set before torch creates them; a record that cannot be written stays on the screen). Off the screen,
+    they also cannot print logging's "--- Logging error ---" traceback when a second stop signal lands while one is
+    being written."""
+    import logging
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), f"finetune-launcher-{os.getpid()}.log")
+
+    class ToFile(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            if record.levelno < logging.WARNING:
+                return True
+            try:
+                with open(path, "a") as f:
+                    f.write(f"{record.levelname} {record.name}: {record.getMessage()}\n")
+            except OSError:
+                return True
+            if not _torchrun_log:
+                _torchrun_log.append(path)
+            return False
+
+    for name in TORCHRUN_LOGGERS:
+        logging.getLogger(name).addFilter(ToFile())
+
+
+def _torchrun_note() -> str:
+    return f" (torchrun's own log lines: {_torchrun_log[0]})" if _torchrun_log else ""
 
 
 def _launches_finetune() -> bool:
@@ -157,7 +194,8 @@ def report(error: BaseException) -> int | None:
     if kind.__name__ == "SignalException" and any("finetune" in arg for arg in sys.argv):
         signame = getattr(error.sigval, "name", str(error.sigval))
         print(
-            f"[launcher] stopped by {signame}; every rank was asked to stop (their messages are above).",
+            f"[launcher] stopped by {signame}; every rank was asked to stop (their messages are above)."
+            + _torchrun_note(),
             file=sys.stderr,
         )
         return 128 + int(error.sigval)
@@ -174,6 +212,7 @@ def report(error: BaseException) -> int | None:
     lines = [f"[launcher] {error.name} failed: {named} stopped with the message below"]
     if others:
         lines[0] += f"; also stopped: {', '.join(others)}"
+    lines[0] += _torchrun_note()
     messages = list(dict.fromkeys(f.error_file_data["message"]["message"] for f in ours.values()))
     print("\n".join(lines + messages), file=sys.stderr)
     return next(iter(ours.values())).exitcode
