@@ -522,3 +522,22 @@ def test_a_second_build_reads_the_datasets_cache(assets, tmp_path):
     for a, b in ((first.train, second.train), (first.eval, second.eval)):
         assert a.cache_files and [f["filename"] for f in a.cache_files] == [f["filename"] for f in b.cache_files]
     assert first.supervised_tokens == second.supervised_tokens > 0
+
+
+def test_several_preparing_processes_make_the_same_rows(assets, tmp_path):
+    """preparing_processes: the default from 4 cores and 50,000 rows (capped at 8), one process below that, the
+    configured number always; and rows tokenized by 2 processes are the rows one process makes, in order."""
+    from finetune.data import build_datasets, preparing_processes
+
+    assert preparing_processes(None, 1_000_000, 2) is None and preparing_processes(None, 49_999, 16) is None
+    assert preparing_processes(None, 50_000, 4) == 4 and preparing_processes(None, 10**6, 64) == 8
+    assert preparing_processes(3, 10, 2) == 3
+    built = {}
+    for workers in (None, 2):  # each from its own copy of the file: neither reads the other's cache
+        copy = tmp_path / f"chat_{workers}.jsonl"
+        copy.write_text(Path(assets.chat).read_text())
+        data = DataArgs(dataset=str(copy), max_seq_length=64, eval_fraction=0, preprocessing_num_workers=workers)
+        built[workers] = build_datasets(data, "causal_lm", assets.tokenizer, 1, contextlib.nullcontext)
+    one, two = built[None].train, built[2].train
+    assert len(one) == len(two) == 200 and built[None].supervised_tokens == built[2].supervised_tokens > 0
+    assert one["input_ids"] == two["input_ids"] and one["labels"] == two["labels"]

@@ -243,7 +243,11 @@ class DataArgs:
         "job): the run reads its rows instead of the raw data, after checking they were made with this run's data "
         "fields, seed and tokenizer. `finetune prepare` writes it.",
     )
-    preprocessing_num_workers: int | None = _f(None, "Processes for tokenization (datasets.map num_proc).")
+    preprocessing_num_workers: int | None = _f(
+        None,
+        "Processes that tokenize (datasets.map num_proc); null: one per core (up to 8) on machines with 4 or more "
+        "cores and sets of 50,000 rows or more, else one.",
+    )
     streaming: bool = _f(
         False,
         "Read the training data as a stream (local files or a Hub dataset): rows are shuffled in a seeded buffer, "
