@@ -274,7 +274,7 @@ def test_mixture_run_equal_under_ddp_and_one_process_with_eval_per_source(assets
     ddp = finetune(tmp_path / "ddp", "--config", str(config), launcher="ddp")
     one = finetune(tmp_path / "one", "--config", str(config), "--gradient_accumulation_steps", "2")
     assert len(ddp.losses()) == 6
-    assert max(abs(a - b) / b for a, b in zip(ddp.losses(), one.losses())) <= 1e-5
+    assert max(abs(a - b) / b for a, b in zip(ddp.losses(), one.losses(), strict=True)) <= 1e-5
     assert [r["tokens_seen"] for r in ddp.train_rows] == [r["tokens_seen"] for r in one.train_rows]
     names = ["chat", "instr", "text"]
     tokenizer = AutoTokenizer.from_pretrained(assets.llama)
@@ -284,7 +284,8 @@ def test_mixture_run_equal_under_ddp_and_one_process_with_eval_per_source(assets
         ds = build_datasets(sources_of(data)[0].args, "causal_lm", tokenizer, 42, contextlib.nullcontext)
         counts[name] = sum(sum(1 for t in lab[1:] if t != -100) for lab in ds.eval["labels"])
     assert all(counts.values())
-    for a, b in zip(ddp.eval_rows, one.eval_rows):
+    assert ddp.eval_rows, "no eval rows"
+    for a, b in zip(ddp.eval_rows, one.eval_rows, strict=True):
         assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-5)
         losses = {n: a[f"eval_{n}_loss"] for n in names}
         assert all(math.isfinite(v) for v in losses.values())

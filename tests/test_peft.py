@@ -92,7 +92,7 @@ def test_lora_causal_lm_same_under_every_backend(assets, tmp_path):
     }
     assert len(set(flops.values())) == 1, flops
     for name, values in losses.items():  # computed here, not taken from parity's verdict
-        assert max(abs(x - y) / abs(x) for x, y in zip(losses["single"], values)) <= 1e-5, (name, losses)
+        assert max(abs(x - y) / abs(x) for x, y in zip(losses["single"], values, strict=True)) <= 1e-5, (name, losses)
     # The ZeRO-3 adapter reloads on the base model and gives its final eval loss again.
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -185,7 +185,7 @@ def test_dora_and_merge_under_zero3_and_fsdp2(assets, tmp_path):
     runs = {launcher: finetune(tmp_path / launcher, *args, *dora, launcher=launcher) for launcher in ("zero3", "fsdp2")}
     assert runs["zero3"].train_rows[-1]["zero_stage"] == 3 and runs["fsdp2"].train_rows[-1]["fsdp_version"] == 2
     a, b = runs["zero3"].losses(), runs["fsdp2"].losses()
-    assert max(abs(x - y) / abs(x) for x, y in zip(a, b)) <= 1e-5, (a, b)
+    assert max(abs(x - y) / abs(x) for x, y in zip(a, b, strict=True)) <= 1e-5, (a, b)
     ids = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(0))
     base = AutoModelForCausalLM.from_pretrained(assets.llama)
     for launcher, res in runs.items():
@@ -222,7 +222,7 @@ def test_adapter_resume_equals_uninterrupted(assets, tmp_path):
     crash_after(part, 2)
     resumed = finetune(part, *args, "--resume_from_checkpoint", "latest", launcher="ddp")
     assert [r["step"] for r in resumed.train_rows] == [1, 2, 3, 4]
-    assert max(abs(x - y) / abs(x) for x, y in zip(straight.losses(), resumed.losses())) <= 1e-6
+    assert max(abs(x - y) / abs(x) for x, y in zip(straight.losses(), resumed.losses(), strict=True)) <= 1e-6
     a = load_file(str(straight.output_dir / "final" / "adapter_model.safetensors"))
     b = load_file(str(part / "final" / "adapter_model.safetensors"))
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6

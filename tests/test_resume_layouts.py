@@ -28,7 +28,8 @@ def chain(tmp_path, args: list[str], legs: list[tuple[str, ...]], every: int):
 
 def assert_continues(straight, last) -> None:
     """The chained run's losses and final eval loss are the uninterrupted run's (1e-5 relative)."""
-    for a, b in zip(straight.losses(), last.losses()):
+    assert straight.losses(), "the uninterrupted run logged no losses"
+    for a, b in zip(straight.losses(), last.losses(), strict=True):
         assert abs(a - b) / abs(a) <= 1e-5, (straight.losses(), last.losses())
     assert last.eval_rows[-1]["eval_loss"] == pytest.approx(straight.eval_rows[-1]["eval_loss"], rel=1e-5)
 
@@ -62,7 +63,7 @@ def test_chain_through_every_sharded_layout_continues_the_run(assets, tmp_path):
         "NO on 1 process(es)",
         "FSDP FSDP2 on 2 process(es)",
     ]
-    for leg, writer in zip(results[1:], written_by):
+    for leg, writer in zip(results[1:], written_by, strict=True):
         assert f"written by {writer}, converted" in leg.output, leg.output[-3000:]
     last = results[-1]
     rows = last.train_rows

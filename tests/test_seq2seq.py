@@ -102,11 +102,12 @@ def test_t5_single_ddp_zero3_equal_and_export_reloads(assets, tmp_path):
         assert max_rel_diff(one.losses(), run.losses()) <= 1e-5, name
         assert [r["tokens_seen"] for r in run.train_rows] == [r["tokens_seen"] for r in one.train_rows]
         assert max_weight_diff(one.output_dir / "final", run.output_dir / "final") <= 1e-5, name
+        assert run.eval_rows, name
         for mine, ref in zip(run.eval_rows, one.eval_rows, strict=True):
             assert mine["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5), name
-            assert {k: v for k, v in mine.items() if k in ("eval_exact_match", "eval_rougeL", "eval_bleu")} == {
-                k: v for k, v in ref.items() if k in ("eval_exact_match", "eval_rougeL", "eval_bleu")
-            }, name
+            scores = [k for k in ("eval_exact_match", "eval_rougeL", "eval_bleu") if k in ref]
+            assert "eval_exact_match" in scores, (name, sorted(ref))  # generation was scored (not {} == {})
+            assert {k: mine.get(k) for k in scores} == {k: ref[k] for k in scores}, name
     assert runs["zero3"].train_rows[-1]["parameter_shard"] == pytest.approx(0.5, abs=0.05)  # ZeRO-3 really sharded
     base = load_file(f"{assets.t5}/model.safetensors")
     for path in (one.output_dir / "final", runs["zero3"].output_dir / "final"):
