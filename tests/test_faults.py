@@ -152,6 +152,29 @@ def test_sigterm_to_the_launcher_checkpoints_the_step_reached(assets, tmp_path, 
     assert_resume_finishes(out, launcher, straight(launcher), assets)
 
 
+def test_preemption_signal_to_every_rank_checkpoints_the_step_reached(assets, tmp_path, straight):
+    """SLURM's `--signal=USR1@300`, as scripts/slurm.sbatch sets it up (the launcher ignores it, the ranks act):
+    SIGUSR1 (preemption_signal's default) to every rank mid-run. They agree on a step boundary, write its checkpoint
+    and exit 128 + 10; the launcher reports it in one line; the resume equals the uninterrupted run."""
+    out = tmp_path / "preempted"
+    proc, lines = launch_until(out, assets, "ddp", seeded_step("SIGUSR1 to every rank"))
+    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "RANK" in p.environ()]
+    ranks = [p for p in ranks if "finetune" in " ".join(p.cmdline())]
+    assert len(ranks) == 2, [p.cmdline() for p in ranks]
+    for p in ranks:
+        p.send_signal(signal.SIGUSR1)
+    rest, _ = proc.communicate(timeout=90)
+    output = "".join(lines) + rest
+    match = re.search(r"stopped by SIGUSR1 \(preemption\) after step (\d+); checkpoint saved: (\S+)\.", output)
+    assert match, output[-3000:]
+    step = int(match.group(1))
+    assert 6 <= step < 30 and match.group(2).endswith(f"step_{step}")
+    assert "Traceback" not in output and proc.returncode == 128 + signal.SIGUSR1, (proc.returncode, output[-3000:])
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{step}"
+    assert not (out / "final").exists()
+    assert_resume_finishes(out, "ddp", straight("ddp"), assets)
+
+
 def test_kill_while_writing_a_checkpoint_keeps_the_previous_one_and_auto_resumes(assets, tmp_path):
     """`--resume_from_checkpoint auto`, as a restarting launcher uses it: a process killed while writing its
     first checkpoint leaves none, so the next start is fresh; one killed while writing step 4 leaves step 2
