@@ -293,3 +293,31 @@ def test_gloo_collectives_still_copy(tmp_path):
     print(growth)
     assert growth["gloo_gather"] >= 0.9 and growth["gloo_scatter"] >= 0.9, growth  # gloo still copies
     assert growth["ours_gather"] <= 0.2 and growth["ours_scatter"] <= 0.2, growth
+
+
+def test_parity_exits_1_on_a_planted_difference(capsys):
+    """`finetune parity`'s verdict (commands/parity.report), on outcomes with a planted difference: a loss 1e-4 off,
+    one weight 1e-3 off, a missing export, a failed run: each exits 1 and is flagged; identical runs exit 0."""
+    import argparse
+
+    from finetune.commands.parity import Outcome, report
+
+    args = argparse.Namespace(loss_rtol=1e-5, weight_atol=1e-5, update_rtol=float("inf"), output_dir="out")
+    w = {"a": torch.ones(3), "b": torch.zeros(2)}
+
+    def run(name, losses=(2.0, 1.5, 1.0), weights=w, ok=True):
+        return Outcome(name, ok, 1, "NO", losses=list(losses), weights=weights, error="" if ok else "exit 1")
+
+    assert report([run("single"), run("ddp")], args) == 0
+    planted = [
+        run("ddp", losses=(2.0, 1.5, 1.0001)),
+        run("ddp", weights={"a": torch.ones(3) + 1e-3, "b": torch.zeros(2)}),
+        run("ddp", weights=None),
+        run("ddp", losses=(2.0, 1.5)),
+        run("ddp", ok=False),
+    ]
+    for other in planted:
+        capsys.readouterr()
+        assert report([run("single"), other], args) == 1, other
+        shown = capsys.readouterr().out
+        assert "<-- above tolerance" in shown or "FAILED" in shown, shown
