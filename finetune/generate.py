@@ -2,7 +2,8 @@
 
 When generation_max_new_tokens is set, every eval also takes the first generation_num_examples eval
 examples without their answer: the prompt is the tokens before the first supervised label (instruction,
-chat) or the encoder input (seq2seq), the reference is the text of that first answer. The model continues
+chat), the encoder input (seq2seq) or the pair's prompt (preference), the reference is the text of that first
+answer (preference: the chosen one). The model continues
 each prompt greedily, stopping at EOS or at a special token that ends the answers (a chat template's
 <|im_end|>), and generation_metrics score its text against the references: the eval row gains
 eval_exact_match, eval_rougeL, eval_bleu, ...; a row of sample completions goes to metrics.jsonl (and the
@@ -42,6 +43,9 @@ def examples_of(evalset, task: str, n: int | None, tokenizer) -> list[Example]:
     """The first n tokenized eval rows as (prompt, answer): the answer is the first run of supervised labels."""
     rows = evalset.select(range(min(n or len(evalset), len(evalset))))
     out = []
+    if "chosen_ids" in rows.column_names:  # preference pairs: the prompt, and the chosen answer as the reference
+        pairs = [(list(p), list(c)) for p, c in zip(rows["prompt_ids"], rows["chosen_ids"])]
+        return [Example(p, c, tokenizer.decode(c, skip_special_tokens=True).strip()) for p, c in pairs if p and c]
     for ids, labels in zip(rows["input_ids"], rows["labels"]):
         if task == "seq2seq":
             prompt, answer = list(ids), [t for t in labels if t != IGNORE]

@@ -218,9 +218,14 @@ def test_dpo_learns_a_preference_it_was_not_shown(assets, tmp_path):
     args = base_args(
         assets.llama, pairs(tmp_path / "pairs.jsonl", n=240, seed=1), "--method", "dpo", "--beta", "0.5",
         "--max_steps", "40", "--per_device_train_batch_size", "8", "--learning_rate", "3e-3", "--eval_fraction", "0.2",
-        "--eval_on_start", "true", "--logging_steps", "10",
+        "--eval_on_start", "true", "--logging_steps", "10", "--generation_max_new_tokens", "6",
+        "--generation_num_examples", "8",
     )  # fmt: skip
     r = finetune(tmp_path / "run", *args, launcher="python")
     start, end = r.eval_rows[0], r.eval_rows[-1]
     assert start["step"] == 0 and start["eval_reward_margin"] == 0 and start["eval_reward_accuracy"] == 0
     assert end["step"] == 40 and end["eval_reward_accuracy"] >= 0.9 and end["eval_reward_margin"] > 1
+    # generation eval: the prompts continued and scored against the chosen answers, at every eval
+    assert all("eval_exact_match" in row for row in (start, end))
+    samples = [row["eval_samples"] for row in r.rows if "eval_samples" in row]
+    assert len(samples) == len(r.eval_rows) == 2 and all(s and s[0]["reference"] for s in samples), samples[:1]

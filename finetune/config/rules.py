@@ -127,7 +127,6 @@ def preference_problems(cfg: RunConfig) -> list[tuple[str, str]]:
         ("length_aware_batching", d.length_aware_batching, "a pair is two rows of its own lengths"),
         ("streaming", d.streaming, "the reference log-probs are computed over the whole data before training"),
         ("datasets", d.datasets, "one preference source per run for now"),
-        ("generation_max_new_tokens", t.generation_max_new_tokens, "generation eval scores supervised answers"),
     ):
         if on:
             p.append((key, f"is not supported with method {t.method} ({why}); turn it off, {off}"))

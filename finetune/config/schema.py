@@ -58,7 +58,8 @@ TASK_FORMATS = {
     "classification": ("classification",),
     "seq2seq": ("instruction", "source_target"),
 }
-PROMPT_FORMATS = ("instruction", "chat", "source_target")  # a prompt -> answer split: generation eval scores them
+# a prompt -> answer split: generation eval scores them (preference: against the chosen answer)
+PROMPT_FORMATS = ("instruction", "chat", "source_target", "preference")
 
 
 def format_misfits(task: str, fmt: str) -> list[str]:
