@@ -22,6 +22,7 @@ from finetune.config import DATA_EXTENSIONS, ConfigError, DataArgs, data_files, 
 from finetune.formats import IGNORE, Layout
 
 logger = logging.getLogger("finetune")
+PAIR_INDEX = "pair_index"  # preference pairs: each pair's row in its split (its reference log-probs: preference.py)
 
 
 @dataclass
@@ -258,12 +259,12 @@ class Collator:
             ids.append(list(p) + list(a) + [self.pad] * gap)
             labels.append([IGNORE] * len(p) + list(a) + [IGNORE] * gap)
             mask.append([1] * (len(p) + len(a)) + [0] * gap)
-        index = torch.tensor([e["pair_index"] for e in examples])
+        index = torch.tensor([e[PAIR_INDEX] for e in examples])
         batch = {
             "input_ids": torch.tensor(ids, dtype=torch.long),
             "attention_mask": torch.tensor(mask, dtype=torch.long),
             "labels": torch.tensor(labels, dtype=torch.long),
-            "pair_index": index,
+            PAIR_INDEX: index,
             "num_tokens": torch.tensor(sum(map(sum, mask))),
             "num_positions": torch.tensor(len(ids) * width),
             "num_supervised": torch.tensor(len(examples)),
@@ -405,7 +406,7 @@ def build_datasets(
             train = _packed(train, data.max_seq_length)
         if layout.format == "preference":  # each pair's place in its split: its reference log-probs' row
             train, evalset = (
-                x if x is None else x.add_column("pair_index", list(range(len(x)))) for x in (train, evalset)
+                x if x is None else x.add_column(PAIR_INDEX, list(range(len(x)))) for x in (train, evalset)
             )
         took, n = time.perf_counter() - start, len(train_raw) + (len(eval_raw) if eval_raw is not None else 0)
         procs = preparing_processes(data.preprocessing_num_workers, len(train_raw), _usable_cores()) or 1

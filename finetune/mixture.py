@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from finetune.config import SOURCE_FIELDS, ConfigError, DataArgs, Source, sources_of
-from finetune.data import Datasets, EpochSampler, build_datasets
+from finetune.data import PAIR_INDEX, Datasets, EpochSampler, build_datasets
 from finetune.metrics import summarize
 
 logger = logging.getLogger("finetune")
@@ -70,6 +70,9 @@ def build_mixture_datasets(
     evals = [
         p.eval.add_column(SOURCE, [i] * len(p.eval)) for i, p in enumerate(parts) if p.eval is not None and len(p.eval)
     ]
+    evalset = datasets.concatenate_datasets(evals) if evals else None
+    if PAIR_INDEX in train.column_names:  # preference pairs: each pair's place in the concatenation
+        train, evalset = (_reindexed(x) for x in (train, evalset))
     mixture = Mixture([s.name for s in sources], [s.weight for s in sources], [len(p.train) for p in parts], True)
     for s, p, share in zip(sources, parts, quotas(len(train), mixture.weights)):
         logger.info(
@@ -83,12 +86,19 @@ def build_mixture_datasets(
         )
     return Datasets(
         train=train,
-        eval=datasets.concatenate_datasets(evals) if evals else None,
+        eval=evalset,
         format=parts[0].format if len({p.format for p in parts}) == 1 else "mixed",
         label_names=parts[0].label_names,
         supervised_tokens=sum(p.supervised_tokens for p in parts),
         mixture=mixture,
     )
+
+
+def _reindexed(ds):
+    """The concatenation's pair indices: each source counted its own from 0 (its reference log-probs' rows)."""
+    if ds is None:
+        return None
+    return ds.remove_columns(PAIR_INDEX).add_column(PAIR_INDEX, list(range(len(ds))))
 
 
 def _build_source(i: int, source: Source, task: str, tokenizer, seed: int, main_first) -> Datasets:

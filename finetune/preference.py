@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune.config import REFERENCE_METHODS
+from finetune.data import PAIR_INDEX
 from finetune.formats import IGNORE
 
 logger = logging.getLogger("finetune")
@@ -189,7 +190,7 @@ def compute_references(acc, backend, model, splits: dict, collate, batch_size: i
             sums, _ = sequence_logps(backend.forward_logits(model, {k: batch[k] for k in INPUTS}), batch["labels"])
             b = sums.shape[0] // 2
             got = backend.gather_for_metrics(
-                {"index": batch["pair_index"], "chosen": sums[:b].double(), "rejected": sums[b:].double()}
+                {"index": batch[PAIR_INDEX], "chosen": sums[:b].double(), "rejected": sums[b:].double()}
             )
             table[got["index"].cpu()] = torch.stack([got["chosen"], got["rejected"]], dim=1).cpu()
         if torch.isnan(table).any():

@@ -229,3 +229,28 @@ def test_dpo_learns_a_preference_it_was_not_shown(assets, tmp_path):
     assert all("eval_exact_match" in row for row in (start, end))
     samples = [row["eval_samples"] for row in r.rows if "eval_samples" in row]
     assert len(samples) == len(r.eval_rows) == 2 and all(s and s[0]["reference"] for s in samples), samples[:1]
+
+
+def test_a_mixture_of_preference_sources_trains_with_one_reference_row_per_pair(assets, tmp_path):
+    """Two weighted preference sources (text pairs and conversations): every pair of the concatenation has its own
+    reference row (indices 0..N-1 in train and in eval), and a DPO run over the mixture starts at log 2."""
+    import yaml
+
+    from finetune.config import build_config
+    from finetune.mixture import build_mixture_datasets
+
+    sources = [
+        {"dataset": pairs(tmp_path / "text.jsonl", n=60), "weight": 1.0},
+        {"dataset": pairs(tmp_path / "chat.jsonl", n=40, seed=3, conversational=True), "weight": 2.0},
+    ]
+    run = {"model": assets.llama, "datasets": sources, "max_seq_length": 64, "eval_fraction": 0.1,
+           "output_dir": str(tmp_path / "x")}  # fmt: skip
+    ds = build_mixture_datasets(build_config(run).data, "causal_lm", assets.tokenizer, 42, contextlib.nullcontext)
+    assert ds.format == "preference" and len(ds.train) == 54 + 36 and len(ds.eval) == 10
+    assert ds.train["pair_index"] == list(range(90)) and ds.eval["pair_index"] == list(range(10))
+    config = tmp_path / "mix.yaml"
+    config.write_text(yaml.safe_dump({k: v for k, v in run.items() if k != "output_dir"}))
+    more = ["--method", "dpo", "--max_steps", "3", "--per_device_train_batch_size", "4", "--save_steps", "null"]
+    r = finetune(tmp_path / "run", "--config", str(config), *more, launcher="python")
+    assert len(r.losses()) == 3 and r.losses()[0] == pytest.approx(math.log(2), abs=1e-5)
+    assert r.eval_rows and "eval_reward_accuracy" in r.eval_rows[-1]

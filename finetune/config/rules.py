@@ -126,7 +126,6 @@ def preference_problems(cfg: RunConfig) -> list[tuple[str, str]]:
         ("packing", d.packing, "a pair's two answers are compared whole, each in its own row"),
         ("length_aware_batching", d.length_aware_batching, "a pair is two rows of its own lengths"),
         ("streaming", d.streaming, "the reference log-probs are computed over the whole data before training"),
-        ("datasets", d.datasets, "one preference source per run for now"),
     ):
         if on:
             p.append((key, f"is not supported with method {t.method} ({why}); turn it off, {off}"))
