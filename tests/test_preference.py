@@ -251,6 +251,7 @@ def test_a_mixture_of_preference_sources_trains_with_one_reference_row_per_pair(
     config = tmp_path / "mix.yaml"
     config.write_text(yaml.safe_dump({k: v for k, v in run.items() if k != "output_dir"}))
     more = ["--method", "dpo", "--max_steps", "3", "--per_device_train_batch_size", "4", "--save_steps", "null"]
+    more += ["--logging_steps", "1"]
     r = finetune(tmp_path / "run", "--config", str(config), *more, launcher="python")
     assert len(r.losses()) == 3 and r.losses()[0] == pytest.approx(math.log(2), abs=1e-5)
     assert r.eval_rows and "eval_reward_accuracy" in r.eval_rows[-1]
