@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from finetune.config import SOURCE_FIELDS, ConfigError, DataArgs, Source, sources_of
-from finetune.data import PAIR_INDEX, Datasets, EpochSampler, build_datasets
+from finetune.data import PAIR_INDEX, Datasets, EpochSampler, build_datasets, in_chunks
 from finetune.metrics import summarize
 
 logger = logging.getLogger("finetune")
@@ -169,7 +169,7 @@ class MixtureSampler(torch.utils.data.Sampler):
         return self.n
 
     def __iter__(self):
-        return iter(self.order(self.epoch).tolist())
+        return in_chunks(self.order(self.epoch))
 
     def order(self, epoch: int) -> torch.Tensor:
         """Row indices (into the concatenation) of epoch `epoch`, in training order."""
