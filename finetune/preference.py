@@ -30,12 +30,12 @@ import torch
 import torch.nn.functional as F
 
 from finetune.config import REFERENCE_METHODS
+from finetune.config.schema import REFERENCE_FILE
 from finetune.data import PAIR_INDEX
 from finetune.formats import IGNORE
 
 logger = logging.getLogger("finetune")
 
-REFERENCE_FILE = "reference_logps.pt"  # in output_dir: the starting model's log-probs (a resume reads them)
 INPUTS = ("input_ids", "attention_mask")  # what the model's forward reads of a pair batch
 
 
@@ -204,12 +204,12 @@ def compute_references(acc, backend, model, splits: dict, collate, batch_size: i
 
 def load_or_compute_references(acc, backend, model, ds, collate, batch_size: int, output_dir: str, step: int,
                                writes: bool, fingerprint: str) -> dict[str, torch.Tensor]:  # fmt: skip
-    """The starting model's log-probs: from output_dir when a run with this data saved them (a resume), else
-    computed now (a run at step 0) and saved there. A resume without them cannot recover them: refused."""
+    """The starting model's log-probs: a run at step 0 computes them and saves them in output_dir; a resume reads
+    them from there (made for this data), and is refused without them: a checkpoint cannot give them back."""
     from finetune.config import ConfigError
 
     path = os.path.join(output_dir, REFERENCE_FILE)
-    if os.path.exists(path):
+    if step > 0 and os.path.exists(path):
         saved = torch.load(path, weights_only=True)
         if saved.get("fingerprint") == fingerprint:
             logger.info("reference log-probs: read from %s", path)

@@ -94,7 +94,8 @@ DEFAULT_METRICS = {"causal_lm": [], "classification": ["accuracy", "f1"], "seq2s
 # What every setting that needs eval data says when there is none.
 NO_EVAL_DATA = "is set but there is no eval data; give eval_dataset, eval_split or eval_fraction > 0"
 # Files whose presence in output_dir means "a previous run lives here".
-RUN_MARKERS = ("metrics.jsonl", "checkpoints", "final", "run_config.yaml", "logs", "curves.png", "runs")
+REFERENCE_FILE = "reference_logps.pt"  # preference methods: the starting model's log-probs (finetune/preference.py)
+RUN_MARKERS = ("metrics.jsonl", "checkpoints", "final", "run_config.yaml", "logs", "curves.png", "runs", REFERENCE_FILE)
 
 
 def shipped_metrics() -> list[str]:
