@@ -25,6 +25,9 @@ from finetune.parallel.topology import Launcher, Topology, requested_family
 MEGATRON = ["megatron_tp2", "megatron_tp2_pp2", "megatron_tp2_pp2_multinode"]
 
 
+LAUNCH_KEYS = ("ACCELERATE_USE_", "MEGATRON_LM_", "PARALLELISM_CONFIG_")  # what a launcher tells a rank
+
+
 def launch_env(name: str, *launch_args: str) -> dict[str, str]:
     """The environment `accelerate launch --config_file accelerate_configs/<name>.yaml` gives each rank,
     computed by accelerate's own launcher code (plus WORLD_SIZE, which torchrun adds)."""
@@ -35,8 +38,7 @@ def launch_env(name: str, *launch_args: str) -> dict[str, str]:
     args = launch_command_parser().parse_args([*argv, *launch_args, "-m", "finetune"])
     args, _, _ = _validate_launch_command(args)
     env = prepare_multi_gpu_env(args)
-    keys = ("ACCELERATE_USE_", "MEGATRON_LM_", "PARALLELISM_CONFIG_")
-    return {**{k: v for k, v in env.items() if k.startswith(keys)}, "WORLD_SIZE": str(args.num_processes)}
+    return {**{k: v for k, v in env.items() if k.startswith(LAUNCH_KEYS)}, "WORLD_SIZE": str(args.num_processes)}
 
 
 @pytest.fixture
@@ -209,13 +211,22 @@ def test_the_loop_steps_that_do_nothing_under_megatron_say_so():
 # ---------------------------------------------------------------- refusals, one problem at a time
 
 
+def launched_as(monkeypatch, name: str) -> None:
+    """This process's environment as a rank of `accelerate launch --config_file <name>.yaml` has it, and nothing
+    left from another config: in-process code that ran before in this worker (an Accelerator built with a DeepSpeed
+    or FSDP plugin sets ACCELERATE_USE_DEEPSPEED / _FSDP for good) would otherwise change the family."""
+    for key in [k for k in os.environ if k.startswith(LAUNCH_KEYS)]:
+        monkeypatch.delenv(key)
+    for k, v in launch_env(name).items():
+        monkeypatch.setenv(k, v)
+
+
 @pytest.fixture
 def on_a_gpu_machine_with_megatron(monkeypatch):
     """Pretend CUDA and Megatron-LM are there, so that one refusal at a time can be looked at."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(megatron, "megatron_lm_missing", lambda: None)
-    for k, v in launch_env("megatron_tp2").items():
-        monkeypatch.setenv(k, v)
+    launched_as(monkeypatch, "megatron_tp2")
 
 
 def check(cfg) -> None:
@@ -388,8 +399,7 @@ def test_accelerate_still_refuses_tp_on_cpu():
 
 
 def test_tp_refusals(monkeypatch, run_values, assets):
-    for k, v in launch_env("tp2").items():
-        monkeypatch.setenv(k, v)
+    launched_as(monkeypatch, "tp2")
     check(build_config(run_values))  # llama, causal LM: fine
     found = problems(build_config({**run_values, "model": assets.gpt2}))
     assert "no tensor-parallel plan" in found["model"]

@@ -18,6 +18,8 @@ import torch
 from conftest import EXPECTED, ROOT, Result, base_args, finetune, free_port, run_killing_the_group
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.xdist_group("precision")  # one worker: the bf16 layouts fixture (about 3 minutes) runs once
+
 LOSS_RTOL = 3e-3
 UPDATE_RTOL = 0.06
 # Every layout of the promise, with the distributed type and world size each must come up as.
@@ -92,7 +94,6 @@ def bf16_runs(assets, tmp_path_factory):
     return out, tmp / "fp32" / "single"
 
 
-@pytest.mark.xdist_group("bf16_runs")  # one worker: the module fixture (every layout in bf16) runs once
 def test_bf16_every_layout_equals_one_bf16_process(assets, bf16_runs):
     out, fp32 = bf16_runs
     base = load_file(os.path.join(assets.llama, "model.safetensors"))
@@ -124,7 +125,6 @@ def test_bf16_every_layout_equals_one_bf16_process(assets, bf16_runs):
         assert held == "float32", (name, held)
 
 
-@pytest.mark.xdist_group("bf16_runs")  # one worker: the module fixture (every layout in bf16) runs once
 def test_an_fp32_fallback_fails_the_bf16_check(bf16_runs):
     """The check the layouts pass must catch a run that silently trained in fp32."""
     _, fp32 = bf16_runs
@@ -134,7 +134,6 @@ def test_an_fp32_fallback_fails_the_bf16_check(bf16_runs):
         assert_ran_in(rows, "bfloat16")
 
 
-@pytest.mark.xdist_group("bf16_runs")  # one worker: the module fixture (every layout in bf16) runs once
 def test_two_loopback_machines_in_bf16_equal_one_process(assets, tmp_path, bf16_runs):
     """mixed_precision from the run config (the launcher says nothing): two machines x 1 process on 127.0.0.1."""
     import conftest
