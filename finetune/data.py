@@ -8,9 +8,10 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -580,14 +581,15 @@ def _labels(train_raw, eval_raw, data: DataArgs):
 def _tokenize(ds, split: str, rows: Callable, data: DataArgs, layout: Layout):
     """Rows -> tokens and labels; rows left with nothing to learn are dropped, and said why (train)."""
     try:
-        out = ds.map(
-            rows(split),
-            batched=True,
-            with_indices=True,
-            remove_columns=ds.column_names,
-            num_proc=preparing_processes(data.preprocessing_num_workers, len(ds), _usable_cores()),
-            desc=f"tokenizing {split}",
-        )
+        with _os_environ_kept():
+            out = ds.map(
+                rows(split),
+                batched=True,
+                with_indices=True,
+                remove_columns=ds.column_names,
+                num_proc=preparing_processes(data.preprocessing_num_workers, len(ds), _usable_cores()),
+                desc=f"tokenizing {split}",
+            )
     except formats.BadExample as e:
         raise ConfigError([(e.key, e.message)]) from None
     except (KeyError, TypeError, ValueError) as e:
@@ -610,6 +612,27 @@ def _tokenize(ds, split: str, rows: Callable, data: DataArgs, layout: Layout):
             "dropped %d of %d training rows with nothing to learn: %s", len(out) - len(kept), len(out), _reasons(why)
         )
     return kept.remove_columns(["skip", "learned"]), _column_sum(kept, "learned")
+
+
+@contextmanager
+def _os_environ_kept():
+    """Workaround (datasets 4.x, test_data.py::test_datasets_still_replaces_os_environ): Dataset.map with
+    num_proc >= 1 ends with `os.environ = prev_env`, a deep copy taken before it started. Everything holding
+    the original object (a default argument `env=os.environ`, as finetune.parallel's readers have) reads a
+    frozen environment from then on, and the Accelerator and the refusals disagree about the launch. Put the
+    original object back, holding what the copy holds."""
+    original = os.environ
+    try:
+        yield
+    finally:
+        replaced = os.environ
+        if replaced is not original:
+            for key in set(original) - set(replaced):
+                del original[key]
+            for key, value in replaced.items():
+                if original.get(key) != value:
+                    original[key] = value
+            os.environ = original  # noqa: B003 (the object itself is what is put back)
 
 
 PARALLEL_FROM = (4, 50_000)  # preparing in several processes by default from this many cores and rows

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -533,11 +534,29 @@ def test_several_preparing_processes_make_the_same_rows(assets, tmp_path):
     assert preparing_processes(None, 50_000, 4) == 4 and preparing_processes(None, 10**6, 64) == 8
     assert preparing_processes(3, 10, 2) == 3
     built = {}
+    environ = os.environ
     for workers in (None, 2):  # each from its own copy of the file: neither reads the other's cache
         copy = tmp_path / f"chat_{workers}.jsonl"
         copy.write_text(Path(assets.chat).read_text())
         data = DataArgs(dataset=str(copy), max_seq_length=64, eval_fraction=0, preprocessing_num_workers=workers)
         built[workers] = build_datasets(data, "causal_lm", assets.tokenizer, 1, contextlib.nullcontext)
+    # datasets' os.environ swap is undone: what is set now reaches readers holding the original object
+    assert os.environ is environ
     one, two = built[None].train, built[2].train
     assert len(one) == len(two) == 200 and built[None].supervised_tokens == built[2].supervised_tokens > 0
     assert one["input_ids"] == two["input_ids"] and one["labels"] == two["labels"]
+
+
+def test_datasets_still_replaces_os_environ(monkeypatch):
+    """The library bug data._os_environ_kept works around: Dataset.map(num_proc=2) leaves os.environ a copy, so
+    code holding the original object (default arguments env=os.environ) stops seeing what is set afterwards.
+    When this fails, datasets is fixed: remove _os_environ_kept and this test."""
+    from datasets import Dataset
+
+    original = os.environ
+    monkeypatch.setattr(os, "environ", original)  # put back whatever map leaves, whatever this test asserts
+    Dataset.from_dict({"x": list(range(8))}).map(lambda b: b, batched=True, num_proc=2)
+    assert os.environ is not original
+    os.environ["FINETUNE_SEEN_BY_THE_ORIGINAL"] = "1"
+    assert "FINETUNE_SEEN_BY_THE_ORIGINAL" not in original
+    del os.environ["FINETUNE_SEEN_BY_THE_ORIGINAL"]

@@ -211,19 +211,6 @@ def test_the_loop_steps_that_do_nothing_under_megatron_say_so():
 # ---------------------------------------------------------------- refusals, one problem at a time
 
 
-@pytest.fixture(autouse=True)
-def no_state_from_earlier_tests(monkeypatch):
-    """Each test starts as a fresh rank would: no launcher variables and no accelerate state left by in-process code
-    that ran before it in this worker (seen: the refusal and plugin tests failing after other modules' tests)."""
-    from accelerate.state import AcceleratorState
-
-    for key in [k for k in os.environ if k.startswith(LAUNCH_KEYS)]:
-        monkeypatch.delenv(key)
-    AcceleratorState._reset_state(True)
-    yield
-    AcceleratorState._reset_state(True)
-
-
 def launched_as(monkeypatch, name: str) -> None:
     """This process's environment as a rank of `accelerate launch --config_file <name>.yaml` has it, and nothing
     left from another config: in-process code that ran before in this worker (an Accelerator built with a DeepSpeed

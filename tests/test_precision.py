@@ -18,6 +18,8 @@ import torch
 from conftest import EXPECTED, ROOT, Result, base_args, finetune, free_port, run_killing_the_group
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.xdist_group("precision")  # one worker: the bf16 layouts fixture (about 3 minutes) runs once
+
 LOSS_RTOL = 3e-3
 UPDATE_RTOL = 0.06
 # Every layout of the promise, with the distributed type and world size each must come up as.
