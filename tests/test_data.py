@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 import torch
 
@@ -234,7 +235,9 @@ def test_pack_keeps_examples_apart():
     lengths = [5, 3, 7, 2, 6, 8]
     examples = [list(range(100 * k + 1, 100 * k + 1 + n)) for k, n in enumerate(lengths)]
     # Labels == input_ids: every token (also each example's first) is a candidate target.
-    rows = pack({"input_ids": examples, "labels": [list(e) for e in examples]}, max_len=10)
+    table = pa.table({"input_ids": examples, "labels": [list(e) for e in examples]})
+    rows = pack(table, max_len=10).to_pydict()
+    assert pack(table.slice(0, 0), max_len=10).to_pydict() == {"input_ids": [], "labels": [], "position_ids": []}
     assert [len(r) for r in rows["input_ids"]] == [10, 10, 6, 5]  # first-fit decreasing: 8+2, 7+3, 6, 5
     segments = []
     for ids, labels, pos in zip(rows["input_ids"], rows["labels"], rows["position_ids"]):
@@ -250,6 +253,7 @@ def test_pack_keeps_examples_apart():
     per_example = sum(supervised_count(e, "causal_lm") for e in examples)
     assert per_example == sum(n - 1 for n in lengths)
     rows_as_examples = [dict(zip(rows, values)) for values in zip(*rows.values())]
+    assert len(rows_as_examples) == 4
     assert Collator(pad_token_id=0)(rows_as_examples)["num_supervised"].item() == per_example
 
 
