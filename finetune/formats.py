@@ -23,6 +23,8 @@ by why; a row the format cannot read (an unknown role, messages that are not mes
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -406,17 +408,28 @@ class Encoder:
 
     tokenizer: Any
     fast: bool
+    # The Rust tokenizer without its post-processor, for character offsets (a ByteLevel post-processor trims
+    # whitespace off them); None where the fast path is off.
+    located: Any = None
 
     @classmethod
     def of(cls, tokenizer) -> Encoder:
         """Checked on probe texts, with and without special tokens."""
-        fast = getattr(getattr(tokenizer, "backend_tokenizer", None), "encode_batch_fast", None)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        fast = getattr(backend, "encode_batch_fast", None)
         same = fast is not None and all(
             [e.ids for e in fast(_PROBES, add_special_tokens=special)]
             == tokenizer(_PROBES, add_special_tokens=special)["input_ids"]
             for special in (True, False)
         )
-        return cls(tokenizer, same)
+        if not same:
+            return cls(tokenizer, False)
+        located = type(backend).from_str(backend.to_str())
+        located.post_processor = None
+        plain = [e.ids for e in located.encode_batch(_PROBES, add_special_tokens=False)]
+        return cls(
+            tokenizer, True, located if plain == tokenizer(_PROBES, add_special_tokens=False)["input_ids"] else None
+        )
 
     def __call__(self, texts: list[str], special: bool) -> list[list[int]]:
         if not texts:
@@ -426,6 +439,50 @@ class Encoder:
                 e.ids for e in self.tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=special)
             ]
         return self.tokenizer(texts, add_special_tokens=special)["input_ids"]
+
+    def cuts(self, renders: list[list[str]], where: list[str]) -> list[tuple[list[int], list[int]]]:
+        """Per conversation, given its growing renderings (the last is the whole conversation): the whole one's tokens
+        (no special tokens added) and the token count at which each rendering ends in them. The whole is tokenized
+        once; each rendering's end is found from the tokens' character offsets. Raises ValueError where a rendering
+        is not a prefix of the next, or ends inside a token (where the tokens of the parts would not be the whole's),
+        naming the conversation (where: each one's place in the data).
+        """
+        if self.located is None:
+            flat = self([text for texts in renders for text in texts], False)
+            ends = list(itertools.accumulate(len(texts) for texts in renders))
+            return [_cuts_by_prefix(flat[a:b], at) for a, b, at in zip([0, *ends], ends, where)]
+        out = []
+        wholes = self.located.encode_batch([texts[-1] for texts in renders], add_special_tokens=False)
+        for texts, whole, at in zip(renders, wholes, where):
+            starts = [a for a, _ in whole.offsets]
+            cut = []
+            for text, following in zip(texts, [*texts[1:], None]):
+                if following is not None and not following.startswith(text):
+                    raise ValueError(
+                        f"{at}: the chat template does not render a conversation prefix as a prefix of the whole "
+                        "conversation; set chat_template to one that does"
+                    )
+                n = bisect.bisect_left(starts, len(text))  # the tokens that start before the rendering ends
+                if n and whole.offsets[n - 1][1] > len(text):
+                    raise ValueError(
+                        f"{at}: the chat template's rendering of a conversation prefix ends inside a token "
+                        f"({text[-30:]!r} | {texts[-1][len(text) : len(text) + 30]!r}); set chat_template to one "
+                        "that ends each turn where a token ends"
+                    )
+                cut.append(n if following is not None else len(whole.ids))
+            out.append((whole.ids, cut))
+        return out
+
+
+def _cuts_by_prefix(tokenized: list[list[int]], where: str) -> tuple[list[int], list[int]]:
+    """Encoder.cuts where there are no offsets: each rendering tokenized, each a token prefix of the whole."""
+    whole = tokenized[-1]
+    if any(whole[: len(ids)] != ids for ids in tokenized):
+        raise ValueError(
+            f"{where}: the chat template does not render a conversation prefix as a token prefix of the whole "
+            "conversation; set chat_template to one that does"
+        )
+    return whole, [len(ids) for ids in tokenized]
 
 
 def _prompt_answer(ex: dict, layout: Layout) -> tuple:
@@ -538,32 +595,26 @@ def _to_messages(raw, column: str, layout: Layout, where: str) -> list[dict]:
 def chat_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int, split: str) -> Callable:
     """Render with the chat template; learn exactly the tokens each assistant turn adds.
 
-    Works with any template whose rendering of a conversation prefix is a token prefix of the
-    whole rendering (true of the usual ChatML/Llama/Mistral templates); others are refused.
+    The whole conversation is tokenized once; each rendering of a conversation prefix must be a prefix of the whole
+    rendering that ends where a token ends (true of the usual ChatML/Llama/Mistral templates); others are refused.
     """
     encode = Encoder.of(tokenizer)
 
     def fn(batch: dict, idx: list[int]) -> dict:
         plans = [_renders(tokenizer, ex, layout, f"{split} row {i}") for ex, i in zip(_rows_of(batch), idx)]
-        tokens = iter(encode([text for p in plans if isinstance(p, list) for text, _ in p], False))
+        kept = [(plan, f"{split} row {i}") for plan, i in zip(plans, idx) if isinstance(plan, list)]
+        cuts = iter(encode.cuts([[text for text, _ in plan] for plan, _ in kept], [at for _, at in kept]))
         rows = []
         for plan in plans:
             if isinstance(plan, str):
                 rows.append(_skipped(plan))
                 continue
-            ids: list[int] = []
+            ids, ends = next(cuts)
             labels: list[int] = []
             spans = []
-            for _, learned in plan:
-                new = next(tokens)
-                if new[: len(ids)] != ids:
-                    raise ValueError(
-                        "the chat template does not render a conversation prefix as a token prefix; "
-                        "set chat_template to one that does"
-                    )
-                labels += new[len(ids) :] if learned else [IGNORE] * (len(new) - len(ids))
-                spans += [(len(ids), len(new))] if learned else []
-                ids = new
+            for (_, learned), start, end in zip(plan, [0, *ends], ends):
+                labels += ids[start:end] if learned else [IGNORE] * (end - start)
+                spans += [(start, end)] if learned else []
             rows.append(_kept(ids, labels, max_len, spans))
         return _columns(rows)
 

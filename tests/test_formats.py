@@ -273,3 +273,91 @@ def test_the_batch_encoder_gives_what_the_tokenizer_gives(assets):
         for special in (True, False):
             assert encode(texts, special) == tok(texts, add_special_tokens=special)["input_ids"], (model, special)
     assert any(fast)  # the fast path was exercised
+
+
+# Templates whose rendering of a conversation's start is not the start of the whole conversation's tokens.
+SYSTEM_INTO_LAST_USER = (  # as Mistral's: the system text goes into the last user turn
+    "{% set sys = messages[0]['content'] if messages[0]['role'] == 'system' else '' %}"
+    "{% for m in messages if m['role'] != 'system' %}{% if m['role'] == 'user' %}[INST] "
+    "{% if loop.last or (loop.revindex == 2 and not add_generation_prompt) %}{{ sys }} {% endif %}{{ m['content'] }}"
+    " [/INST]{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}"
+)
+ALWAYS_A_HEADER = (  # as a base model's: the assistant header whatever comes last
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n"
+)
+SPACE_BEFORE_THE_ANSWER = (  # the generation prompt's trailing space is the first byte of the answer's first token
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "trim_offsets", "words"),
+    [
+        (SYSTEM_INTO_LAST_USER, False, "not render a conversation prefix as a prefix of the whole conversation"),
+        (ALWAYS_A_HEADER, False, "not render a conversation prefix as a prefix of the whole conversation"),
+        # A ByteLevel post-processor trims the space off the answer token's offsets: it must not hide the cut.
+        (SPACE_BEFORE_THE_ANSWER, True, "ends inside a token"),
+    ],
+)
+def test_a_template_whose_prefixes_are_not_the_conversations_is_refused(
+    assets, tmp_path, template, trim_offsets, words
+):
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(assets.root / "tokenizer")
+    tok.chat_template = template
+    if trim_offsets:
+        tok.backend_tokenizer.post_processor = processors.ByteLevel(trim_offsets=True)
+    more = [{"role": "user", "content": "Are you sure?"}, {"role": "assistant", "content": "Yes."}]
+    convs = [c + more for c in conversations(6, seed=2) if c[0]["role"] == "system"]
+    assert convs
+    with pytest.raises(ConfigError) as info:
+        build(write_jsonl(as_messages(convs), tmp_path / "chat.jsonl"), tok)
+    [(key, message)] = info.value.problems
+    assert key == "dataset" and "train row 0: " in message and words in message and "chat_template" in message
+    if trim_offsets:  # the cut is shown: the rendering's end, then what follows it
+        assert "assistant: ' | '" in message
+
+
+def test_chat_tokens_are_the_whole_conversations_and_labels_the_turns_prefixes_add(assets, tmp_path):
+    """Several assistant turns, also with a tokenizer whose ByteLevel post-processor trims offsets: the tokens are the
+    whole rendering's, and the labels are what each assistant turn's rendering adds to the one before it, each
+    prefix tokenized on its own (computed here, independently of the product's offsets)."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    rng = random.Random(3)
+    convs = []
+    for c in conversations(10, seed=3):
+        more = [
+            {"role": "user", "content": "Are you sure?"},
+            {"role": "assistant", "content": rng.choice(["Yes.", " no  "])},
+        ]
+        convs.append(c + more * rng.randint(0, 2))
+    assert any(len(c) > 4 for c in convs)
+    for trim in (False, True):
+        tok = AutoTokenizer.from_pretrained(assets.root / "tokenizer")
+        if trim:
+            tok.backend_tokenizer.post_processor = processors.ByteLevel(trim_offsets=True)
+        expected = []
+        for c in convs:
+            ids, labels = [], []
+            for k, m in enumerate(c):
+                if m["role"] == "assistant":
+                    prompt = tok(tok.apply_chat_template(c[:k], tokenize=False, add_generation_prompt=True))[
+                        "input_ids"
+                    ]
+                    assert prompt[: len(ids)] == ids
+                    labels += [IGNORE] * (len(prompt) - len(ids))
+                    ids = prompt
+                new = tok(tok.apply_chat_template(c[: k + 1], tokenize=False))["input_ids"]
+                assert new[: len(ids)] == ids
+                labels += new[len(ids) :] if m["role"] == "assistant" else [IGNORE] * (len(new) - len(ids))
+                ids = new
+            expected.append((ids, labels))
+        got = tokens(build(write_jsonl(as_messages(convs), tmp_path / f"chat{trim}.jsonl"), tok))
+        assert len(got) == len(convs)
+        assert got == expected, trim
