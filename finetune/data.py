@@ -441,9 +441,7 @@ def build_datasets(
         if data.packing:
             train = _packed(train, data.max_seq_length)
         if layout.format == "preference":  # each pair's place in its split: its reference log-probs' row
-            train, evalset = (
-                x if x is None else x.add_column(PAIR_INDEX, list(range(len(x)))) for x in (train, evalset)
-            )
+            train, evalset = (x if x is None else x.add_column(PAIR_INDEX, np.arange(len(x))) for x in (train, evalset))
         took, n = time.perf_counter() - start, len(train_raw) + (len(eval_raw) if eval_raw is not None else 0)
         procs = preparing_processes(data.preprocessing_num_workers, len(train_raw), _usable_cores()) or 1
         logger.info(

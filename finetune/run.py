@@ -245,13 +245,14 @@ def build_optimization(cfg: RunConfig, acc, backend, net, ds: data.Datasets, pla
         lookup = functools.partial(references.lookup, split) if ds.format == "preference" else None
         return data.Collator(tokenizer.pad_token_id, encoder_decoder=cfg.model.task == "seq2seq", references=lookup)
 
-    if ds.streamed:  # the stream's own seeded order; accelerate keeps each rank's micro batches (StreamedRows)
-        sampler, batches = ds.train, {"batch_size": plan.loader_batch_size, "drop_last": True}
+    # The epoch's order: the stream's own seeded one (accelerate keeps each rank's micro batches: StreamedRows), or
+    # the sources' (one source: EpochSampler's).
+    sampler = ds.train if ds.streamed else mixture.MixtureSampler.of(ds, t.seed)
+    if ds.streamed:
+        batches = {"batch_size": plan.loader_batch_size, "drop_last": True}
     elif cfg.data.length_aware_batching:
-        sampler = mixture.MixtureSampler.of(ds, t.seed)  # the epoch's order; one source: EpochSampler's
         batches = {"batch_sampler": _length_aware_batches(ds.train, sampler, plan, net)}
     else:
-        sampler = mixture.MixtureSampler.of(ds, t.seed)
         batches = {"batch_size": plan.loader_batch_size, "sampler": sampler, "drop_last": True}
     gpu = acc.device.type == "cuda"
     loading = {
