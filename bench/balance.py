@@ -104,8 +104,12 @@ def run(ctx: harness.Context) -> dict:
         "torch.distributed.run",
         "--nproc_per_node",
         "2",
-        "--master_port",
-        str(harness.free_port()),
+        "--local_addr",
+        "127.0.0.1",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        "127.0.0.1:0",  # the agent binds a port the OS picks and tells its ranks: no port to race for
     ]
     m = out["measured"] = harness.run_worker(ctx, "balance.py", "balance", spec, "balance", 1, launcher=torchrun)
     out["measured_step_x"] = m["round_robin"]["step_time_s"] / m["balanced"]["step_time_s"]

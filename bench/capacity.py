@@ -85,7 +85,6 @@ def build_llama(ctx: harness.Context, hidden: int, layers: int) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-
     path = ctx.work / f"llama_h{hidden}_l{layers}"
     if not (path / "config.json").exists():
         harness.log(f"  building a {hidden} x {layers} Llama under {path}")

@@ -35,7 +35,6 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from finetune import launching  # noqa: E402
-from finetune.launching import free_port  # noqa: E402, F401  (bench scripts: harness.free_port)
 
 PY = sys.executable
 ASSETS_VERSION = 3  # bump when the shared models or data below change

@@ -121,12 +121,3 @@ def launch(
     output = "".join(line[9:] for line in lines)
     rc = 0 if stopped else proc.returncode
     return Launched(rc, time.perf_counter() - t0, output, fired.is_set() and not stopped, stopped, seen)
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on now, on 127.0.0.1 (runs side by side never share the default 29500)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

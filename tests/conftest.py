@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.launching import free_port, kill_job
+from finetune.launching import kill_job
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -165,14 +165,38 @@ def run_killing_the_group(cmd: list[str], env: dict, timeout: int) -> subprocess
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def wait_listening(port: int, proc: subprocess.Popen, limit_s: float = 60) -> None:
-    """Until something listens on 127.0.0.1:port (a launcher's rendezvous store), or proc has exited."""
+def free_port() -> int:
+    """A TCP port nobody listens on now, on 127.0.0.1. Another process may take it before the launcher binds it:
+    two_machines checks who listens (listening_on) and tries another port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listening_on(port: int, proc: subprocess.Popen, limit_s: float = 60) -> bool:
+    """Once something listens on 127.0.0.1:port: True if it is proc or one of its children (a launcher's
+    rendezvous store), False if it is another process's or proc exited saying the address is in use (the port
+    was taken between free_port and the launcher's bind). Any other exit, or nothing after limit_s, fails."""
+    import psutil
+
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[0][-4000:]
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
+        if proc.poll() is not None:
+            output = proc.communicate()[0]
+            if "address already in use" in output.lower():
+                return False
+            raise AssertionError(f"the launcher exited with {proc.returncode} before listening:\n{output[-4000:]}")
+        listeners = {
+            c.pid
+            for c in psutil.net_connections("tcp4")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid is not None
+        }
+        if listeners:
+            try:
+                ours = {proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))}
+            except psutil.NoSuchProcess:
+                continue  # it exited just now: the next round reads its output
+            return bool(listeners & ours)
         time.sleep(0.2)
     raise AssertionError(f"nothing listens on port {port} after {limit_s} s")
 
@@ -182,32 +206,34 @@ def two_machines(
 ) -> list[tuple[int, str]]:
     """Machine 0 and machine 1 of accelerate_configs/<config>.yaml, one process each, rendezvous (c10d) on
     127.0.0.1 only: `accelerate launch ... --machine_rank m -m finetune <args_of(m)>`, environment `env_of(m)`
-    on top of ours. Machine 0 starts first and hosts the store; machine 1 joins once it listens (c10d ranks
-    the machines in the order they join). (returncode, output) per machine; nothing outlives the call."""
-    port, procs = free_port(), []
+    on top of ours. Machine 0 starts first and hosts the store; machine 1 joins once it is seen listening (c10d
+    ranks the machines in the order they join); if another process took the port first, again on a new port
+    (3 tries). (returncode, output) per machine; nothing outlives the call."""
+
+    def start(machine: int, port: int) -> subprocess.Popen:
+        cmd = [
+            sys.executable, "-m", "accelerate.commands.launch",
+            "--config_file", str(ROOT / "accelerate_configs" / f"{config}.yaml"),
+            "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(machine),
+            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--rdzv_backend", "c10d",
+            "-m", "finetune", *args_of(machine),
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env_of(machine) if env_of else {})}
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+
+    procs: list[subprocess.Popen] = []
     try:
-        for machine in (0, 1):
-            cmd = [
-                sys.executable, "-m", "accelerate.commands.launch",
-                "--config_file", str(ROOT / "accelerate_configs" / f"{config}.yaml"),
-                "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(machine),
-                "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--rdzv_backend", "c10d",
-                "-m", "finetune", *args_of(machine),
-            ]  # fmt: skip
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env_of(machine) if env_of else {})}
-            procs.append(
-                subprocess.Popen(
-                    cmd,
-                    cwd=ROOT,
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    start_new_session=True,
-                )
-            )
-            if machine == 0:
-                wait_listening(port, procs[0])
+        for _ in range(3):
+            port = free_port()
+            procs = [start(0, port)]
+            if listening_on(port, procs[0]):
+                break
+            kill_job(procs.pop())
+        else:
+            raise AssertionError("3 ports in a row were taken before machine 0 could listen on them")
+        procs.append(start(1, port))
         deadline = time.monotonic() + timeout
         results = []
         for p in procs:

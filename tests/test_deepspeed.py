@@ -130,7 +130,7 @@ MASTER_COPY_SCRIPT = """
 import os, sys, torch, deepspeed
 from deepspeed.utils import safe_get_full_fp32_param
 from finetune.parallel.deepspeed import _master_and_weights, share_fp32_master_weights
-os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
 deepspeed.init_distributed(dist_backend="gloo")
 for stage in (1, 2, 3):
     torch.manual_seed(0)
@@ -168,13 +168,9 @@ def test_deepspeed_still_copies_fp32_master_weights(tmp_path):
     device check compares a torch.device with a str). Shared, two steps train, the master read by name
     (safe_get_full_fp32_param) is the weights, and a ZeRO-1/2 checkpoint still writes the partition alone. When
     DeepSpeed shares them itself, the 'copies' lines read 0: delete the workaround and this test."""
-    from conftest import free_port
-
     script = tmp_path / "master_copy.py"
     script.write_text(MASTER_COPY_SCRIPT)
-    proc = run_killing_the_group(
-        [sys.executable, str(script), str(free_port())], {**os.environ, "OMP_NUM_THREADS": "1"}, 300
-    )
+    proc = run_killing_the_group([sys.executable, str(script)], {**os.environ, "OMP_NUM_THREADS": "1"}, 300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-3000:] + proc.stderr[-3000:]
     for stage in (1, 2, 3):
         assert f"{stage} copies 1 of 1" in proc.stdout or f"{stage} copies 2 of 2" in proc.stdout, proc.stdout
@@ -184,8 +180,8 @@ def test_deepspeed_still_copies_fp32_master_weights(tmp_path):
 
 COMPILE_SCRIPT = """
 import os, sys, torch, deepspeed
-os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
-if sys.argv[2] == "finetune":
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+if sys.argv[1] == "finetune":
     from finetune.parallel.deepspeed import compile_on_first_call
     compile_on_first_call()
 deepspeed.init_distributed(dist_backend="gloo")
@@ -196,7 +192,7 @@ engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.AdamW(net.par
 new = set(sys.modules) - before
 print("muon imported", "deepspeed.runtime.zero.muon.muon_optimizer" in new)
 print("compiler loaded", "torch._functorch.aot_autograd" in new)  # what torch.compile(fn) loads
-if sys.argv[2] == "finetune":  # the decorated function still works, compiled at its first call only
+if sys.argv[1] == "finetune":  # the decorated function still works, compiled at its first call only
     from deepspeed.runtime.zero.muon import original_muon
     compiled = []
     torch.compile = lambda fn, **options: compiled.append(fn) or fn
@@ -214,13 +210,11 @@ def test_deepspeed_still_compiles_at_import(tmp_path):
     (+41 MB per rank). With the workaround the module is still imported, the compiler is not, and the decorated
     function gives the eager result, compiled once at its first call. When DeepSpeed stops importing Muon or
     compiling at import, the first assertion fails: delete the workaround and this test."""
-    from conftest import free_port
-
     script = tmp_path / "compile_at_import.py"
     script.write_text(COMPILE_SCRIPT)
     out = {}
     for mode in ("deepspeed", "finetune"):
-        cmd = [sys.executable, str(script), str(free_port()), mode]
+        cmd = [sys.executable, str(script), mode]
         proc = run_killing_the_group(cmd, {**os.environ, "OMP_NUM_THREADS": "1"}, 300)
         assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-3000:] + proc.stderr[-3000:]
         out[mode] = proc.stdout
@@ -247,8 +241,7 @@ def peak_growth(fn):
 
 def main(rank):
     assert set_cpu_allocator("release") == "release"  # freed buffers go back at once: growth is what a call keeps
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=sys.argv[1], rank=rank, world_size=2)
     torch.manual_seed(rank)
     mine, full, out = torch.randn(N), torch.zeros(2 * N), torch.zeros(2 * N)  # outputs resident before
     grads = torch.randn(2 * N)
@@ -281,12 +274,11 @@ def test_gloo_collectives_still_copy(tmp_path):
     the 131 MB embedding and head with them); the in-place all_reduce that replaces them gives the same tensors,
     bit for bit, with almost no growth. When gloo stops copying, the first assertion fails: delete the workaround
     and this test."""
-    from conftest import free_port
-
     script = tmp_path / "gloo.py"
     script.write_text(GLOO_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = run_killing_the_group([sys.executable, str(script), str(free_port())], env, 300)
+    rendezvous = f"file://{tmp_path / 'rendezvous'}"  # a file, not a port: nothing to race for
+    proc = run_killing_the_group([sys.executable, str(script), rendezvous], env, 300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("gloo_gather="))
     growth = {k: float(v) for k, v in (item.split("=") for item in line.split())}

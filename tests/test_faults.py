@@ -10,13 +10,17 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
 
 import psutil
 import pytest
 import torch
 from conftest import ROOT, base_args, crash_after, finetune
 from safetensors.torch import load_file
+
+from finetune.launching import kill_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("faults")]  # one worker: the straight runs once
 
@@ -53,24 +57,39 @@ def seeded_step(what: str) -> int:
     return step
 
 
-def launch_until(out, assets, launcher: str, step: int) -> tuple[subprocess.Popen, list[str]]:
-    """Start the run under `accelerate launch` and read its output until it reports `step`."""
+LAUNCHED: list[subprocess.Popen] = []  # launches of the running test (killed, with their ranks, when it ends)
+
+
+@pytest.fixture(autouse=True)
+def no_launch_outlives_its_test():
+    yield
+    while LAUNCHED:
+        kill_job(LAUNCHED.pop())
+
+
+@dataclass
+class Launch:
+    """A run under `accelerate launch`, its output read by a thread (a reader that never blocks the test)."""
+
+    proc: subprocess.Popen
+    lines: list[str]
+    reader: threading.Thread
+
+    def finish(self, timeout: float) -> str:
+        """Its whole output, once the launcher has exited (TimeoutExpired after timeout seconds)."""
+        self.proc.wait(timeout=timeout)
+        self.reader.join(timeout=10)  # ranks that outlive the launcher keep the pipe open: take what came
+        return "".join(self.lines)
+
+
+def launch_until(out, assets, launcher: str, step: int, limit_s: float = 240) -> Launch:
+    """Start the run under `accelerate launch` in a session of its own and read its output until it reports
+    `step`; fails with the output so far if it exits first or takes longer than limit_s."""
     cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(ROOT / "accelerate_configs" / f"{launcher}.yaml"),
-        "--main_process_port",
-        "0",
-        "-m",
-        "finetune",
-        "--output_dir",
-        str(out),
-        "--disable_tqdm",
-        "true",
-        *run_args(assets),
-    ]
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", str(ROOT / "accelerate_configs" / f"{launcher}.yaml"), "--main_process_port", "0",
+        "-m", "finetune", "--output_dir", str(out), "--disable_tqdm", "true", *run_args(assets),
+    ]  # fmt: skip
     proc = subprocess.Popen(
         cmd,
         cwd=ROOT,
@@ -78,13 +97,27 @@ def launch_until(out, assets, launcher: str, step: int) -> tuple[subprocess.Pope
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,
     )
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if f"step {step}/" in line:
-            break
-    return proc, lines
+    LAUNCHED.append(proc)
+    lines: list[str] = []
+    reached = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if f"step {step}/" in line:
+                reached.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + limit_s
+    while not reached.wait(0.2):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            reader.join(timeout=5)
+            how = f"exited with {proc.returncode}" if proc.poll() is not None else f"took over {limit_s} s"
+            raise AssertionError(f"the run {how} before step {step}:\n{''.join(lines)[-4000:]}")
+    return Launch(proc, lines, reader)
 
 
 def assert_resume_finishes(out, launcher: str, straight_run, assets) -> None:
@@ -111,13 +144,12 @@ def test_killed_rank_stops_everyone_and_resume_finishes_the_run(assets, tmp_path
     """Rank 1 killed: the survivors stop within seconds, each says what happened and where to resume; the
     resume equals the uninterrupted run."""
     out = tmp_path / "crashed"
-    proc, lines = launch_until(out, assets, launcher, seeded_step("rank 1 killed"))
-    kill_rank_1(proc)
+    run = launch_until(out, assets, launcher, seeded_step("rank 1 killed"))
+    kill_rank_1(run.proc)
     killed = time.monotonic()
-    rest, _ = proc.communicate(timeout=90)
+    output = run.finish(timeout=90)
     elapsed = time.monotonic() - killed
-    output = "".join(lines) + rest
-    assert proc.returncode != 0
+    assert run.proc.returncode != 0
     assert elapsed < 60, f"survivors took {elapsed:.0f} s to exit"
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
     assert "finetune rank 0:" in output and "Last complete checkpoint" in output, output[-3000:]
@@ -132,14 +164,14 @@ def test_sigterm_to_the_launcher_checkpoints_the_step_reached(assets, tmp_path, 
     step reached is written, the run says where to resume, no process outlives the launcher, and the resume
     equals the uninterrupted run."""
     out = tmp_path / "preempted"
-    proc, lines = launch_until(out, assets, launcher, seeded_step("SIGTERM to the launcher"))
+    run = launch_until(out, assets, launcher, seeded_step("SIGTERM to the launcher"))
+    proc = run.proc
     started = psutil.Process(proc.pid).children(recursive=True)
     assert any("finetune" in " ".join(p.cmdline()) for p in started), [p.cmdline() for p in started]
     proc.terminate()
-    rest, _ = proc.communicate(timeout=90)
+    output = run.finish(timeout=90)
     alive = [p.pid for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert alive == [], f"processes outlived the launcher: {alive}"
-    output = "".join(lines) + rest
     assert proc.returncode != 0, output[-3000:]
     match = re.search(r"stopped by SIGTERM \(preemption\) after step (\d+); checkpoint saved: (\S+)\.", output)
     assert match, output[-3000:]
@@ -157,14 +189,14 @@ def test_preemption_signal_to_every_rank_checkpoints_the_step_reached(assets, tm
     SIGUSR1 (preemption_signal's default) to every rank mid-run. They agree on a step boundary, write its checkpoint
     and exit 128 + 10; the launcher reports it in one line; the resume equals the uninterrupted run."""
     out = tmp_path / "preempted"
-    proc, lines = launch_until(out, assets, "ddp", seeded_step("SIGUSR1 to every rank"))
+    run = launch_until(out, assets, "ddp", seeded_step("SIGUSR1 to every rank"))
+    proc = run.proc
     ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "RANK" in p.environ()]
     ranks = [p for p in ranks if "finetune" in " ".join(p.cmdline())]
     assert len(ranks) == 2, [p.cmdline() for p in ranks]
     for p in ranks:
         p.send_signal(signal.SIGUSR1)
-    rest, _ = proc.communicate(timeout=90)
-    output = "".join(lines) + rest
+    output = run.finish(timeout=90)
     match = re.search(r"stopped by SIGUSR1 \(preemption\) after step (\d+); checkpoint saved: (\S+)\.", output)
     assert match, output[-3000:]
     step = int(match.group(1))

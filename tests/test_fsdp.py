@@ -12,7 +12,6 @@ from conftest import (
     base_args,
     crash_after,
     finetune,
-    free_port,
     max_rel_diff,
     max_weight_diff,
     run_killing_the_group,
@@ -35,8 +34,9 @@ print(f"rank {acc.process_index}: {acc.distributed_type} {acc.num_processes} fsd
 def launch_probe(tmp_path, mode: str) -> str:
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
-    cmd += ["--master_port", str(free_port()), str(script), mode]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--local_addr", "127.0.0.1"]
+    # c10d rendezvous on port 0: the agent binds a port the OS picks and tells its ranks (no port to race for).
+    cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:0", str(script), mode]
     env = {**os.environ, "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "OMP_NUM_THREADS": "1"}
     proc = run_killing_the_group(cmd, env, 120)
     return proc.stdout + proc.stderr

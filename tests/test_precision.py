@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import EXPECTED, ROOT, Result, base_args, finetune, free_port, run_killing_the_group
+from conftest import EXPECTED, ROOT, Result, base_args, finetune, run_killing_the_group
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.xdist_group("precision")  # one worker: the bf16 layouts fixture (about 3 minutes) runs once
@@ -165,7 +165,7 @@ def test_fsdp2_policy_keeps_the_loss_in_fp32(assets, tmp_path):
 
     from finetune.parallel.fsdp import mixed_precision_policy
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")  # one rank: its store binds a port the OS picks
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
