@@ -188,7 +188,7 @@ def listening_on(port: int, proc: subprocess.Popen, limit_s: float = 60) -> bool
             raise AssertionError(f"the launcher exited with {proc.returncode} before listening:\n{output[-4000:]}")
         listeners = {
             c.pid
-            for c in psutil.net_connections("tcp4")
+            for c in psutil.net_connections("tcp")  # IPv4 and IPv6 (a store may bind ::)
             if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid is not None
         }
         if listeners:
