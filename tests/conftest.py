@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from xdist_groups import pytest_collection_modifyitems  # noqa: F401  (a hook: pytest finds it here)
 
 from finetune.launching import kill_job
 

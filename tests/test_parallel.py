@@ -299,7 +299,7 @@ def test_accelerate_still_imports_deepspeed_to_unwrap():
     assert out.stdout.strip().splitlines()[-1:] == ["True"], out.stdout + out.stderr[-2000:]
 
 
-# A child that runs a step-like pattern four times (activations, 32 MiB logits, softmax, gradients; all freed at
+# A child that runs a step-like pattern twelve times (activations, 32 MiB logits, softmax, gradients; all freed at
 # the end) and reports the page faults of each: glibc's default maps the large buffers afresh every step, so
 # their pages fault in (and are zeroed) again; `keep` mostly reuses them from the second step on.
 REFILL = """
@@ -307,7 +307,7 @@ import resource, sys, torch
 from finetune.parallel import set_cpu_allocator
 print(set_cpu_allocator(sys.argv[1]))
 w = torch.randn(512, 4096)
-for step in range(8):
+for step in range(12):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     x = torch.randn(2048, 512)
     logits = x @ w
@@ -332,11 +332,11 @@ def test_cpu_allocator_keep_reuses_freed_buffers_without_page_faults():
     pages = 3 * (32 << 20) // 4096  # logits, softmax, their gradient
     for mode in ("system", "release"):
         assert min(faults[mode]) >= pages // 2, faults  # refilled every step
-    # Kept and reused once the heap has grown to hold all three. Where a buffer lands varies from run to run, so the
-    # heap has been seen to grow by one or two buffers in any of steps 1-4 (CI once saw 16385, 8192, 8192 in steps
-    # 1-3); by steps 5-8 it has settled: at most one buffer mapped afresh in all four, against three in each step
-    # under the other modes.
-    assert sum(faults["keep"][4:]) <= pages // 2, faults
+    # Kept and reused once the heap has grown to hold all three. Where a buffer lands varies from run to run (also
+    # with one thread), so the heap has been seen to grow by a buffer in any of steps 2-8, several times in a row on a
+    # loaded machine (CI: 8910, 8192, 0, 8192, 8192, 8192 in steps 2-7). Over steps 2-12: at most a third of what
+    # the default maps afresh (three buffers every step; doing nothing, keep would fault as often).
+    assert sum(faults["keep"][1:]) <= sum(faults["system"][1:]) / 3, faults
     given = subprocess.run(
         [sys.executable, "-c", REFILL, "keep"],
         capture_output=True,
