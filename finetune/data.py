@@ -525,11 +525,7 @@ def build_stream(
         .remove_columns(["skip", "learned"])
     )
     if data.packing:
-        train = (
-            train.with_format("arrow")
-            .map(pack, batched=True, batch_size=1000, fn_kwargs={"max_len": data.max_seq_length})
-            .with_format(None)
-        )
+        train = _packed(train, data.max_seq_length)
     empty = (
         f"no row of {data.dataset!r} has anything to learn (after formatting and truncation to max_seq_length="
         f"{data.max_seq_length}); check the data"
@@ -736,19 +732,14 @@ def _nothing_to_learn(reason: str, rows: int, layout: Layout, data: DataArgs) ->
 
 def _packed(train, max_len: int):
     """Rows packed into sequences of at most max_len tokens (first-fit decreasing per 1000 rows: pack),
-    Arrow batches in and out."""
+    Arrow batches in and out; a map-style set's packed rows are cached, a stream's packed as it is read."""
+    from datasets import Dataset
     from datasets.fingerprint import Hasher
 
-    # datasets hashes a module-level function by name, not code: put the code in the cache key,
-    # so a changed packing algorithm never reuses rows packed by an older one.
-    code = [inspect.getsource(f) for f in (pack, first_fit_decreasing)]
-    fingerprint = Hasher.hash([train._fingerprint, *code, max_len])
-    packed = train.with_format("arrow").map(
-        pack,
-        batched=True,
-        batch_size=1000,
-        fn_kwargs={"max_len": max_len},
-        desc="packing",
-        new_fingerprint=fingerprint,
-    )
-    return packed.with_format(None)
+    how: dict[str, Any] = {"batched": True, "batch_size": 1000, "fn_kwargs": {"max_len": max_len}}
+    if isinstance(train, Dataset):
+        # datasets hashes a module-level function by name, not code: put the code in the cache key,
+        # so a changed packing algorithm never reuses rows packed by an older one.
+        code = [inspect.getsource(f) for f in (pack, first_fit_decreasing)]
+        how |= {"desc": "packing", "new_fingerprint": Hasher.hash([train._fingerprint, *code, max_len])}
+    return train.with_format("arrow").map(pack, **how).with_format(None)

@@ -409,27 +409,25 @@ class Encoder:
     tokenizer: Any
     fast: bool
     # The Rust tokenizer without its post-processor, for character offsets (a ByteLevel post-processor trims
-    # whitespace off them); None where the fast path is off.
+    # whitespace off them); None where the fast path is off or offsets were not asked for.
     located: Any = None
 
     @classmethod
-    def of(cls, tokenizer) -> Encoder:
-        """Checked on probe texts, with and without special tokens."""
+    def of(cls, tokenizer, offsets: bool = False) -> Encoder:
+        """Checked on probe texts, with and without special tokens. offsets: also the copy that cuts() reads
+        offsets from (a copy of the whole tokenizer: only the chat format asks for it)."""
         backend = getattr(tokenizer, "backend_tokenizer", None)
         fast = getattr(backend, "encode_batch_fast", None)
+        want = {special: tokenizer(_PROBES, add_special_tokens=special)["input_ids"] for special in (True, False)}
         same = fast is not None and all(
-            [e.ids for e in fast(_PROBES, add_special_tokens=special)]
-            == tokenizer(_PROBES, add_special_tokens=special)["input_ids"]
-            for special in (True, False)
+            [e.ids for e in fast(_PROBES, add_special_tokens=special)] == ids for special, ids in want.items()
         )
-        if not same:
-            return cls(tokenizer, False)
+        if not (same and offsets):
+            return cls(tokenizer, same)
         located = type(backend).from_str(backend.to_str())
         located.post_processor = None
         plain = [e.ids for e in located.encode_batch(_PROBES, add_special_tokens=False)]
-        return cls(
-            tokenizer, True, located if plain == tokenizer(_PROBES, add_special_tokens=False)["input_ids"] else None
-        )
+        return cls(tokenizer, True, located if plain == want[False] else None)
 
     def __call__(self, texts: list[str], special: bool) -> list[list[int]]:
         if not texts:
@@ -598,11 +596,12 @@ def chat_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int, split: st
     The whole conversation is tokenized once; each rendering of a conversation prefix must be a prefix of the whole
     rendering that ends where a token ends (true of the usual ChatML/Llama/Mistral templates); others are refused.
     """
-    encode = Encoder.of(tokenizer)
+    encode = Encoder.of(tokenizer, offsets=True)
 
     def fn(batch: dict, idx: list[int]) -> dict:
-        plans = [_renders(tokenizer, ex, layout, f"{split} row {i}") for ex, i in zip(_rows_of(batch), idx)]
-        kept = [(plan, f"{split} row {i}") for plan, i in zip(plans, idx) if isinstance(plan, list)]
+        wheres = [f"{split} row {i}" for i in idx]
+        plans = [_renders(tokenizer, ex, layout, at) for ex, at in zip(_rows_of(batch), wheres)]
+        kept = [(plan, at) for plan, at in zip(plans, wheres) if isinstance(plan, list)]
         cuts = iter(encode.cuts([[text for text, _ in plan] for plan, _ in kept], [at for _, at in kept]))
         rows = []
         for plan in plans:
