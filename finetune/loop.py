@@ -31,7 +31,7 @@ from finetune.parallel import Plan, global_batch_index
 from finetune.parallel.surface import Backend
 from finetune.preference import INPUTS, Objective
 from finetune.report import CURVES_EVERY_S, write_curves
-from finetune.stop import STOP, Diverged, Preempted
+from finetune.stop import STOP, Diverged, Preempted, StopVote
 from finetune.watchdog import Watchdog
 
 logger = logging.getLogger("finetune")
@@ -96,11 +96,8 @@ def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: i
     counts = [b.pop("num_supervised") for b in micro_batches]
     tokens = sum(b.pop("num_tokens") for b in micro_batches)
     positions = sum(b.pop("num_positions") for b in micro_batches)
-    # One all-reduce: the global supervised count, and whether any rank was asked to stop (preemption).
-    local = torch.stack(counts).sum().float()
-    global_count, stops = acc.reduce(torch.stack([local, torch.full_like(local, float(STOP.requested))]), "sum")
-    if stops.item() > 0:
-        return None
+    # The global supervised count: an all-reduce whose result stays on the device (never read here: no host sync).
+    global_count = acc.reduce(torch.stack(counts).sum().float(), "sum")
     scale = run.plan.loss_weight(global_count)
     nll_sum, grad_norm, skipped = 0.0, None, False
     for i, (batch, n) in enumerate(zip(micro_batches, counts)):
@@ -200,11 +197,21 @@ def _train(run: Run, state: TrainState) -> dict[str, float]:
             grad_norm = _optimizer_step(run, state, p, batches, epoch, step_in_epoch)
             done = state.step == plan.total_steps
             p.bar.update(1)
-            if state.step % args.logging_steps == 0 or done:
+            preempted = p.stop.agreed() and not done  # every rank reads the same vote
+            log = state.step % args.logging_steps == 0 or done
+            save = bool(args.save_steps and state.step % args.save_steps == 0)
+            evaluate_now = run.eval_loader is not None and (
+                done or bool(args.eval_steps and state.step % args.eval_steps == 0)
+            )
+            if log or save or evaluate_now or preempted:  # the steps' gradient norms are read here (no sync per step)
+                p.health.check(run.checkpointer.output_dir)  # before anything is saved: never a non-finite step
+            if log:
                 _log_train(run, state, p.win, grad_norm, p.bar)
                 p.win = _Window()
-            save = bool(args.save_steps and state.step % args.save_steps == 0)
-            if run.eval_loader is not None and (done or (args.eval_steps and state.step % args.eval_steps == 0)):
+            if preempted:  # all ranks checkpoint this step and stop (no evaluation: the grace period is short)
+                run.watchdog.beat()
+                raise Preempted(STOP.signame, state.step, run.checkpointer.save(state_dict_of(state)))
+            if evaluate_now:
                 last_eval, save, stopped = _eval_in_training(run, state, p, grad_norm, save)
             if not done and not stopped and save:
                 run.watchdog.beat()
@@ -229,6 +236,7 @@ class _Progress:
         )
         self.win = _Window()
         self.health = _Health()
+        self.stop = StopVote(run.accelerator.num_processes)
         self.precision_logged = False
 
 
@@ -245,15 +253,12 @@ def _epoch_batches(run: Run, epoch: int, start: int):
 
 
 def _optimizer_step(run: Run, state: TrainState, p: _Progress, batches, epoch: int, step_in_epoch: int):
-    """One optimizer step and its bookkeeping (a stop request checkpoints and ends the run here); its grad norm."""
+    """One optimizer step and its bookkeeping; its grad norm (a device tensor: read when the loop logs)."""
     run.watchdog.beat()
     fault_point("hang-before-step", state.step + 1)
     micro = [next(batches) for _ in range(run.plan.gradient_accumulation_steps)]
-    out = train_step(run, micro, epoch, step_in_epoch)
-    if out is None:  # every rank saw the stop request at this step boundary
-        path = run.checkpointer.save(state_dict_of(state))
-        raise Preempted(STOP.signame, state.step, path)
-    nll, count, tokens, positions, grad_norm, skipped = out
+    p.stop.post()  # this rank's stop request, agreed on while the step runs
+    nll, count, tokens, positions, grad_norm, skipped = train_step(run, micro, epoch, step_in_epoch)
     state.step += 1
     if skipped:
         state.skipped_steps += 1
@@ -265,7 +270,7 @@ def _optimizer_step(run: Run, state: TrainState, p: _Progress, batches, epoch: i
             run.precision.weights,
             run.precision.compute,
         )
-    p.health.check(state.step, grad_norm, run.checkpointer.output_dir, skipped)
+    p.health.note(state.step, grad_norm, skipped)
     p.win.add(nll, count, tokens, positions)
     return grad_norm
 
@@ -288,17 +293,29 @@ def _eval_in_training(run: Run, state: TrainState, p: _Progress, grad_norm, save
 
 class _Health:
     """Divergence: a non-finite gradient norm (global: the same on every rank, NaN wherever any rank's loss
-    was) stops the run at that step. A norm of exactly zero for several steps in a row: nothing is learning."""
+    was) stops the run. A norm of exactly zero for several steps in a row: nothing is learning.
+
+    The norms stay on the device as each step noted them and are read together (one host sync) where the loop
+    syncs anyway: at each log row, evaluation and checkpoint, and before a preemption's checkpoint. So a divergence
+    is caught at most logging_steps - 1 steps after it happened (9 by default), always before anything is saved
+    or exported, and reported with the step it happened at."""
 
     ZERO_STEPS = 3
 
     def __init__(self) -> None:
         self.zeros = 0
+        self.unread: list[tuple[int, Any]] = []  # (step, its gradient norm) since the last check
 
-    def check(self, step: int, grad_norm, output_dir: str, skipped: bool = False) -> None:
-        if grad_norm is None or skipped:  # a skipped fp16 step's norm is inf by design: the scaler lowers its scale
-            return
-        value = float(grad_norm)
+    def note(self, step: int, grad_norm, skipped: bool) -> None:
+        if grad_norm is not None and not skipped:  # a skipped fp16 step's norm is inf by design (the scaler backs off)
+            self.unread.append((step, grad_norm))
+
+    def check(self, output_dir: str) -> None:
+        unread, self.unread = self.unread, []
+        for step, norm in unread:
+            self._check_one(step, float(norm), output_dir)
+
+    def _check_one(self, step: int, value: float, output_dir: str) -> None:
         if not math.isfinite(value):
             from finetune.checkpoint import latest_complete
 

@@ -136,6 +136,7 @@ def build_model(
     from transformers import AutoConfig
 
     _check_config(m, max_seq_length)
+    masks_without_host_sync()
     kwargs = _load_kwargs(m, pe, label_names)
     cls = getattr(transformers, AUTO_CLASSES[m.task])
     try:
@@ -160,6 +161,43 @@ def build_model(
         if reentrant_checkpointing:  # reentrant checkpoints need an input that requires grad (frozen embeddings)
             model.enable_input_require_grads()
     return apply_peft(model, pe, "classification" if label_names is not None else m.task) if pe else model
+
+
+def masks_without_host_sync() -> None:
+    """Workaround (transformers 5.23): a training forward builds its attention mask without waiting for the device.
+
+    To skip the mask where it can, masking_utils reads the batch on the host in every forward: whether a padding
+    mask is all ones (`_ignore_causal_mask_sdpa`), and whether position_ids hold more than one sequence per row
+    (`find_packed_sequence_indices`). On a GPU each read makes the host wait until the device has finished all the
+    work queued before it, every micro batch. So with gradients enabled (a training forward) the mask is built
+    without the reads: where the reads would have skipped it (a batch without padding, a packed batch of one
+    sequence per row), the plain causal mask is built instead, which gives equal results. Evaluation and
+    generation (no gradients) keep transformers' own path.
+    tests/test_host_sync.py::test_transformers_still_reads_masks_on_the_host fails once transformers stops
+    reading them: then delete this."""
+    from transformers import masking_utils as mu
+
+    if getattr(mu, "_finetune_without_host_sync", False):
+        return
+    find_packed, ignore_causal = mu.find_packed_sequence_indices, mu._ignore_causal_mask_sdpa
+
+    def find_packed_sequence_indices(position_ids):
+        if not torch.is_grad_enabled():
+            return find_packed(position_ids)
+        first = position_ids[:, :1] - 1  # as transformers computes it, without the "one sequence per row?" read
+        return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+    def _ignore_causal_mask_sdpa(padding_mask, *args, **kwargs):
+        if padding_mask is not None and torch.is_grad_enabled():
+            return False  # a padded training batch needs its mask (transformers reads it to find that out)
+        return ignore_causal(padding_mask, *args, **kwargs)
+
+    find_packed_sequence_indices.__wrapped__, _ignore_causal_mask_sdpa.__wrapped__ = find_packed, ignore_causal
+    mu.find_packed_sequence_indices, mu._ignore_causal_mask_sdpa = (
+        find_packed_sequence_indices,
+        _ignore_causal_mask_sdpa,
+    )
+    mu._finetune_without_host_sync = True
 
 
 def _check_config(m: ModelArgs, max_seq_length: int) -> None:

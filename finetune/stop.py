@@ -28,8 +28,8 @@ class Diverged(Exception):
 class StopRequest:
     """SIGTERM (a scheduler's preemption; torchrun forwards it to every rank and waits 30 s before SIGKILL) and
     train.preemption_signal. Before training starts, a signal stops the process at once (Stopped). While it
-    trains, the signal is only noted: the flag rides on the all-reduce every optimizer step starts with, so
-    all ranks see it at the same step boundary, write a checkpoint there and stop (loop.train)."""
+    trains, the signal is only noted, and the ranks agree on it through StopVote: all of them stop after the
+    same optimizer step and write a checkpoint there (loop.train)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -54,3 +54,35 @@ class StopRequest:
 
 
 STOP = StopRequest()
+
+
+class StopVote:
+    """Whether any rank was asked to stop, agreed on by all ranks without stalling the device.
+
+    Each optimizer step posts this rank's request (STOP) in an all-reduce on the host (a gloo group over a CPU
+    tensor), which completes while the step's work is queued; the step's end reads the sum. Reading a device
+    all-reduce would make the host wait for the device every step. Every rank reads the same sum, so all stop
+    after the same step: the one in progress when the request was posted, or the next if the signal arrived after
+    the post (at most two steps after the signal; the launcher allows 30 s)."""
+
+    def __init__(self, num_processes: int) -> None:
+        self.group = None
+        self.flag = self.work = None
+        if num_processes > 1:
+            import torch.distributed as dist
+
+            self.group = dist.new_group(backend="gloo")  # all ranks, host-side (whatever the device's backend)
+
+    def post(self) -> None:
+        if self.group is not None:
+            import torch
+            import torch.distributed as dist
+
+            self.flag = torch.tensor([float(STOP.requested)])
+            self.work = dist.all_reduce(self.flag, group=self.group, async_op=True)
+
+    def agreed(self) -> bool:
+        if self.group is None:
+            return STOP.requested
+        self.work.wait()
+        return bool(self.flag.numpy()[0] > 0)  # host memory: numpy() refuses a device tensor, so nothing syncs

@@ -116,11 +116,13 @@ def finetune(
     expect_ok: bool = True,
     extra_env: dict | None = None,
     launch_args: tuple[str, ...] = (),
+    entry: tuple[str, ...] = ("-m", "finetune"),
 ) -> Result:
     """Run finetune the way a user does. launcher: 'python' (python -m finetune), or an accelerate config name under
-    accelerate_configs/ or a path ending in .yaml (accelerate launch --config_file ... -m finetune)."""
+    accelerate_configs/ or a path ending in .yaml (accelerate launch --config_file ... -m finetune). entry: what
+    runs in place of `-m finetune` (a test's script that wraps finetune)."""
     if launcher == "python":
-        cmd = [sys.executable, "-m", "finetune"]
+        cmd = [sys.executable, *entry]
     else:
         cmd = [
             sys.executable,
@@ -131,8 +133,7 @@ def finetune(
             "--main_process_port",
             "0",  # a free port: tests may run side by side (pytest -n)
             *launch_args,
-            "-m",
-            "finetune",
+            *entry,
         ]
     cmd += ["--output_dir", str(output_dir), "--disable_tqdm", "true", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}

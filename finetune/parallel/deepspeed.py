@@ -216,6 +216,12 @@ class Backend(ddp.Backend):
         share_fp32_master_weights(prepared[1].optimizer)
         return prepared
 
+    def clip_grad_norm(self, model, max_norm):
+        """The global gradient norm of the step DeepSpeed just took (it clips inside its step, from the config's
+        gradient_clipping), as the engine keeps it: a device tensor. accelerate's clip_grad_norm_ turns it into a
+        Python float, which makes the host wait for the device every step; the loop reads it when it logs."""
+        return model.get_global_grad_norm()
+
     def observed(self, model) -> dict:
         """From the engine itself, not from the config files: the stage and offload DeepSpeed really runs, and
         whether its fp32 master weights are a second copy of the rank's partition (share_fp32_master_weights)."""
