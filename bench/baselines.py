@@ -6,7 +6,7 @@ from the same saved model, on finetune's own tokenized rows in finetune's epoch 
 
 spec: {"config": run config path, "steps": N, "warmup": W, "threads": T, "collator": "default"|"seq2seq",
        "mode": "train" (default) | "eval" | "first_step"}
-  train       tokens/s per optimizer step (the first W steps dropped)
+  train       tokens/s per optimizer step (the first W steps dropped); Trainer: also its training-phase peak RSS
   eval        Trainer only: `Trainer.evaluate()` twice on finetune's eval rows; prints "[baseline] eval N done"
               after each (the harness times the second from those lines)
   first_step  Trainer only: prints "[baseline] step 1 done" at the end of optimizer step 1 (the harness
@@ -78,6 +78,8 @@ def worker_trainer(spec: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, TrainerCallback, TrainingArguments
 
+    from finetune.metrics import peak_memory, reset_peak_memory
+
     torch.set_num_threads(spec["threads"])
     mode = spec.get("mode", "train")
     train, evalset, tok = train_rows(spec)
@@ -92,6 +94,7 @@ def worker_trainer(spec: dict) -> dict:
 
     class Clock(TrainerCallback):
         def on_train_begin(self, args, state, control, **kw):
+            reset_peak_memory(torch.device("cpu"))  # the training phase's peak, as finetune reports its own
             marks.append(time.perf_counter())
 
         def on_step_end(self, args, state, control, **kw):
@@ -136,9 +139,14 @@ def worker_trainer(spec: dict) -> dict:
                 print(EVAL_DONE.format(i), flush=True)
             return {"eval_tokens": sum(len(x) for x in evalset["input_ids"]), "eval_rows": len(evalset)}
         trainer.train()
+        train_peak_gb = peak_memory(torch.device("cpu"))["peak_rss_gb"]
     times = [b - a for a, b in zip(marks, marks[1:])]
     tokens = [sum(lengths[i * micro : (i + 1) * micro]) for i in range(len(times))]
-    return {**harness.steady(list(zip(tokens, times)), spec["warmup"]), "optim": str(args.optim)}
+    return {
+        **harness.steady(list(zip(tokens, times)), spec["warmup"]),
+        "optim": str(args.optim),
+        "train_peak_rss_gb": train_peak_gb,
+    }
 
 
 WORKERS = {"bare": worker_bare, "trainer": worker_trainer}

@@ -82,24 +82,7 @@ def refuse_unless_it_fits(what: str, planned_gb: float) -> None:
 
 def build_llama(ctx: harness.Context, hidden: int, layers: int) -> str:
     """The planner's Llama shape (bench/sizing.py: llama_config, 32k vocabulary), randomly initialised, saved once."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = ctx.work / f"llama_h{hidden}_l{layers}"
-    if not (path / "config.json").exists():
-        harness.log(f"  building a {hidden} x {layers} Llama under {path}")
-        harness.assets(ctx)  # the tokenizer, under work/
-        tok = AutoTokenizer.from_pretrained(ctx.work / "tokenizer")
-        config = sizing.llama_config(hidden, layers)
-        config.pad_token_id, config.bos_token_id, config.eos_token_id = (
-            tok.pad_token_id,
-            tok.bos_token_id,
-            tok.eos_token_id,
-        )
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config).save_pretrained(path)
-        tok.save_pretrained(path)
-    return str(path)
+    return harness.saved_llama(ctx, f"llama_h{hidden}_l{layers}", sizing.llama_config(hidden, layers))
 
 
 def measure(ctx: harness.Context, tag: str, model: str, config: str, steps: int) -> dict:

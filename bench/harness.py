@@ -146,6 +146,28 @@ def assets(ctx: Context) -> dict[str, str]:
     return {**paths, "model": paths["small_model"]} if ctx.quick else paths
 
 
+def saved_llama(ctx: Context, name: str, config) -> str:
+    """A randomly initialised Llama of `config` (a transformers config) with the shared tokenizer, saved once under
+    work/<name>."""
+    path = ctx.work / name
+    if not (path / "config.json").exists():
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        log(f"  building {name} under {path}")
+        assets(ctx)  # the tokenizer, under work/
+        tok = AutoTokenizer.from_pretrained(ctx.work / "tokenizer")
+        config.pad_token_id, config.bos_token_id, config.eos_token_id = (
+            tok.pad_token_id,
+            tok.bos_token_id,
+            tok.eos_token_id,
+        )
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        tok.save_pretrained(path)
+    return str(path)
+
+
 def instruction_rows(n: int, seed: int, tokenizer, lo: int = 16, hi: int = 512) -> list[dict]:
     """prompt/response pairs whose tokenized length (template, response and EOS included) is spread
     uniformly over lo..hi tokens: ~40% prompt, ~60% response."""

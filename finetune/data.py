@@ -225,7 +225,7 @@ class Collator:
     """Pad a list of examples to the longest one (rounded up to a multiple of 8), plus batch facts.
 
     Padded labels are -100. Unpacked batches get an attention_mask; packed ones get position_ids
-    instead (padding becomes one more, unsupervised, segment). Encoder-decoder batches pad the encoder
+    instead (padding becomes one more, unsupervised, segment); a batch of unpadded single sequences gets neither. Encoder-decoder batches pad the encoder
     input and the labels each to their own longest (the model builds the decoder input from the labels).
     """
 
@@ -264,10 +264,21 @@ class Collator:
             labels.append(list(e["labels"]) + [IGNORE] * gap if per_token else e["labels"])
             extra.append(list(e["position_ids"]) + list(range(gap)) if packed else [1] * n + [0] * gap)
         labels_t = torch.tensor(labels, dtype=torch.long)
+        # Rows of one sequence each and no padding need neither: the model then takes the plain causal path (no
+        # mask built, and none read on the host: model.masks_without_host_sync).
+        plain = (
+            all(x == list(range(width)) for x in extra)
+            if packed
+            else all(len(e["input_ids"]) == width for e in examples)
+        )
         return {
             "input_ids": torch.tensor(ids, dtype=torch.long),
             "labels": labels_t,
-            ("position_ids" if packed else "attention_mask"): torch.tensor(extra, dtype=torch.long),
+            **(
+                {}
+                if plain
+                else {("position_ids" if packed else "attention_mask"): torch.tensor(extra, dtype=torch.long)}
+            ),
             # Batch facts for the loop (popped before the forward): real input tokens, positions
             # computed (padding included), and what the model's mean loss is taken over (causal LM:
             # labels after the one-token shift).

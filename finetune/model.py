@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from finetune import chunked_loss
 from finetune.config import AUTO_CLASSES, ConfigError, ModelArgs, PeftArgs
 from finetune.config.rules import encoder_decoder_problems, position_problems
 
@@ -129,9 +130,11 @@ def build_model(
     reentrant_checkpointing: bool = False,
     extra_kwargs: dict | None = None,
     load_weights: bool = True,
+    micro_batch_tokens: int = 0,
 ):
     """Load the model for the task; a classifier gets a head sized to the labels in the data; adapters on top.
-    load_weights False: the architecture only, on the meta device (the backend brings its own weights)."""
+    load_weights False: the architecture only, on the meta device (the backend brings its own weights).
+    micro_batch_tokens: the most tokens a training micro batch holds (the chunked loss cuts every one alike)."""
     import transformers
     from transformers import AutoConfig
 
@@ -160,6 +163,21 @@ def build_model(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant_checkpointing})
         if reentrant_checkpointing:  # reentrant checkpoints need an input that requires grad (frozen embeddings)
             model.enable_input_require_grads()
+    vocab = model.get_input_embeddings().num_embeddings
+    head = model.get_output_embeddings()
+    head_params, params = (head.weight.numel() if head is not None else 0), model.num_parameters()
+    if load_weights and chunked_loss.wanted(
+        m.chunked_loss, model.config.model_type, m.task, vocab, head_params, params
+    ):
+        chunk = chunked_loss.chunk_tokens(m.loss_chunk_tokens, vocab)
+        pieces = chunked_loss.install(model, chunk, micro_batch_tokens)
+        logger.info(
+            "chunked loss: up to %d tokens per chunk, %d chunks per micro batch (vocabulary %d; chunked_loss %s)",
+            chunk,
+            pieces,
+            vocab,
+            m.chunked_loss,
+        )
     return apply_peft(model, pe, "classification" if label_names is not None else m.task) if pe else model
 
 

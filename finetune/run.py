@@ -193,6 +193,7 @@ def build_model(cfg: RunConfig, backend, tokenizer, ds: data.Datasets, resume: c
         reentrant_checkpointing=backend.reentrant_checkpointing(peft_on),
         extra_kwargs=backend.model_kwargs(),
         load_weights=backend.needs_hf_weights,
+        micro_batch_tokens=cfg.train.per_device_train_batch_size * cfg.data.max_seq_length,
     )
     if resume and resume.portable and peft_on:  # the run's own base model; the adapter's weights by name
         checkpoint.restore_adapter(backend, net, resume)

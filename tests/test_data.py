@@ -284,7 +284,7 @@ def test_packing_through_the_builder(assets):
 # ---------------------------------------------------------------- collation
 
 
-@pytest.mark.parametrize(("lengths", "width"), [([3, 5], 8), ([8, 2], 8), ([9, 1], 16), ([16], 16)])
+@pytest.mark.parametrize(("lengths", "width"), [([3, 5], 8), ([8, 2], 8), ([9, 1], 16), ([15], 16)])
 def test_collator_pads_unpacked_examples(lengths, width):
     examples = [
         {"input_ids": [10 + i for i in range(n)], "labels": [IGNORE] * (n // 2) + [10 + i for i in range(n // 2, n)]}
@@ -318,6 +318,18 @@ def test_collator_packed_rows_get_position_ids_not_attention_mask():
     assert batch["num_tokens"].item() == 14
     assert batch["num_positions"].item() == 2 * 16
     assert batch["num_supervised"].item() == 3 + 8
+
+
+def test_collator_rows_without_padding_or_packing_get_neither():
+    """Nothing to mask: the model takes its plain causal path (no mask built, none read on the host)."""
+    whole = [{"input_ids": list(range(1, 9)), "labels": list(range(1, 9))} for _ in range(2)]
+    assert not {"attention_mask", "position_ids"} & Collator(pad_token_id=0)(whole).keys()
+    one_each = [{**row, "position_ids": list(range(8))} for row in whole]
+    assert not {"attention_mask", "position_ids"} & Collator(pad_token_id=0)(one_each).keys()
+    two_in_one = [{**whole[0], "position_ids": [0, 1, 2, 0, 1, 2, 3, 4]}, one_each[1]]
+    assert Collator(pad_token_id=0)(two_in_one)["position_ids"][0].tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
+    padded = [whole[0], {"input_ids": [1, 2, 3], "labels": [1, 2, 3]}]
+    assert Collator(pad_token_id=0)(padded)["attention_mask"].sum(1).tolist() == [8, 3]
 
 
 def test_collator_classification_counts_examples():

@@ -19,6 +19,7 @@ from finetune.config.schema import (
     PEFT_METHODS,
     PREEMPTION_SIGNALS,
     SCHEDULERS,
+    SWITCHES,
     TASKS,
     PeftArgs,
     RunConfig,
@@ -75,6 +76,9 @@ def choice_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     choice(p, "torch_dtype", m.torch_dtype, DTYPES)
     choice(p, "mixed_precision", m.mixed_precision, MIXED_PRECISIONS)
     choice(p, "save_dtype", m.save_dtype, DTYPES)
+    choice(p, "chunked_loss", m.chunked_loss, SWITCHES)
+    if m.loss_chunk_tokens < 0:
+        p.append(("loss_chunk_tokens", f"must be >= 0 (0: chosen from the vocabulary size), got {m.loss_chunk_tokens}"))
     choice(p, "format", d.format, FORMATS)
     choice(p, "lr_scheduler_type", t.lr_scheduler_type, SCHEDULERS)
     choice(p, "cpu_allocator", t.cpu_allocator, CPU_ALLOCATORS)

@@ -35,6 +35,7 @@ DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
 MIXED_PRECISIONS = ("auto", "no", "bf16", "fp16")
+SWITCHES = ("auto", "true", "false")
 
 
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
@@ -156,6 +157,16 @@ class ModelArgs:
     )
     trust_remote_code: bool = _f(False, "Run model/tokenizer code shipped with the checkpoint. Off unless asked.")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+    chunked_loss: str = _f(
+        "auto",
+        "A causal LM's training loss computed loss_chunk_tokens tokens at a time, its logits never whole (each "
+        "chunk's rebuilt in backward: one more LM-head forward per step): true, false, or auto = on for a vocabulary "
+        "of 32k entries or more. Refused where the logits are more than the head's output (soft-capped, scaled, "
+        "MoE router losses) or under Megatron-LM. docs/performance.md.",
+    )
+    loss_chunk_tokens: int = _f(
+        0, "Tokens per chunk of the chunked loss; 0 = about 2^25 logits per chunk (261 tokens at 128k entries)."
+    )
     attn_implementation: str | None = _f(
         None, "Attention kernel (eager, sdpa, flash_attention_2); default: transformers' choice."
     )
@@ -519,7 +530,9 @@ def coerce(section: str, name: str, value: Any) -> tuple[Any, str | None]:
             return value, f"expected a mapping of names to names like {{bot: assistant}}, got {value!r}"
         return value, None
     if base is str:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, bool):  # YAML's true/false for a switch that also takes auto
+            return ("true" if value else "false"), None
+        if isinstance(value, (int, float)):
             return str(value), None
         if not isinstance(value, str):
             return value, f"expected a string, got {value!r}"

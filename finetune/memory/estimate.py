@@ -10,7 +10,8 @@ parameters exactly, LoRA adapters included) and adds up, per rank, every compone
                    from finetune/parallel/sharding.py (its docstring gives the bytes per parameter)
   activations      what autograd saves for backward (`activation_elements`), plus, at the start of backward,
                    the larger of the loss's logit copies and one layer's activation gradients
-  logits           micro batch x sequence x vocabulary, fp32 in the loss (`logit_bytes`)
+  logits           micro batch x sequence x vocabulary, fp32 in the loss (`logit_bytes`); with the chunked loss,
+                   one chunk's tokens x vocabulary
   overhead         CPU: the resident size of a rank before its model states exist (FRAMEWORK_GB, measured);
                    GPU: the CUDA context (CUDA_CONTEXT_GB) on the device, the process on the host
 
@@ -34,6 +35,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune import chunked_loss
 from finetune.config import AUTO_CLASSES, ConfigError, RunConfig
 from finetune.parallel import sharding
 from finetune.parallel.topology import Topology, launch_size, read_config_file
@@ -104,6 +106,7 @@ class ModelShape:
     tp_splittable: int  # parameters of the decoder layers' linears and the head (split by tensor parallelism)
     weight_bytes: int  # bytes per weight as loaded (torch_dtype)
     tensor_sizes: tuple[int, ...] = ()
+    model_type: str = ""  # config.model_type (whether the chunked loss applies)
 
     def small_params(self, threshold: float) -> int:
         """Parameters in tensors below `threshold` elements (ZeRO-3 keeps those whole on every rank)."""
@@ -148,6 +151,7 @@ class ModelShape:
             tp_splittable=splittable,
             weight_bytes=weight_bytes,
             tensor_sizes=tuple(sorted(numel(p) for p in params)),
+            model_type=getattr(config, "model_type", ""),
         )
 
 
@@ -215,11 +219,12 @@ def activation_elements(s: ModelShape, batch: int, seq: int, tp: int = 1, eager_
     return 4 * sbh + inner / tp
 
 
-def logit_bytes(s: ModelShape, batch: int, seq: int, half: bool) -> float:
+def logit_bytes(s: ModelShape, tokens: int, half: bool) -> float:
     """The loss's logit copies at the start of backward: transformers' loss upcasts logits to fp32, cross_entropy
     saves its fp32 log_softmax, and backward makes the gradient of that and of the logits (3 fp32 copies of
-    batch x seq x vocab); under 16-bit mixed precision the 16-bit logits and their gradient add 2 bytes."""
-    return batch * seq * s.vocab * (12 + (2 if half else 0))
+    tokens x vocab); under 16-bit mixed precision the 16-bit logits and their gradient add 2 bytes. tokens: the
+    micro batch's, or one chunk's under the chunked loss (which rebuilds them a chunk at a time in backward)."""
+    return tokens * s.vocab * (12 + (2 if half else 0))
 
 
 def activation_parts(s: ModelShape, topo: Topology, batch: int, seq: int, cfg: RunConfig, half: bool):
@@ -236,7 +241,10 @@ def activation_parts(s: ModelShape, topo: Topology, batch: int, seq: int, cfg: R
     else:
         saved = layers * per_layer
         how = f"{per_layer / 1e6:.0f} MB x {layers:g} layers"
-    logits = logit_bytes(s, batch, seq, half)
+    tokens = batch * seq
+    if chunked_loss.wanted(cfg.model.chunked_loss, s.model_type, cfg.model.task, s.vocab, s.vocab * s.hidden, s.total):
+        tokens = min(tokens, chunked_loss.chunk_tokens(cfg.model.loss_chunk_tokens, s.vocab))
+    logits = logit_bytes(s, tokens, half)
     # at the start of backward the logit copies are alive; later one layer's activation gradients: the larger
     peak = saved * in_flight + max(logits, per_layer)
     return [
@@ -244,7 +252,9 @@ def activation_parts(s: ModelShape, topo: Topology, batch: int, seq: int, cfg: R
         sharding.Part(
             "logits",
             logits if logits >= per_layer else 0.0,
-            note=f"{batch}x{seq}x{s.vocab}, fp32 loss",
+            note=f"{batch}x{seq}x{s.vocab}, fp32 loss"
+            if tokens == batch * seq
+            else f"{tokens}x{s.vocab}, chunked loss",
             phase=sharding.BACKWARD,
         ),
     ]

@@ -235,6 +235,7 @@ def megatron_problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> li
     _environment_problems(p)
     _setting_problems(p, cfg, layout)
     _unsupported_problems(p, cfg)
+    _model_option_problems(p, cfg)
     _layout_problems(p, cfg, layout, launcher)
     config = model_config(cfg.model)
     if config is None:
@@ -294,9 +295,14 @@ def _setting_problems(p: list, cfg: RunConfig, layout: MegatronLayout) -> None:
         )
 
 
+def _model_option_problems(p: list, cfg: RunConfig) -> None:
+    """How finetune runs a transformers model, which Megatron-LM replaces by its own GPT."""
+    if cfg.model.chunked_loss == "true":  # Megatron's GPT computes its own, vocabulary-parallel, cross-entropy
+        p.append(("chunked_loss", "is true, but Megatron-LM computes its own loss; set chunked_loss: auto or false"))
+
+
 def _unsupported_problems(p: list, cfg: RunConfig) -> None:
     """Features of finetune that do not run under Megatron-LM."""
-    t = cfg.train
     if cfg.peft.method != "none":
         p.append(
             (
@@ -336,7 +342,7 @@ def _unsupported_problems(p: list, cfg: RunConfig) -> None:
                 "is not supported under Megatron-LM (its GPT step attends across packed examples); set packing: false",
             )
         )
-    if t.load_best_model_at_end:
+    if cfg.train.load_best_model_at_end:
         p.append(
             (
                 "load_best_model_at_end",

@@ -1,0 +1,179 @@
+"""The chunked loss at a 128k vocabulary (issue 31): training peak memory and step time against transformers' loss
+and HF Trainer, and the longest sequence each trains within a memory budget.
+
+peak     a Llama-shaped model of 93M parameters (hidden 512, 8 layers, 8 heads, tied 128,256-entry embeddings, as
+         small Llama 3 models have), one process, fp32, micro batch 1, --seq tokens (default 2048, packed text):
+         finetune with chunked_loss true and false, and HF Trainer on finetune's rows in finetune's order. Equal
+         settings on every side: the same rows, batch, learning rate, clipping, threads and glibc allocator
+         settings (RELEASE: what finetune's `cpu_allocator: release` sets, which `finetune plan` assumes on a CPU,
+         in every process's environment: freed memory goes back at once, so the resident peak is what was
+         alive, not what glibc kept). Measured: the
+         training-phase peak RSS (each side resets the high-water mark as training starts: finetune.metrics) and
+         the median step time. Target: chunked <= 0.6x Trainer's peak.
+longest  the longest max_seq_length (a multiple of 256) that `finetune plan`'s estimate puts within --budget_gb,
+         with the chunked loss and without (transformers' loss, which Trainer computes the same way); then a run of
+         finetune with the chunked loss at its length and one of Trainer at the unchunked length, each of which must
+         stay inside the budget (nothing is run that the planner says will not fit). Target: >= 1.8x.
+
+    .venv/bin/python bench/loss_memory.py [--parts peak,longest] [--seq 2048] [--budget_gb 4] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+
+import harness
+
+NAME = "loss_memory"
+TITLE = "Chunked loss: peak memory and longest sequence at a 128k vocabulary (one process)"
+REPEATS = 1
+VOCAB = 128_256
+RELEASE = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}  # cpu_allocator: release, as glibc env
+SHAPE = {"hidden": 512, "layers": 8, "heads": 8}
+PEAK_TARGET = 0.6  # chunked peak / Trainer's
+LONGEST_TARGET = 1.8  # chunked longest sequence / unchunked
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--parts", default="peak,longest", help="peak, longest, or both (default)")
+    parser.add_argument("--seq", type=int, default=2048, help="peak: tokens per row (default 2048)")
+    parser.add_argument("--budget_gb", type=float, default=4.0, help="longest: training peak budget (default 4)")
+
+
+def build_model(ctx: harness.Context) -> str:
+    from finetune import demo
+
+    config = demo.llama_config(**SHAPE, vocab=VOCAB, max_positions=16384)
+    config.tie_word_embeddings = True
+    return harness.saved_llama(ctx, "llama_128k_h512_l8", config)
+
+
+def run_config(ctx: harness.Context, model: str, seq: int, chunked: str) -> str:
+    return harness.write_run_config(
+        ctx,
+        f"loss_{chunked}_{seq}",
+        model=model,
+        dataset=harness.assets(ctx)["text"],
+        format="text",
+        packing=True,
+        max_seq_length=seq,
+        per_device_train_batch_size=1,
+        learning_rate=1e-4,
+        eval_fraction=0,
+        save_steps=None,
+        chunked_loss=chunked,
+        cpu_allocator="release",
+    )
+
+
+def finetune_side(ctx: harness.Context, model: str, seq: int, chunked: str) -> dict:
+    tag = f"finetune_{chunked}_{seq}"
+    out = ctx.runs / tag
+    steps = str(ctx.opts.steps_given or 3)
+    cmd = harness.finetune_cmd(run_config(ctx, model, seq, chunked), out, None, "--max_steps", steps)
+    r = harness.launch(ctx, tag, cmd, 2, **RELEASE)
+    rows = harness.read_rows(out)
+    shutil.rmtree(out)
+    peak = next(row["peak_memory"] for row in rows if "peak_memory" in row)[0]
+    times = sorted(row["step_time_s"] for row in rows if "loss" in row)[1:] or [0.0]
+    return {
+        "train_peak_gb": peak["train_peak_rss_gb"],
+        "planned_gb": peak.get("estimate_train_peak_gb"),
+        "step_s": times[len(times) // 2],
+        "losses": [row["loss"] for row in rows if "loss" in row],
+        "wall_s": r.wall_s,
+    }
+
+
+def trainer_side(ctx: harness.Context, model: str, seq: int) -> dict:
+    spec = {"config": run_config(ctx, model, seq, "false"), "steps": ctx.opts.steps_given or 3, "warmup": 1}
+    spec |= {"threads": 2, "collator": "seq2seq", "env": RELEASE}
+    r = harness.run_worker(ctx, "baselines.py", "trainer", spec, f"trainer_{seq}", 2)
+    return {"train_peak_gb": r["train_peak_rss_gb"], "step_s": r["step_time_s"]}
+
+
+def planned_gb(ctx: harness.Context, model: str, seq: int, chunked: str) -> float:
+    from finetune import memory
+    from finetune.config import build_config
+
+    values = {"model": model, "dataset": "planned.jsonl", "output_dir": str(ctx.runs / "plan")}
+    values |= {"max_seq_length": seq, "per_device_train_batch_size": 1, "chunked_loss": chunked}
+    cfg = build_config(values, check_filesystem=False)
+    shape = memory.shape_from_config(cfg)
+    machines = memory.Machines(num_gpus=0, cpu_processes=1)
+    return memory.plan_config(shape, cfg, harness.ROOT / "accelerate_configs" / "single.yaml", machines).host_gb
+
+
+def longest(ctx: harness.Context, model: str, chunked: str) -> tuple[int, float]:
+    """The longest multiple of 256 whose planned peak is within the budget (and that planned peak)."""
+    lo, hi = 0, 64  # in units of 256 tokens: within(lo) holds (0: nothing), within(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if planned_gb(ctx, model, 256 * mid, chunked) <= ctx.opts.budget_gb else (lo, mid)
+    return 256 * lo, planned_gb(ctx, model, 256 * lo, chunked) if lo else 0.0
+
+
+def run(ctx: harness.Context) -> dict:
+    model = build_model(ctx)
+    parts, out = ctx.opts.parts.split(","), {"vocab": VOCAB, **SHAPE}
+    if "peak" in parts:
+        seq = ctx.opts.seq
+        harness.log(f"  peak: seq {seq}, finetune chunked / unchunked, Trainer")
+        out["peak"] = {
+            "seq": seq,
+            "chunked": finetune_side(ctx, model, seq, "true"),
+            "unchunked": finetune_side(ctx, model, seq, "false"),
+            "trainer": trainer_side(ctx, model, seq),
+        }
+    if "longest" in parts:
+        budget = ctx.opts.budget_gb
+        (seq_on, plan_on), (seq_off, plan_off) = longest(ctx, model, "true"), longest(ctx, model, "false")
+        harness.log(f"  longest within {budget} GB (planned): chunked {seq_on}, unchunked {seq_off}")
+        out["longest"] = {"budget_gb": budget, "chunked": {"seq": seq_on, "planned_gb": plan_on}}
+        out["longest"]["unchunked"] = {"seq": seq_off, "planned_gb": plan_off}
+        if seq_on:
+            out["longest"]["chunked"] |= finetune_side(ctx, model, seq_on, "true")
+        if seq_off:
+            out["longest"]["unchunked"] |= {"trainer": trainer_side(ctx, model, seq_off)}
+    return out
+
+
+def rows(r: dict) -> list[harness.Row]:
+    out = []
+    if "peak" in r:
+        p = r["peak"]
+        for side in ("chunked", "unchunked", "trainer"):
+            x = p[side]
+            name = f"finetune chunked_loss {'true' if side == 'chunked' else 'false'}" if side != "trainer" else side
+            step = f"step {x['step_s']:.1f} s" if x.get("step_s") else ""
+            out.append(harness.Row("loss memory", f"{name}, seq {p['seq']}", x["train_peak_gb"], "GB", step))
+        ratio = p["chunked"]["train_peak_gb"] / p["trainer"]["train_peak_gb"]
+        target = f"<= {PEAK_TARGET}"
+        out.append(harness.Row("loss memory", "chunked / Trainer peak", ratio, "x", "", target, ratio <= PEAK_TARGET))
+        speed = p["unchunked"]["step_s"] / p["chunked"]["step_s"]
+        out.append(harness.Row("loss memory", "chunked / unchunked speed", speed, "x", "finetune, same run otherwise"))
+    if "longest" in r:
+        lg, budget = r["longest"], r["longest"]["budget_gb"]
+        on, off = lg["chunked"], lg["unchunked"]
+        measured_on, measured_off = on.get("train_peak_gb"), off.get("trainer", {}).get("train_peak_gb")
+        for name, x, measured in (("finetune chunked", on, measured_on), ("Trainer (unchunked)", off, measured_off)):
+            note = f"planned {x['planned_gb']:.2f} GB" + (
+                f", measured {measured:.2f} GB ({'within' if measured <= budget else 'OVER'} {budget} GB)"
+                if measured
+                else ""
+            )
+            out.append(harness.Row("longest sequence", f"{name} in {budget} GB", x["seq"], "tokens", note))
+        if off["seq"]:
+            ratio = on["seq"] / off["seq"]
+            confirmed = all(m is not None and m <= budget for m in (measured_on, measured_off))
+            met = ratio >= LONGEST_TARGET and confirmed
+            out.append(
+                harness.Row("longest sequence", "chunked / Trainer", ratio, "x", "", f">= {LONGEST_TARGET}", met)
+            )
+    return out
+
+
+if __name__ == "__main__":
+    harness.main(sys.modules[__name__])

@@ -1,0 +1,118 @@
+"""A causal LM's training loss without its whole logits: the LM head and the cross-entropy run a chunk of tokens
+at a time, and each chunk's logits are recomputed in backward (model.chunked_loss).
+
+With a modern vocabulary the logits and their gradient dominate a fine-tune's activation memory: 4,096 tokens at
+128k entries are 2 GB in fp32, and again for the gradient. Here at most one chunk's are alive at once, forward or
+backward; the price is one more LM-head forward per step (the recomputation).
+
+Model-agnostic by construction: the head is called as a module (`get_output_embeddings()`), never read as a
+weight, so ZeRO-3 gathers its whole weight for each call (a fused loss that reads `lm_head.weight` directly gets
+the empty local shard: trl#3368), LoRA on the head and `modules_to_save` run their own forward, and DDP and FSDP2
+see the call inside the model's forward. The forward replaced is the model instance's own, so it runs inside
+every wrapper's forward (DDP, FSDP2, DeepSpeed, PEFT) as transformers' did. Used only where labels are given with
+gradients enabled (a training forward); evaluation and generation run transformers' forward, with the logits.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from finetune.config import ConfigError
+
+logger = logging.getLogger("finetune")
+
+IGNORE = -100
+# Causal LMs whose forward is exactly `logits = lm_head(decoder(...).last_hidden_state)` and transformers' causal
+# LM loss: no logit soft-capping (Gemma 2/3), scaling (Cohere, Granite) or auxiliary router loss (MoE models).
+PLAIN_HEADS = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2", "gpt_neox", "phi3", "olmo2", "smollm3", "starcoder2"}
+)
+# auto: on from this vocabulary size up, where the extra head forward costs at most this share of a step's compute
+# (2 x vocabulary x hidden FLOPs per token against about 6 x parameters). Measured at 128k entries (bench/README.md):
+# a 93M model whose tied head is 70% of it trained at 0.68x the speed with it; a 1B model's head is 21%.
+AUTO_MIN_VOCAB = 32_768
+AUTO_MAX_COST = 0.10
+# auto chunk size: about this many logits per chunk (128 MB in fp32; the loss keeps three such copies at its
+# peak: the logits, their log-softmax and its gradient), never fewer than 128 tokens.
+CHUNK_LOGITS = 2**25
+
+
+def chunk_tokens(requested: int, vocab_size: int) -> int:
+    return requested or max(128, CHUNK_LOGITS // vocab_size)
+
+
+def wanted(setting: str, model_type: str, task: str, vocab_size: int, head_params: int, params: int) -> bool:
+    """Whether the chunked loss runs: chunked_loss true, false or auto (refusals name the key and the reason).
+    head_params: the LM head's weight (vocabulary x hidden); params: the model's."""
+    if setting == "false":
+        return False
+    why = None
+    if task != "causal_lm":
+        why = f"task is {task}: the chunked loss replaces a causal LM's loss (the others keep transformers' own)"
+    elif model_type not in PLAIN_HEADS:
+        why = (
+            f"model_type {model_type!r} is not one whose logits are only its LM head's output (known: "
+            f"{', '.join(sorted(PLAIN_HEADS))}); soft-capped, scaled or auxiliary-loss heads would train differently"
+        )
+    if why is None:
+        return setting == "true" or (vocab_size >= AUTO_MIN_VOCAB and extra_cost(head_params, params) <= AUTO_MAX_COST)
+    if setting == "true":
+        raise ConfigError([("chunked_loss", f"is true, but {why}. Set it to auto or false")])
+    return False
+
+
+def extra_cost(head_params: int, params: int) -> float:
+    """The chunked loss's extra head forward as a share of a training step's compute (2 V H against 6 N per token)."""
+    return head_params / (3 * max(params, 1))
+
+
+def install(model, chunk: int, micro_batch_tokens: int) -> int:
+    """Replace `model`'s forward (a transformers causal LM, not yet wrapped) by one whose training loss is chunked;
+    the number of chunks each micro batch is cut into.
+
+    Every micro batch, on every rank, is cut into the same number of chunks, from the largest micro batch the run
+    can have (micro_batch_tokens): under ZeRO-3 each call of the head gathers its weight, a collective that every
+    rank must make as often as the others. A narrower batch has smaller chunks; a length-aware micro batch above
+    that size has larger ones."""
+    pieces = max(1, -(-micro_batch_tokens // chunk))
+    plain_forward = model.forward
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, **kwargs):
+        if labels is None or not torch.is_grad_enabled() or kwargs.get("past_key_values") is not None:
+            return plain_forward(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels, **kwargs
+            )
+        kwargs.pop("use_cache", None)
+        # Looked up at each call: PEFT replaces the head by its LoRA or modules_to_save wrapper after this install.
+        out = self.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs
+        )
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        return CausalLMOutputWithPast(
+            loss=chunked_nll(self.get_output_embeddings(), out.last_hidden_state, labels, pieces)
+        )
+
+    model.forward = types.MethodType(forward, model)
+    return pieces
+
+
+def chunked_nll(head, hidden: torch.Tensor, labels: torch.Tensor, pieces: int) -> torch.Tensor:
+    """Mean cross-entropy of `head(hidden)` against the labels shifted by one (transformers' ForCausalLMLoss: the
+    logits in fp32, -100 ignored), over `pieces` chunks of the tokens; each chunk's logits are rebuilt in backward.
+    A batch with nothing to learn gives 0 (transformers' mean gives NaN)."""
+    targets = F.pad(labels, (0, 1), value=IGNORE)[..., 1:].reshape(-1)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for h, t in zip(torch.tensor_split(flat, pieces), torch.tensor_split(targets, pieces), strict=True):
+        total = total + checkpoint(_nll_sum, head, h, t, use_reentrant=False)
+    return total / (targets != IGNORE).sum().clamp(min=1)
+
+
+def _nll_sum(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), targets, ignore_index=IGNORE, reduction="sum")

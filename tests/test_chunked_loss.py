@@ -1,0 +1,185 @@
+"""The chunked linear + cross-entropy loss (finetune/chunked_loss.py, issue 31): the same loss and gradients as
+transformers' unchunked one, and the same per-step losses under every layout (fp32: within 1e-5 relative of one
+process with transformers' loss), with LoRA on the head too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import EXPECTED, ROOT, base_args, finetune, max_rel_diff
+
+from finetune import chunked_loss
+from finetune.config import ConfigError
+
+pytestmark = pytest.mark.xdist_group("chunked_loss")  # one worker: the reference runs once
+
+
+def _model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def _loss_and_grads(model, batch) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads
+    return loss.item(), grads
+
+
+def _batch(vocab: int) -> dict:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (3, 20), generator=g)
+    labels = ids.clone()
+    labels[:, :6] = -100  # the prompt
+    labels[2, 15:] = -100  # padding
+    mask = torch.ones_like(ids)
+    mask[2, 15:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+@pytest.mark.parametrize("chunk, micro_batch_tokens", [(7, 60), (16, 60), (8, 200)])  # 200: empty chunks too
+def test_same_loss_and_gradients_as_transformers(assets, chunk, micro_batch_tokens):
+    plain, chunked = _model(assets.llama), _model(assets.llama)
+    pieces = chunked_loss.install(chunked, chunk, micro_batch_tokens)
+    assert pieces == -(-micro_batch_tokens // chunk) and pieces > 1
+    batch = _batch(plain.config.vocab_size)
+    want, want_grads = _loss_and_grads(plain, batch)
+    got, got_grads = _loss_and_grads(chunked, batch)
+    assert abs(got - want) <= 1e-6 * abs(want), (got, want)
+    assert want_grads.keys() == got_grads.keys()
+    for name, g in want_grads.items():
+        assert torch.allclose(got_grads[name], g, rtol=1e-5, atol=1e-7), name
+    with torch.no_grad():  # evaluation keeps transformers' forward, with its logits
+        assert chunked(**batch).logits.shape[-1] == plain.config.vocab_size
+
+
+@pytest.mark.parametrize("how", ["lora on the head", "modules_to_save"])
+def test_adapters_on_the_head(assets, how):
+    """LoRA on lm_head and a fully trained lm_head (modules_to_save) run their own forward inside the chunks."""
+    from peft import LoraConfig, get_peft_model
+
+    if how == "lora on the head":
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+    else:
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    plain = get_peft_model(_model(assets.llama), config)
+    base = _model(assets.llama)
+    chunked_loss.install(base, 9, 60)
+    chunked = get_peft_model(base, config)
+    chunked.load_state_dict(plain.state_dict())  # the same adapter weights
+    batch = _batch(plain.config.vocab_size)
+    want, want_grads = _loss_and_grads(plain, batch)
+    got, got_grads = _loss_and_grads(chunked, batch)
+    assert abs(got - want) <= 1e-6 * abs(want)
+    assert any("lm_head" in n for n in want_grads), sorted(want_grads)  # the head itself learns
+    assert want_grads.keys() == got_grads.keys()
+    for name, g in want_grads.items():
+        assert torch.allclose(got_grads[name], g, rtol=1e-5, atol=1e-7), name
+
+
+def test_where_it_is_refused_or_off():
+    llama_1b = ("llama", "causal_lm", 128_256, 128_256 * 2048, 1_235_814_400)  # Llama 3.2 1B's shape
+    assert chunked_loss.wanted("auto", *llama_1b)
+    assert not chunked_loss.wanted("false", *llama_1b)
+    small_vocab = ("llama", "causal_lm", 8_192, 8_192 * 2048, 1_000_000_000)
+    assert not chunked_loss.wanted("auto", *small_vocab)  # its logits are small
+    assert chunked_loss.wanted("true", *small_vocab)
+    head_heavy = ("llama", "causal_lm", 128_256, 128_256 * 512, 93_000_000)  # bench/loss_memory.py's model
+    assert chunked_loss.extra_cost(*head_heavy[3:]) > chunked_loss.AUTO_MAX_COST
+    assert not chunked_loss.wanted("auto", *head_heavy)  # the extra head forward would cost over 10%
+    assert not chunked_loss.wanted("auto", "gemma2", "causal_lm", 256_000, 256_000 * 2304, 2_600_000_000)
+    for model_type, task in (("gemma2", "causal_lm"), ("bert", "classification")):
+        with pytest.raises(ConfigError) as refused:
+            chunked_loss.wanted("true", model_type, task, 256_000, 256_000 * 2304, 2_600_000_000)
+        assert refused.value.problems[0][0] == "chunked_loss"
+
+
+@pytest.fixture(scope="module")
+def reference(assets, tmp_path_factory):
+    """One process, transformers' loss: what every layout with the chunked loss must equal."""
+    out = tmp_path_factory.mktemp("chunked") / "reference"
+    res = finetune(out, *_args(assets), "--chunked_loss", "false", launcher="single")
+    assert "chunked loss:" not in res.output
+    return res
+
+
+def _args(assets, *more: str) -> list[str]:
+    return base_args(assets.llama, assets.instruction, "--max_steps", "5", "--eval_fraction", "0", *more)
+
+
+@pytest.mark.parametrize("launcher", ["ddp", "zero3", "fsdp2", "tp2"])
+def test_every_layout_equals_one_process_without_it(assets, tmp_path, reference, launcher):
+    per_device = "4" if launcher == "tp2" else "2"  # tensor parallel ranks share their batch: global batch 4 each
+    res = finetune(
+        tmp_path / launcher,
+        *_args(assets, "--per_device_train_batch_size", per_device, "--chunked_loss", "true"),
+        "--loss_chunk_tokens",
+        "40",
+        launcher=launcher,
+    )
+    assert "chunked loss: up to 40 tokens per chunk, " in res.output, res.output[-2000:]
+    if launcher in EXPECTED:
+        assert res.train_rows[-1]["world_size"] == EXPECTED[launcher][1]
+    want, got = reference.losses(), res.losses()
+    assert len(want) == len(got) == 5
+    assert max_rel_diff(want, got) <= 1e-5, (want, got)
+
+
+def test_lora_on_the_head_under_zero3_equals_one_process(assets, tmp_path):
+    """ZeRO-3 shards the head: each chunk's call gathers its whole weight (a fused loss reading lm_head.weight would
+    see the empty local shard)."""
+    peft = (
+        "--peft.method",
+        "lora",
+        "--peft.r",
+        "4",
+        "--peft.alpha",
+        "8",
+        "--peft.target_modules",
+        "q_proj,v_proj,lm_head",
+    )
+    args = _args(assets, *peft)
+    one = finetune(tmp_path / "one", *args, "--chunked_loss", "false", launcher="single")
+    zero3 = finetune(
+        tmp_path / "zero3",
+        *args,
+        "--per_device_train_batch_size",
+        "2",
+        "--chunked_loss",
+        "true",
+        "--loss_chunk_tokens",
+        "40",
+        launcher="zero3",
+    )
+    assert "chunked loss: up to 40 tokens per chunk, " in zero3.output
+    want, got = one.losses(), zero3.losses()
+    assert len(want) == len(got) == 5
+    assert max_rel_diff(want, got) <= 1e-5, (want, got)
+    assert want[-1] < want[0]  # it learned
+
+
+def test_the_planner_counts_one_chunk_of_logits(tmp_path):
+    """`finetune plan` (and the capacity benchmarks) count one chunk's logits under the chunked loss."""
+    from finetune import demo, memory
+    from finetune.config import build_config
+
+    vocab, seq = 128_256, 2048
+    shape_config = demo.llama_config(256, 2, vocab=vocab, max_positions=seq)
+    logits = {}
+    for setting in ("true", "false"):
+        values = {"model": "(config given)", "dataset": "d.jsonl", "output_dir": str(tmp_path / setting)}
+        values |= {"max_seq_length": seq, "per_device_train_batch_size": 1, "chunked_loss": setting}
+        cfg = build_config(values, check_filesystem=False)
+        shape = memory.shape_from_config(cfg, config=shape_config)
+        assert shape.model_type == "llama" and shape.vocab == vocab
+        machines = memory.Machines(cpu_processes=1)
+        est = memory.plan_config(shape, cfg, ROOT / "accelerate_configs" / "single.yaml", machines)
+        logits[setting] = est.by_kind()["logits"] * 1e9
+    chunk = chunked_loss.chunk_tokens(0, vocab)
+    assert chunk == 261
+    assert logits["false"] == pytest.approx(seq * vocab * 12)  # fp32: 3 copies of the whole logits
+    assert logits["true"] == pytest.approx(chunk * vocab * 12)
