@@ -36,6 +36,7 @@ import yaml
 from finetune.config import ConfigError
 from finetune.config.preflight import LATEST, resolve_resume
 from finetune.faults import fault_point
+from finetune.parallel.base import unwrap
 from finetune.parallel.topology import has_portable_copy, resumes_across_layouts, writes_whole_tensors
 
 STATE_FILE = "trainer_state.json"
@@ -165,7 +166,7 @@ class Checkpointer:
 
     def _write_full_tensors(self, tmp: str) -> None:
         """What another layout needs to resume (see the module docstring)."""
-        net = self.acc.unwrap_model(self.model)
+        net = unwrap(self.acc, self.model)
         if not resumes_across_layouts(self.layout):
             return
         if writes_whole_tensors(self.layout):
@@ -545,7 +546,7 @@ def restore(accelerator, backend, model, optimizer, scheduler, plan, resume: Res
     from finetune.parallel.base import trainable_parameters
 
     state = resume.full_state()
-    _check_same_parameters(resume.path, trainable_parameters(accelerator.unwrap_model(model)), state)
+    _check_same_parameters(resume.path, trainable_parameters(unwrap(accelerator, model)), state)
     backend.set_full_optimizer_state(model, optimizer, state, resume.step)
     set_scheduler_position(scheduler, plan.scheduler_position(resume.step))
     return resume.saved

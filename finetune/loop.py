@@ -79,6 +79,7 @@ class Run:
     generation: GenerationEval | None = None  # scores what the model writes
     precision: PrecisionProbe | None = None  # the dtypes the model really trains in
     objective: Objective | None = None  # a preference method's loss (None: the model's own, SFT)
+    compiled: bool = False  # torch_compile: the first step compiles the repeated blocks (its time is logged)
 
 
 def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: int):
@@ -238,6 +239,7 @@ class _Progress:
         self.health = _Health()
         self.stop = StopVote(run.accelerator.num_processes)
         self.precision_logged = False
+        self.compiling = run.compiled  # until the first step of this process has run
 
 
 def _epoch_batches(run: Run, epoch: int, start: int):
@@ -256,10 +258,18 @@ def _optimizer_step(run: Run, state: TrainState, p: _Progress, batches, epoch: i
     """One optimizer step and its bookkeeping; its grad norm (a device tensor: read when the loop logs)."""
     run.watchdog.beat()
     fault_point("hang-before-step", state.step + 1)
+    started = time.perf_counter()
     micro = [next(batches) for _ in range(run.plan.gradient_accumulation_steps)]
     p.stop.post()  # this rank's stop request, agreed on while the step runs
     nll, count, tokens, positions, grad_norm, skipped = train_step(run, micro, epoch, step_in_epoch)
     state.step += 1
+    if p.compiling:
+        p.compiling = False
+        logger.info(
+            "torch_compile: the first step took %.1f s, compiling each repeated block (the next steps reuse the "
+            "kernels; a batch of another width compiles once more, after which the shapes are dynamic)",
+            time.perf_counter() - started,
+        )
     if skipped:
         state.skipped_steps += 1
         logger.warning("step %d: the fp16 loss scaler skipped the update (gradient overflow)", state.step)

@@ -378,6 +378,7 @@ def build_loop(
         generation=generation,
         precision=metrics.PrecisionProbe(backend.hf_model(p.model)),
         objective=preference.Objective.of(t),
+        compiled=cfg.model.torch_compile,
     )
 
 

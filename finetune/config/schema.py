@@ -164,6 +164,12 @@ class ModelArgs:
         "of 32k entries or more. Refused where the logits are more than the head's output (soft-capped, scaled, "
         "MoE router losses) or under Megatron-LM. docs/performance.md.",
     )
+    torch_compile: bool = _f(
+        False,
+        "Compile each repeated block of the model once (regional torch.compile, inductor; accelerate's "
+        "TorchDynamoPlugin), under one process, DDP, ZeRO, FSDP2, adapters and gradient checkpointing. The first step "
+        "pays for the compilation (logged). Refused under Megatron-LM. docs/performance.md.",
+    )
     loss_chunk_tokens: int = _f(
         0, "Tokens per chunk of the chunked loss; 0 = about 2^25 logits per chunk (261 tokens at 128k entries)."
     )

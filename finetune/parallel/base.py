@@ -28,6 +28,14 @@ def unwrap_without_deepspeed() -> None:
     accelerate.utils.other.is_deepspeed_available = lambda: False
 
 
+def unwrap(accelerator, model):
+    """The model inside accelerate's wrappers (DDP, DeepSpeed's engine, FSDP, torch_compile's compiled regions):
+    the transformers (or PEFT) model whose parameters, config and save_pretrained are the run's. Not accelerate's
+    default (keep_torch_compile=True), which under regional compilation hands back the compiled copy of the
+    outermost wrapper: the DDP object itself under DDP."""
+    return accelerator.unwrap_model(model, keep_torch_compile=False)
+
+
 def no_checkpoints_per_machine(why: str) -> ConfigError:
     """The refusal of a backend whose checkpoints cannot be kept complete on each machine."""
     return ConfigError(

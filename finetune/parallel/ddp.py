@@ -19,6 +19,7 @@ from finetune.parallel.base import (
     local_fraction,
     prepare_all,
     trainable_parameters,
+    unwrap,
     unwrap_without_deepspeed,
 )
 from finetune.parallel.topology import Topology
@@ -120,7 +121,7 @@ class Backend:
 
     def observed(self, model) -> dict:
         """What the prepared model shows about how it is spread (logged, and in every metrics row)."""
-        return {"parameter_shard": local_fraction(self.acc.unwrap_model(model).parameters(), self.numel)}
+        return {"parameter_shard": local_fraction(unwrap(self.acc, model).parameters(), self.numel)}
 
     # -- the step
     def forward_loss(self, model, batch: dict) -> torch.Tensor:
@@ -173,7 +174,7 @@ class Backend:
     # -- full state by parameter name (export, portable resume)
     def hf_model(self, model):
         """The transformers (or PEFT) model object whose config and save_pretrained describe the model."""
-        return self.acc.unwrap_model(model)
+        return unwrap(self.acc, model)
 
     def save_pretrained(self, model, directory: str, dtype: torch.dtype) -> None:
         """The whole trained model (or adapter) as a from_pretrained directory, written by the main process, every
@@ -190,7 +191,7 @@ class Backend:
 
     def full_optimizer_state(self, model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
         """{parameter name: {param (fp32 master), exp_avg, exp_avg_sq}} for trainable parameters (main process)."""
-        net = self.acc.unwrap_model(model)
+        net = unwrap(self.acc, model)
         inner = getattr(optimizer, "optimizer", optimizer)
         out = {}
         for name, p in net.named_parameters():
@@ -201,7 +202,7 @@ class Backend:
 
     def set_full_optimizer_state(self, model, optimizer, state: dict[str, dict[str, torch.Tensor]], step: int) -> None:
         """Set AdamW's step, moments and the weights (fp32 masters) of every trainable parameter by name."""
-        named = trainable_parameters(self.acc.unwrap_model(model))
+        named = trainable_parameters(unwrap(self.acc, model))
         copy_by_name(named, {n: s["param"] for n, s in state.items()})
         inner = getattr(optimizer, "optimizer", optimizer)
         for n, s in state.items():

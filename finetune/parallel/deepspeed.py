@@ -242,7 +242,7 @@ class Backend(ddp.Backend):
         from deepspeed.utils import safe_get_full_fp32_param
 
         weights = super().full_state_dict(model)
-        net = self.acc.unwrap_model(model)
+        net = base.unwrap(self.acc, model)
         if all(p.dtype == torch.float32 for p in net.parameters()):
             return weights  # fp32 weights: they are the masters (share_fp32_master_weights)
         names: dict[int, list[str]] = {}
@@ -264,7 +264,7 @@ class Backend(ddp.Backend):
         relink_optimizer_states(optimizer)
         out = {}
         main = self.acc.is_main_process
-        for name, p in self.acc.unwrap_model(model).named_parameters():  # same order on every rank: collectives
+        for name, p in base.unwrap(self.acc, model).named_parameters():  # same order on every rank: collectives
             if not p.requires_grad:
                 continue
             values = {
@@ -284,7 +284,7 @@ class Backend(ddp.Backend):
         full tensors and keeps its own partition of them."""
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-        named = base.trainable_parameters(self.acc.unwrap_model(model))
+        named = base.trainable_parameters(base.unwrap(self.acc, model))
         zero = optimizer.optimizer  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer
         _create_adam_state(zero, step)
         relink_optimizer_states(optimizer)  # ZeRO-1/2: link the new state to each parameter's fragment

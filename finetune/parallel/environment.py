@@ -80,6 +80,9 @@ def make_accelerator(cfg: RunConfig):
                     use_seedable_sampler=False, even_batches=True, dispatch_batches=False
                 ),
                 kwargs_handlers=handlers,
+                # torch_compile: accelerate compiles each repeated block at prepare (compile_regions, its FSDP2 and
+                # DeepSpeed variants), after FSDP2's sharding and activation checkpointing.
+                **({"dynamo_plugin": regional_compile()} if cfg.model.torch_compile else {}),
                 log_with=t.report_to or None,
                 # TensorBoard (report_to) writes under output_dir/runs/<tracker_project>.
                 project_config=ProjectConfiguration(
@@ -93,6 +96,12 @@ def make_accelerator(cfg: RunConfig):
             fix = "set report_to to some of those names, or [] for metrics.jsonl only"
             raise ConfigError([("report_to", f"{first}; {fix}")]) from None
         raise
+
+
+def regional_compile():
+    from accelerate.utils import TorchDynamoPlugin
+
+    return TorchDynamoPlugin(backend="inductor", use_regional_compilation=True)
 
 
 def set_mixed_precision(asked: str) -> str:

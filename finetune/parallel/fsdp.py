@@ -169,7 +169,7 @@ class Backend(ddp.Backend):
         this rank holds."""
         from torch.distributed.tensor import DTensor
 
-        net = self.acc.unwrap_model(model)
+        net = base.unwrap(self.acc, model)
         params = list(net.parameters())
         return {
             "fsdp_version": 2 if all(isinstance(p, DTensor) for p in params) and self.acc.is_fsdp2 else 0,
@@ -178,10 +178,10 @@ class Backend(ddp.Backend):
         }
 
     def full_state_dict(self, model):
-        return tensor.full_state_dict(self.acc.unwrap_model(model))
+        return tensor.full_state_dict(base.unwrap(self.acc, model))
 
     def full_optimizer_state(self, model, optimizer):
-        return tensor.full_optimizer_state(self.acc.unwrap_model(model), optimizer)
+        return tensor.full_optimizer_state(base.unwrap(self.acc, model), optimizer)
 
     def set_full_optimizer_state(self, model, optimizer, state, step: int) -> None:
-        tensor.set_full_optimizer_state(self.acc.unwrap_model(model), optimizer, state, step)
+        tensor.set_full_optimizer_state(base.unwrap(self.acc, model), optimizer, state, step)

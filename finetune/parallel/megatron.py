@@ -299,6 +299,14 @@ def _model_option_problems(p: list, cfg: RunConfig) -> None:
     """How finetune runs a transformers model, which Megatron-LM replaces by its own GPT."""
     if cfg.model.chunked_loss == "true":  # Megatron's GPT computes its own, vocabulary-parallel, cross-entropy
         p.append(("chunked_loss", "is true, but Megatron-LM computes its own loss; set chunked_loss: auto or false"))
+    if cfg.model.torch_compile:
+        p.append(
+            (
+                "torch_compile",
+                "is true, but Megatron-LM runs its own GPT (fused kernels of its own), not the transformers model "
+                "finetune would compile; set torch_compile: false",
+            )
+        )
 
 
 def _unsupported_problems(p: list, cfg: RunConfig) -> None:

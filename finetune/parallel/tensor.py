@@ -140,23 +140,23 @@ class Backend(ddp.Backend):
         return prepared
 
     def full_state_dict(self, model):
-        return full_state_dict(self.acc.unwrap_model(model))
+        return full_state_dict(base.unwrap(self.acc, model))
 
     def save_pretrained(self, model, directory: str, dtype: torch.dtype) -> None:
         """transformers saves a model loaded with a tp_plan itself: every rank takes part in gathering its
         DTensors (save_pretrained on the main process alone would wait for the others forever). The DTensors are
         cast to dtype shard by shard, before the gather."""
-        net = self.acc.unwrap_model(model)
+        net = base.unwrap(self.acc, model)
         weights = base.cast_floating(net.state_dict(), dtype)
         net.save_pretrained(
             directory, state_dict=weights, is_main_process=self.acc.is_main_process, safe_serialization=True
         )
 
     def full_optimizer_state(self, model, optimizer):
-        return full_optimizer_state(self.acc.unwrap_model(model), optimizer)
+        return full_optimizer_state(base.unwrap(self.acc, model), optimizer)
 
     def set_full_optimizer_state(self, model, optimizer, state, step: int) -> None:
-        set_full_optimizer_state(self.acc.unwrap_model(model), optimizer, state, step)
+        set_full_optimizer_state(base.unwrap(self.acc, model), optimizer, state, step)
 
 
 # ---------------------------------------------------------------- full state dicts of DTensor models (TP, FSDP2)
@@ -217,7 +217,7 @@ def enable_full_checkpoints(accelerator, model, optimizer) -> None:
         set_optimizer_state_dict,
     )
 
-    net = accelerator.unwrap_model(model)
+    net = base.unwrap(accelerator, model)
     inner = optimizer.optimizer  # the torch optimizer inside accelerate's AcceleratedOptimizer
 
     def save_model(models, weights, output_dir):
