@@ -1,6 +1,10 @@
-"""The chunked linear + cross-entropy loss (finetune/chunked_loss.py, issue 31): the same loss and gradients as
-transformers' unchunked one, and the same per-step losses under every layout (fp32: within 1e-5 relative of one
-process with transformers' loss), with LoRA on the head too."""
+"""The chunked linear + cross-entropy loss (finetune/chunked_loss.py) and torch_compile (issue 31), against one
+eager process with transformers' loss.
+
+The chunked loss: the same loss and gradients as transformers' unchunked one, and the same per-step losses under
+every layout (fp32: within 1e-5 relative), with LoRA on the head too. torch_compile: regional compilation through
+accelerate, with the chunked loss under DDP, within 1e-5 of eager (compiled kernels may reorder float sums);
+inductor really compiled (its cache fills); refused under Megatron-LM."""
 
 from __future__ import annotations
 
@@ -9,9 +13,9 @@ import torch
 from conftest import EXPECTED, ROOT, base_args, finetune, max_rel_diff
 
 from finetune import chunked_loss
-from finetune.config import ConfigError
+from finetune.config import ConfigError, build_config
 
-pytestmark = pytest.mark.xdist_group("chunked_loss")  # one worker: the reference runs once
+pytestmark = pytest.mark.xdist_group("chunked_loss")  # one worker: the eager reference runs once
 
 
 def _model(path: str):
@@ -111,7 +115,7 @@ def _args(assets, *more: str) -> list[str]:
     return base_args(assets.llama, assets.instruction, "--max_steps", "5", "--eval_fraction", "0", *more)
 
 
-@pytest.mark.parametrize("launcher", ["ddp", "zero3", "fsdp2", "tp2"])
+@pytest.mark.parametrize("launcher", ["zero3", "fsdp2", "tp2"])  # DDP: with torch_compile below
 def test_every_layout_equals_one_process_without_it(assets, tmp_path, reference, launcher):
     per_device = "4" if launcher == "tp2" else "2"  # tensor parallel ranks share their batch: global batch 4 each
     res = finetune(
@@ -165,7 +169,6 @@ def test_lora_on_the_head_under_zero3_equals_one_process(assets, tmp_path):
 def test_the_planner_counts_one_chunk_of_logits(tmp_path):
     """`finetune plan` (and the capacity benchmarks) count one chunk's logits under the chunked loss."""
     from finetune import demo, memory
-    from finetune.config import build_config
 
     vocab, seq = 128_256, 2048
     shape_config = demo.llama_config(256, 2, vocab=vocab, max_positions=seq)
@@ -183,3 +186,29 @@ def test_the_planner_counts_one_chunk_of_logits(tmp_path):
     assert chunk == 261
     assert logits["false"] == pytest.approx(seq * vocab * 12)  # fp32: 3 copies of the whole logits
     assert logits["true"] == pytest.approx(chunk * vocab * 12)
+
+
+def test_compiled_under_ddp_with_the_chunked_loss_equals_eager(assets, tmp_path, reference):
+    cache = tmp_path / "inductor"  # never the user's cache: what is in it was compiled by this run
+    more = ("--per_device_train_batch_size", "2", "--torch_compile", "true", "--chunked_loss", "true")
+    res = finetune(
+        tmp_path / "run",
+        *_args(assets, *more, "--loss_chunk_tokens", "40"),
+        launcher="ddp",
+        extra_env={"TORCHINDUCTOR_CACHE_DIR": str(cache)},
+    )
+    assert "torch_compile: the first step took" in res.output and "chunked loss: up to 40 tokens" in res.output
+    assert any(p.is_file() for p in cache.rglob("*")), "inductor wrote nothing: nothing was compiled"
+    want, got = reference.losses(), res.losses()
+    assert len(want) == len(got) == 5
+    assert max_rel_diff(want, got) <= 1e-5, (want, got)
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()  # the export found the model in its wrappers
+
+
+def test_refused_under_megatron(tmp_path):
+    from finetune.parallel.megatron import _model_option_problems
+
+    values = {"model": "m", "dataset": "d.jsonl", "output_dir": str(tmp_path), "torch_compile": True}
+    problems: list = []
+    _model_option_problems(problems, build_config({**values, "chunked_loss": "true"}, check_filesystem=False))
+    assert [key for key, _ in problems] == ["chunked_loss", "torch_compile"]

@@ -364,7 +364,9 @@ def test_training_and_eval_forwards_build_no_kv_cache(assets):
         caches = []
         model.model.register_forward_hook(lambda module, args, out, seen=caches: seen.append(out.past_key_values))
         net = wrap(model)
-        backend = ddp.Backend(SimpleNamespace(unwrap_model=lambda m: m, mixed_precision="no"), topology=None, cfg=None)
+        backend = ddp.Backend(
+            SimpleNamespace(unwrap_model=lambda m, **kw: m, mixed_precision="no"), topology=None, cfg=None
+        )
         backend.forward_loss(net, {"input_ids": ids, "labels": ids}).backward()
         backend.eval_stats(net, {"input_ids": ids}, ids, "causal_lm")
         assert caches == [None, None] and model.config.use_cache
