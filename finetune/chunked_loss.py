@@ -34,7 +34,7 @@ PLAIN_HEADS = frozenset(
 )
 # auto: on from this vocabulary size up, where the extra head forward costs at most this share of a step's compute
 # (2 x vocabulary x hidden FLOPs per token against about 6 x parameters). Measured at 128k entries (bench/README.md):
-# a 93M model whose tied head is 70% of it trained at 0.68x the speed with it; a 1B model's head is 21%.
+# a 93M model whose tied head is 70% of it trained at 0.74x the speed with it; a 1B model's head is 21%.
 AUTO_MIN_VOCAB = 32_768
 AUTO_MAX_COST = 0.10
 # auto chunk size: about this many logits per chunk (128 MB in fp32; the loss keeps three such copies at its

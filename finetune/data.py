@@ -225,7 +225,8 @@ class Collator:
     """Pad a list of examples to the longest one (rounded up to a multiple of 8), plus batch facts.
 
     Padded labels are -100. Unpacked batches get an attention_mask; packed ones get position_ids
-    instead (padding becomes one more, unsupervised, segment); a batch of unpadded single sequences gets neither. Encoder-decoder batches pad the encoder
+    instead (padding becomes one more, unsupervised, segment); a batch of unpadded single sequences gets
+    neither. Encoder-decoder batches pad the encoder
     input and the labels each to their own longest (the model builds the decoder input from the labels).
     """
 
