@@ -46,9 +46,10 @@ def chunk_tokens(requested: int, vocab_size: int) -> int:
     return requested or max(128, CHUNK_LOGITS // vocab_size)
 
 
-def wanted(setting: str, model_type: str, task: str, vocab_size: int, head_params: int, params: int) -> bool:
+def wanted(setting: str, model_type: str, task: str, vocab_size: int, hidden: int, params: int) -> bool:
     """Whether the chunked loss runs: chunked_loss true, false or auto (refusals name the key and the reason).
-    head_params: the LM head's weight (vocabulary x hidden); params: the model's."""
+    From the model's full sizes (the planner's and every layout's: never a ZeRO-3 rank's partition): its vocabulary,
+    hidden size and parameter count."""
     if setting == "false":
         return False
     why = None
@@ -60,15 +61,17 @@ def wanted(setting: str, model_type: str, task: str, vocab_size: int, head_param
             f"{', '.join(sorted(PLAIN_HEADS))}); soft-capped, scaled or auxiliary-loss heads would train differently"
         )
     if why is None:
-        return setting == "true" or (vocab_size >= AUTO_MIN_VOCAB and extra_cost(head_params, params) <= AUTO_MAX_COST)
+        return setting == "true" or (
+            vocab_size >= AUTO_MIN_VOCAB and extra_cost(vocab_size, hidden, params) <= AUTO_MAX_COST
+        )
     if setting == "true":
         raise ConfigError([("chunked_loss", f"is true, but {why}. Set it to auto or false")])
     return False
 
 
-def extra_cost(head_params: int, params: int) -> float:
+def extra_cost(vocab_size: int, hidden: int, params: int) -> float:
     """The chunked loss's extra head forward as a share of a training step's compute (2 V H against 6 N per token)."""
-    return head_params / (3 * max(params, 1))
+    return vocab_size * hidden / (3 * max(params, 1))
 
 
 def install(model, chunk: int, micro_batch_tokens: int) -> int:

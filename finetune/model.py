@@ -163,12 +163,8 @@ def build_model(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant_checkpointing})
         if reentrant_checkpointing:  # reentrant checkpoints need an input that requires grad (frozen embeddings)
             model.enable_input_require_grads()
-    vocab = model.get_input_embeddings().num_embeddings
-    head = model.get_output_embeddings()
-    head_params, params = (head.weight.numel() if head is not None else 0), model.num_parameters()
-    if load_weights and chunked_loss.wanted(
-        m.chunked_loss, model.config.model_type, m.task, vocab, head_params, params
-    ):
+    vocab, hidden, params = full_sizes(model)
+    if load_weights and chunked_loss.wanted(m.chunked_loss, model.config.model_type, m.task, vocab, hidden, params):
         chunk = chunked_loss.chunk_tokens(m.loss_chunk_tokens, vocab)
         pieces = chunked_loss.install(model, chunk, micro_batch_tokens)
         logger.info(
@@ -179,6 +175,14 @@ def build_model(
             m.chunked_loss,
         )
     return apply_peft(model, pe, "classification" if label_names is not None else m.task) if pe else model
+
+
+def full_sizes(model) -> tuple[int, int, int]:
+    """The vocabulary, hidden size and parameter count of a loaded model, as every layout sees it: under ZeRO-3
+    (zero.Init) each parameter holds only this rank's partition, and its full size is `ds_numel`."""
+    embeddings = model.get_input_embeddings()
+    params = sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters())
+    return embeddings.num_embeddings, embeddings.embedding_dim, params
 
 
 def masks_without_host_sync() -> None:

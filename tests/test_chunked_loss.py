@@ -86,20 +86,36 @@ def test_adapters_on_the_head(assets, how):
 
 
 def test_where_it_is_refused_or_off():
-    llama_1b = ("llama", "causal_lm", 128_256, 128_256 * 2048, 1_235_814_400)  # Llama 3.2 1B's shape
+    llama_1b = ("llama", "causal_lm", 128_256, 2048, 1_235_814_400)  # Llama 3.2 1B's shape
     assert chunked_loss.wanted("auto", *llama_1b)
     assert not chunked_loss.wanted("false", *llama_1b)
-    small_vocab = ("llama", "causal_lm", 8_192, 8_192 * 2048, 1_000_000_000)
+    small_vocab = ("llama", "causal_lm", 8_192, 2048, 1_000_000_000)
     assert not chunked_loss.wanted("auto", *small_vocab)  # its logits are small
     assert chunked_loss.wanted("true", *small_vocab)
-    head_heavy = ("llama", "causal_lm", 128_256, 128_256 * 512, 93_000_000)  # bench/loss_memory.py's model
-    assert chunked_loss.extra_cost(*head_heavy[3:]) > chunked_loss.AUTO_MAX_COST
+    head_heavy = ("llama", "causal_lm", 128_256, 512, 93_000_000)  # bench/loss_memory.py's model
+    assert chunked_loss.extra_cost(*head_heavy[2:]) > chunked_loss.AUTO_MAX_COST
     assert not chunked_loss.wanted("auto", *head_heavy)  # the extra head forward would cost over 10%
-    assert not chunked_loss.wanted("auto", "gemma2", "causal_lm", 256_000, 256_000 * 2304, 2_600_000_000)
+    assert not chunked_loss.wanted("auto", "gemma2", "causal_lm", 256_000, 2304, 2_600_000_000)
     for model_type, task in (("gemma2", "causal_lm"), ("bert", "classification")):
         with pytest.raises(ConfigError) as refused:
-            chunked_loss.wanted("true", model_type, task, 256_000, 256_000 * 2304, 2_600_000_000)
+            chunked_loss.wanted("true", model_type, task, 256_000, 2304, 2_600_000_000)
         assert refused.value.problems[0][0] == "chunked_loss"
+
+
+def test_auto_decides_from_full_sizes_as_the_planner_does(assets):
+    """The run's auto decision reads the sizes the planner reads, also from a ZeRO-3 rank's model, whose
+    parameters hold only their partition (zero.Init: an empty tensor and the full size in ds_numel)."""
+    from finetune.memory.estimate import ModelShape
+    from finetune.model import full_sizes
+
+    model = _model(assets.llama)
+    shape = ModelShape.of_model(model, model.config, 4)
+    want = (shape.vocab, shape.hidden, shape.total)
+    assert min(want) > 0 and full_sizes(model) == want
+    for p in model.parameters():
+        p.ds_numel = p.numel()
+        p.data = torch.empty(0)
+    assert full_sizes(model) == want
 
 
 @pytest.fixture(scope="module")

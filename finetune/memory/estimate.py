@@ -242,7 +242,7 @@ def activation_parts(s: ModelShape, topo: Topology, batch: int, seq: int, cfg: R
         saved = layers * per_layer
         how = f"{per_layer / 1e6:.0f} MB x {layers:g} layers"
     tokens = batch * seq
-    if chunked_loss.wanted(cfg.model.chunked_loss, s.model_type, cfg.model.task, s.vocab, s.vocab * s.hidden, s.total):
+    if chunked_loss.wanted(cfg.model.chunked_loss, s.model_type, cfg.model.task, s.vocab, s.hidden, s.total):
         tokens = min(tokens, chunked_loss.chunk_tokens(cfg.model.loss_chunk_tokens, s.vocab))
     logits = logit_bytes(s, tokens, half)
     # at the start of backward the logit copies are alive; later one layer's activation gradients: the larger
