@@ -5,7 +5,8 @@ from the same saved model, on finetune's own tokenized rows in finetune's epoch 
 42), with the run config's micro batch, learning rate and clipping, fp32 and the harness's thread count.
 
 spec: {"config": run config path, "steps": N, "warmup": W, "threads": T, "collator": "default"|"seq2seq",
-       "mode": "train" (default) | "eval" | "first_step"}
+       "mode": "train" (default) | "eval" | "first_step", "env": {...} (the process's extra environment: the
+       harness sets it), "compile": false (default) | true (Trainer: torch_compile=True; bare: torch.compile)}
   train       tokens/s per optimizer step (the first W steps dropped); Trainer: also its training-phase peak RSS
   eval        Trainer only: `Trainer.evaluate()` twice on finetune's eval rows; prints "[baseline] eval N done"
               after each (the harness times the second from those lines)
@@ -50,6 +51,8 @@ def worker_bare(spec: dict) -> dict:
     model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["learning_rate"], weight_decay=0.0)
+    if spec.get("compile"):
+        model = torch.compile(model)  # after the optimizer took the parameters, as a bare loop would
     total = spec["steps"]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, 1 - s / total))
     per_step, losses = [], []
@@ -118,6 +121,7 @@ def worker_trainer(spec: dict) -> dict:
             seed=42,
             use_cpu=True,
             train_sampling_strategy="sequential",
+            torch_compile=bool(spec.get("compile")),
         )
         model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32)
         # "default": Trainer's own default collator (DataCollatorWithPadding; equal-length rows only).

@@ -1,7 +1,8 @@
-"""The step, on a grid of shapes (issue 18): finetune vs HF Trainer vs a bare PyTorch loop.
+"""The step, on a grid of shapes (issues 18 and 31): finetune vs HF Trainer vs a bare PyTorch loop.
 
 Parts (--parts, default all):
   grid    tokens/s at three Llama sizes (about 5M, 34M and 135M parameters, vocabulary 32000, tied embeddings)
+          and one with a Llama-3-sized vocabulary (128-v128k: the 34M shape with 128,256 entries, 85M parameters)
           x sequence lengths 128 and 512, fixed-length data (no padding anywhere), fp32, 1 process x 2 threads.
           Targets: finetune >= 1.0x Trainer at every point and >= 1.03x as the median over the grid;
           finetune >= 0.97x the bare loop.
@@ -15,11 +16,20 @@ Parts (--parts, default all):
 The vocabulary: a word-level tokenizer of 32000 entries (w0 .. w31993 and the specials) and text of words drawn
 uniformly from it, so every token id of the 32k embedding occurs and the LM head is a 32k-wide matmul and
 softmax, as with a real Llama-2-sized vocabulary. finetune cuts the text into full blocks (its `text` format);
-the baselines train on the same blocks in the same order.
+the baselines train on the same blocks in the same order. The 128k point has its own tokenizer of 128,256 words.
+
+Settings (every table says which): --allocator equal (the default) runs every side, finetune too, with the glibc
+allocator settings finetune's `cpu_allocator: keep` sets, in its environment from the start
+(`cpu_allocator_env("keep")`); --allocator default leaves each side its own default (finetune: keep, set at start;
+Trainer and the bare loop: glibc's thresholds). --compile compiles on every side: finetune `torch_compile: true`
+(its repeated blocks), Trainer `torch_compile=True`, the bare loop `torch.compile(model)`; the first step (with
+the compilation) is dropped from the figures as every run's first step is.
 
     .venv/bin/python bench/grid.py --quick                       # smoke run: two tiny sizes, 1 repeat
     .venv/bin/python bench/grid.py                               # all parts (~25 min on 2 idle cores, estimated; --parts grid ~19)
     .venv/bin/python bench/grid.py --parts eval,launch --repeats 5
+    .venv/bin/python bench/grid.py --parts grid --allocator default                    # each side's defaults
+    .venv/bin/python bench/grid.py --parts grid --sizes 34M --seqs 512 --compile        # compiled on every side
 """
 
 from __future__ import annotations
@@ -33,9 +43,12 @@ import sys
 import ddp
 import harness
 
+from finetune.parallel.environment import cpu_allocator_env
+
 NAME = "grid"
 TITLE = "issue 18: finetune / Trainer over the grid"
 VOCAB = 32000
+VOCAB_128K = 128_256  # Llama 3's
 PARTS = ("grid", "eval", "launch", "ddp")
 SEQS = (128, 512)
 
@@ -53,17 +66,19 @@ def llama(hidden: int, layers: int, heads: int, inter: int) -> dict:
     )
 
 
-# name -> (model shape, tokens per micro batch, optimizer steps per run). The 135M model takes 1024 tokens per
-# micro batch to stay near 4 GB (Trainer, seq 512, estimate: weights+grads+AdamW 16 B x 136M = 2.2 GB,
-# activations ~1 GB, logits 2 x 512 x 32000 x 4 B = 0.13 GB per copy, ~0.6 GB of libraries).
+# name -> (model shape, tokens per micro batch, optimizer steps per run, vocabulary). The 135M model takes 1024
+# tokens per micro batch to stay near 4 GB (Trainer, seq 512, estimate: weights+grads+AdamW 16 B x 136M = 2.2 GB,
+# activations ~1 GB, logits 2 x 512 x 32000 x 4 B = 0.13 GB per copy, ~0.6 GB of libraries). At 128k entries one
+# micro batch's logits are 1024 x 128256 x 4 B = 0.5 GB per copy.
 SIZES = {
-    "5M": (llama(128, 4, 4, 352), 2048, 6),
-    "34M": (llama(512, 6, 8, 1376), 2048, 4),
-    "135M": (llama(768, 16, 12, 2048), 1024, 3),
+    "5M": (llama(128, 4, 4, 352), 2048, 6, VOCAB),
+    "34M": (llama(512, 6, 8, 1376), 2048, 4, VOCAB),
+    "135M": (llama(768, 16, 12, 2048), 1024, 3, VOCAB),
+    "85M-v128k": (llama(512, 6, 8, 1376), 1024, 4, VOCAB_128K),
 }
 QUICK_SIZES = {
-    "q1M": (llama(32, 2, 2, 64), 512, 3),
-    "q3M": (llama(64, 2, 2, 128), 512, 3),
+    "q1M": (llama(32, 2, 2, 64), 512, 3, VOCAB),
+    "q3M": (llama(64, 2, 2, 128), 512, 3, VOCAB),
 }
 REPEATS = 3  # the default here (the suite's is 4): the grid part stays near 19 minutes on 2 idle cores
 REFERENCE = "34M"  # the size of the eval, launch and ddp parts (QUICK: the larger quick one)
@@ -73,57 +88,66 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parts", default=",".join(PARTS), help=f"grid parts to run (default {','.join(PARTS)})")
     parser.add_argument("--sizes", default=None, help="grid sizes (default 5M,34M,135M)")
     parser.add_argument("--seqs", default=None, help="grid sequence lengths (default 128,512)")
+    parser.add_argument(
+        "--allocator",
+        choices=("equal", "default"),
+        default="equal",
+        help="equal (default): every side runs with cpu_allocator keep's glibc settings in its environment; "
+        "default: each side its own (finetune keep, the others glibc's)",
+    )
+    parser.add_argument("--compile", action="store_true", help="compile on every side (finetune, Trainer, bare loop)")
 
 
 # ---------------------------------------------------------------- assets
 
 
 def build_assets(ctx: harness.Context, sizes: dict) -> dict:
-    """The 32k tokenizer, one model per size, train and eval text (built once under work/grid/)."""
+    """Per vocabulary: its word-level tokenizer, train and eval text; one model per size (built once under
+    work/grid/; the 32k vocabulary's files keep their first names)."""
+    from transformers import AutoTokenizer
+
     from finetune import demo
 
     root = ctx.work / "grid"
-    tok_dir = root / "tokenizer"
-    if not (tok_dir / "tokenizer.json").exists():
-        harness.log(f"building the 32k-vocabulary tokenizer and data under {root} (once)")
-        build_tokenizer(tok_dir)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    out = {"models": {}, "params": {}}
-    for name, (shape, _, _) in sizes.items():
+    out: dict = {"models": {}, "params": {}, "train": {}, "eval": {}, "vocab": {}}
+    for name, (shape, _, _, vocab) in sizes.items():
+        suffix = "" if vocab == VOCAB else f"_{vocab}"
+        tok_dir = root / f"tokenizer{suffix}"
+        if not (tok_dir / "tokenizer.json").exists():
+            harness.log(f"building the {vocab}-word tokenizer and its data under {root} (once)")
+            build_tokenizer(tok_dir, vocab)
+        tok = AutoTokenizer.from_pretrained(tok_dir)
         path = root / f"llama_{name}"
         if not (path / "config.json").exists():
             harness.log(f"building the {name} model")
             demo.build_model("llama", path, tok, **shape)
-        out["models"][name] = str(path)
-        out["params"][name] = parameter_count(path)
-    words = [w for w in tok.get_vocab() if w.startswith("w")]
-    for split, n_rows, seed in (("train", 240, 1), ("eval", 8, 2)):
-        path = root / f"{split}.jsonl"
-        if not path.exists():
-            rng = random.Random(seed)
-            rows = [{"text": " ".join(rng.choice(words) for _ in range(1024))} for _ in range(n_rows)]
-            demo.write_jsonl(rows, path)
-        out[split] = str(path)
+        out["models"][name], out["params"][name], out["vocab"][name] = str(path), parameter_count(path), vocab
+        words = [w for w in tok.get_vocab() if w.startswith("w")]
+        for split, n_rows, seed in (("train", 240, 1), ("eval", 8, 2)):
+            data = root / f"{split}{suffix}.jsonl"
+            if not data.exists():
+                rng = random.Random(seed)
+                rows = [{"text": " ".join(rng.choice(words) for _ in range(1024))} for _ in range(n_rows)]
+                demo.write_jsonl(rows, data)
+            out[split][name] = str(data)
     return out
 
 
-def build_tokenizer(path) -> None:
-    """A word-level tokenizer of exactly VOCAB entries, saved as a standard Hugging Face tokenizer."""
+def build_tokenizer(path, vocab: int) -> None:
+    """A word-level tokenizer of exactly `vocab` entries, saved as a standard Hugging Face tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     from finetune.demo import SPECIALS
 
-    vocab = {t: i for i, t in enumerate(SPECIALS)}
-    vocab.update({f"w{i}": len(SPECIALS) + i for i in range(VOCAB - len(SPECIALS))})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    ids = {t: i for i, t in enumerate(SPECIALS)}
+    ids.update({f"w{i}": len(SPECIALS) + i for i in range(vocab - len(SPECIALS))})
+    tok = Tokenizer(models.WordLevel(ids, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
     )
-    assert len(hf) == VOCAB, len(hf)
+    assert len(hf) == vocab, len(hf)
     hf.save_pretrained(path)
 
 
@@ -148,31 +172,55 @@ def run(ctx: harness.Context) -> dict:
     parts = (getattr(o, "parts", None) or ",".join(PARTS)).split(",")
     reference = REFERENCE if REFERENCE in sizes else list(sizes)[-1]
     a = build_assets(ctx, sizes if reference in sizes else {**sizes, reference: SIZES[reference]})
-    out: dict = {"params": a["params"], "vocab": VOCAB, "parts": parts}
+    settings = {
+        "allocator": o.allocator,
+        "env": cpu_allocator_env("keep") if o.allocator == "equal" else {},
+        "compile": o.compile,
+    }
+    out: dict = {"params": a["params"], "vocab": a["vocab"], "parts": parts, "settings": settings}
     if "grid" in parts:
         out["grid"] = {}
-        for name, (_, tokens, steps) in sizes.items():
+        for name, (_, tokens, steps, _) in sizes.items():
             for seq in seqs:
                 point = f"{name}_s{seq}"
                 harness.log(f"  grid {point}: micro {tokens // seq} x {seq} tokens, {steps} steps")
                 out["grid"][point] = grid_point(
-                    ctx, point, a["models"][name], a["train"], seq, tokens // seq, steps, repeats
+                    ctx, point, a["models"][name], a["train"][name], seq, tokens // seq, steps, repeats, settings
                 )
         summarize_grid(out)
-    shape, tokens, steps = (QUICK_SIZES if ctx.quick else SIZES)[reference]
-    model = a["models"][reference]
+    _, tokens, steps, _ = (QUICK_SIZES if ctx.quick else SIZES)[reference]
+    model, train = a["models"][reference], a["train"][reference]
     if "eval" in parts:
-        out["eval"] = eval_part(ctx, model, a, 512, tokens // 512, repeats)
+        out["eval"] = eval_part(ctx, model, train, a["eval"][reference], 512, tokens // 512, repeats, settings)
     if "launch" in parts:
-        out["launch"] = launch_part(ctx, model, a["train"], 512, repeats)
-    if "ddp" in parts:
-        out["ddp"] = ddp.measure(ctx, "grid_ddp", model, a["train"], 512, max(2, tokens // 512), steps, repeats)
+        out["launch"] = launch_part(ctx, model, train, 512, repeats, settings)
+    if "ddp" in parts:  # finetune on both sides: its own settings
+        out["ddp"] = ddp.measure(ctx, "grid_ddp", model, train, 512, max(2, tokens // 512), steps, repeats)
     out["reference_size"], out["repeats"] = reference, repeats
     return out
 
 
+def settings(r: dict) -> str:
+    """Which settings each side had (harness.run_suite puts it above the table)."""
+    settings = r["settings"]
+    if settings["allocator"] == "equal":
+        env = " ".join(f"{k}={v}" for k, v in settings["env"].items())
+        alloc = f"every side with {env} (cpu_allocator keep's settings)"
+    else:
+        alloc = "each side's default (finetune cpu_allocator keep; Trainer and the bare loop glibc's)"
+    return f"allocator: {alloc}; compile: {'on every side' if settings['compile'] else 'off'}"
+
+
 def grid_point(
-    ctx: harness.Context, point: str, model: str, data: str, seq: int, micro: int, steps: int, repeats: int
+    ctx: harness.Context,
+    point: str,
+    model: str,
+    data: str,
+    seq: int,
+    micro: int,
+    steps: int,
+    repeats: int,
+    settings: dict,
 ) -> dict:
     config = harness.write_run_config(
         ctx,
@@ -182,11 +230,14 @@ def grid_point(
         format="text",
         max_seq_length=seq,
         per_device_train_batch_size=micro,
+        torch_compile=settings["compile"],
     )
     warmup = ctx.opts.warmup
     spec = {"config": config, "steps": steps, "threads": 2, "collator": "default", "warmup": warmup}
+    spec |= {"env": settings["env"], "compile": settings["compile"]}
+    env = settings["env"]
     systems = {
-        "finetune": lambda rep: harness.run_finetune(ctx, f"{point}_finetune_{rep}", config, steps, 2),
+        "finetune": lambda rep: harness.run_finetune(ctx, f"{point}_finetune_{rep}", config, steps, 2, None, **env),
         "bare_loop": lambda rep: harness.run_worker(ctx, "baselines.py", "bare", spec, f"{point}_bare_{rep}", 2),
         "hf_trainer": lambda rep: harness.run_worker(ctx, "baselines.py", "trainer", spec, f"{point}_trainer_{rep}", 2),
     }
@@ -209,7 +260,9 @@ def summarize_grid(out: dict) -> None:
     ]
 
 
-def eval_part(ctx: harness.Context, model: str, a: dict, seq: int, micro: int, repeats: int) -> dict:
+def eval_part(
+    ctx: harness.Context, model: str, train: str, evalset: str, seq: int, micro: int, repeats: int, settings: dict
+) -> dict:
     """finetune (2 steps, eval after each; the second eval is timed from its log lines) vs Trainer.evaluate()
     twice (the second timed), on finetune's eval rows, the same eval batch, 2 threads."""
     from baselines import EVAL_DONE
@@ -218,8 +271,8 @@ def eval_part(ctx: harness.Context, model: str, a: dict, seq: int, micro: int, r
         ctx,
         "grid_eval",
         model=model,
-        dataset=a["train"],
-        eval_dataset=a["eval"],
+        dataset=train,
+        eval_dataset=evalset,
         format="text",
         max_seq_length=seq,
         per_device_train_batch_size=micro,
@@ -233,12 +286,12 @@ def eval_part(ctx: harness.Context, model: str, a: dict, seq: int, micro: int, r
         tag = f"eval_finetune_{rep}"
         cmd = harness.finetune_cmd(config, ctx.runs / tag, None, "--max_steps", "2")
         marks = {"step2": "] step 2/2", "eval2": "eval @ step 2:"}
-        r = harness.launch(ctx, tag, cmd, 2, stop_at="eval @ step 2:", marks=marks)
+        r = harness.launch(ctx, tag, cmd, 2, stop_at="eval @ step 2:", marks=marks, **settings["env"])
         seconds = r.marks["eval2"] - r.marks["step2"]
         return {"eval_s": seconds, "eval_tokens_per_s": eval_tokens / seconds}
 
     def trainer(rep: int) -> dict:
-        spec = {"config": config, "steps": 2, "threads": 2, "warmup": 0, "mode": "eval"}
+        spec = {"config": config, "steps": 2, "threads": 2, "warmup": 0, "mode": "eval", "env": settings["env"]}
         marks = {"eval1": EVAL_DONE.format(1), "eval2": EVAL_DONE.format(2)}
         r = harness.run_worker(ctx, "baselines.py", "trainer", spec, f"eval_trainer_{rep}", 2, marks=marks)
         if r["eval_tokens"] != eval_tokens:
@@ -254,20 +307,21 @@ def eval_part(ctx: harness.Context, model: str, a: dict, seq: int, micro: int, r
     return out
 
 
-def launch_part(ctx: harness.Context, model: str, data: str, seq: int, repeats: int) -> dict:
+def launch_part(ctx: harness.Context, model: str, data: str, seq: int, repeats: int, settings: dict) -> dict:
     """Seconds from the launch command to the end of optimizer step 1, warm: one untimed launch of each first
-    (it fills the datasets cache), then interleaved repeats. Micro batch 1: step 1 itself is short."""
+    (it fills the datasets cache), then interleaved repeats. Micro batch 1: step 1 itself is short. Uncompiled
+    (the eval part too): --compile is for the grid's steps."""
     from baselines import FIRST_STEP_DONE
 
     config = harness.write_run_config(
         ctx, "grid_launch", model=model, dataset=data, format="text", max_seq_length=seq, per_device_train_batch_size=1
     )
-    spec = {"config": config, "steps": 2, "threads": 2, "warmup": 0, "mode": "first_step"}
+    spec = {"config": config, "steps": 2, "threads": 2, "warmup": 0, "mode": "first_step", "env": settings["env"]}
 
     def ours(rep: int) -> dict:
         tag = f"launch_finetune_{rep}"
         cmd = harness.finetune_cmd(config, ctx.runs / tag, None, "--max_steps", "2")
-        r = harness.launch(ctx, tag, cmd, 2, stop_at="] step 1/")
+        r = harness.launch(ctx, tag, cmd, 2, stop_at="] step 1/", **settings["env"])
         return {"to_first_step_s": r.marks["first_step"]}
 
     def trainer(rep: int) -> dict:

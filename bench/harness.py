@@ -503,6 +503,8 @@ def run_suite(modules: list, opts: argparse.Namespace, stem: str) -> dict:
         f"{os.cpu_count()} CPUs, load average {load_start[0]:.1f} at start, {load_end[0]:.1f} at end"
         + ("; --quick: a smoke run, not the targets' numbers" if opts.quick else "")
     )
+    # the settings each side ran with, from the benchmarks that compare against other programs
+    context += "".join(f"\n{m.NAME} settings: {m.settings(results[m.NAME])}" for m in modules if hasattr(m, "settings"))
     text = table([row for m in modules for row in m.rows(results[m.NAME])], command, context)
     print("\n" + text, flush=True)
     out = Path(opts.results)

@@ -26,11 +26,13 @@ import sys
 
 import harness
 
+from finetune.parallel.environment import cpu_allocator_env
+
 NAME = "loss_memory"
 TITLE = "Chunked loss: peak memory and longest sequence at a 128k vocabulary (one process)"
 REPEATS = 1
 VOCAB = 128_256
-RELEASE = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}  # cpu_allocator: release, as glibc env
+RELEASE = cpu_allocator_env("release")  # what cpu_allocator: release sets, as glibc's environment
 SHAPE = {"hidden": 512, "layers": 8, "heads": 8}
 PEAK_TARGET = 0.6  # chunked peak / Trainer's
 LONGEST_TARGET = 1.8  # chunked longest sequence / unchunked

@@ -216,13 +216,19 @@ CPU_ALLOCATOR_SETTINGS = {
     "release": ((M_MMAP_THRESHOLD, 65536), (M_TRIM_THRESHOLD, 0)),
     "system": (),
 }
-GLIBC_ENV = (
-    "MALLOC_MMAP_THRESHOLD_",
-    "MALLOC_TRIM_THRESHOLD_",
-    "MALLOC_MMAP_MAX_",
-    "MALLOC_TOP_PAD_",
-    "GLIBC_TUNABLES",
-)
+# The environment variables glibc reads at start-up for the same parameters (mallopt(3)).
+GLIBC_ENV_OF = {
+    M_TRIM_THRESHOLD: "MALLOC_TRIM_THRESHOLD_",
+    M_MMAP_THRESHOLD: "MALLOC_MMAP_THRESHOLD_",
+    M_MMAP_MAX: "MALLOC_MMAP_MAX_",
+}
+GLIBC_ENV = (*GLIBC_ENV_OF.values(), "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+
+
+def cpu_allocator_env(mode: str) -> dict[str, str]:
+    """What a cpu_allocator mode sets, as glibc's environment variables: how another program (a baseline in
+    bench/) runs with the same allocator settings as a finetune run, from its start."""
+    return {GLIBC_ENV_OF[param]: str(value) for param, value in CPU_ALLOCATOR_SETTINGS[mode]}
 
 
 def set_cpu_allocator(mode: str) -> str:
