@@ -183,6 +183,24 @@ def test_curves_have_one_series_per_run_and_metric(tmp_path):
     assert [t.get_text() for t in loss.get_legend().get_texts()] == ["a train", "a eval", "b train", "b eval"]
 
 
+def test_curves_during_training_wait_for_their_interval_from_the_start(tmp_path, monkeypatch):
+    """At an eval: drawn only once CURVES_EVERY_S have passed since the start or the last picture; at the end
+    (no interval): always."""
+    import time
+
+    from finetune.report import curves
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_of(4, 2)))
+    out, every = str(tmp_path), report.CURVES_EVERY_S
+    monkeypatch.setattr(curves, "_started", time.monotonic())
+    assert report.write_curves(out, min_interval=every) is None and not (tmp_path / "curves.png").exists()
+    monkeypatch.setattr(curves, "_started", time.monotonic() - every - 1)
+    assert report.write_curves(out, min_interval=every) == str(tmp_path / "curves.png")
+    (tmp_path / "curves.png").unlink()
+    assert report.write_curves(out, min_interval=every) is None  # drawn just now
+    assert report.write_curves(out) == str(tmp_path / "curves.png")  # the end of the run
+
+
 def test_finetune_plot_overlays_runs_in_one_png(tmp_path, capsys):
     from finetune.cli import run_cli
 

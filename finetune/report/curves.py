@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -108,16 +109,17 @@ def save_figure(fig, path: str | os.PathLike) -> str:
 
 
 _last_drawn: dict[str, float] = {}  # output_dir -> when its curves were last drawn
-CURVES_EVERY_S = 30.0  # during training, curves.png is redrawn at an eval at most this often (about 1 s of CPU)
+_started = time.monotonic()  # the process's start, near enough (this module is imported as a run starts)
+# During training, curves.png is redrawn at an eval at most this often, counted from the start: a run shorter than
+# this draws it once, at the end (each drawing costs about 1 s of CPU).
+CURVES_EVERY_S = 30.0
 
 
 def write_curves(output_dir: str, min_interval: float = 0.0, rows: list[dict[str, Any]] | None = None) -> str | None:
     """output_dir/curves.png from its metrics.jsonl (main process; rows: already read): at evals, if the last
-    picture is older than min_interval seconds, and at the end."""
-    import time
-
+    picture (or the start) is older than min_interval seconds, and at the end."""
     now = time.monotonic()
-    if now - _last_drawn.get(output_dir, -math.inf) < min_interval:
+    if now - _last_drawn.get(output_dir, _started) < min_interval:
         return None
     rows = read_rows(output_dir) if rows is None else rows
     if not rows:
