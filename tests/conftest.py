@@ -29,15 +29,36 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# What each shipped Accelerate config must come up as on this CPU-only machine.
+# What each shipped Accelerate config must come up as on this CPU-only machine: the distributed type, the world
+# size, and what the run's metrics rows show about the backend it really ran, read by the product from the engine
+# and the model (ZeRO stage and offload, FSDP version, the share of the parameters a rank holds: (low, high)).
+WHOLE, HALF = (1.0, 1.0), (0.45, 0.55)
 EXPECTED = {
-    "single": ("NO", 1),
-    "ddp": ("MULTI_CPU", 2),
-    **{z: ("DEEPSPEED", 2) for z in ("zero1", "zero2", "zero2_offload", "zero3", "zero3_offload")},
-    "fsdp2": ("FSDP", 2),
-    "fsdp2_offload": ("FSDP", 2),
-    "tp2_fsdp2": ("FSDP", 4),
+    "single": ("NO", 1, {"parameter_shard": WHOLE}),
+    "ddp": ("MULTI_CPU", 2, {"parameter_shard": WHOLE}),
+    "zero1": ("DEEPSPEED", 2, {"zero_stage": 1, "offload_optimizer": False, "parameter_shard": WHOLE}),
+    "zero2": ("DEEPSPEED", 2, {"zero_stage": 2, "offload_optimizer": False, "parameter_shard": WHOLE}),
+    "zero2_offload": ("DEEPSPEED", 2, {"zero_stage": 2, "offload_optimizer": True, "parameter_shard": WHOLE}),
+    "zero3": ("DEEPSPEED", 2, {"zero_stage": 3, "offload_params": False, "parameter_shard": HALF}),
+    "zero3_offload": ("DEEPSPEED", 2, {"zero_stage": 3, "offload_params": True, "parameter_shard": HALF}),
+    "fsdp2": ("FSDP", 2, {"fsdp_version": 2, "offload_params": False, "parameter_shard": HALF}),
+    "fsdp2_offload": ("FSDP", 2, {"fsdp_version": 2, "offload_params": True, "parameter_shard": HALF}),
+    # 2 x 2: tensor parallel linears hold a quarter, the rest half
+    "tp2_fsdp2": ("FSDP", 4, {"fsdp_version": 2, "offload_params": False, "parameter_shard": (0.25, 0.45)}),
 }
+
+
+def assert_layout(rows: list[dict], launcher: str) -> None:
+    """The run's last train row shows the layout `launcher` promises (a resumed run's first rows may come from
+    another): no silent fallback to another distributed type, ZeRO stage, offload or one process."""
+    dist_type, world, facts = EXPECTED[launcher]
+    assert rows, f"{launcher}: no train rows"
+    last = rows[-1]
+    assert (last["distributed_type"], last["world_size"]) == (dist_type, world), (launcher, last)
+    for key, want in facts.items():
+        got = last.get(key)
+        ok = got is not None and want[0] - 1e-9 <= got <= want[1] + 1e-9 if key == "parameter_shard" else got == want
+        assert ok, f"{launcher}: {key} is {got}, expected {want}"
 
 
 @dataclass
@@ -141,11 +162,10 @@ def finetune(
     result = Result(proc.returncode, proc.stdout + proc.stderr, Path(output_dir))
     if expect_ok:
         assert proc.returncode == 0, f"finetune failed ({proc.returncode}):\n{result.output[-6000:]}"
-        if launcher in EXPECTED:  # no silent fallback to another distributed type or one process
-            dist_type, world = EXPECTED[launcher]
+        if launcher in EXPECTED:
+            dist_type, world, _ = EXPECTED[launcher]
             assert f"distributed: {dist_type}, world size {world}," in result.output, result.output[-3000:]
-            rows = result.train_rows  # a resumed run's first rows may come from another layout
-            assert rows and rows[-1]["world_size"] == world and rows[-1]["distributed_type"] == dist_type
+            assert_layout(result.train_rows, launcher)
     return result
 
 

@@ -5,7 +5,9 @@ checkpoint through pruning, exports exactly its weights, and a resume keeps the 
 from __future__ import annotations
 
 import json
+import re
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -147,18 +149,18 @@ def test_metric_of_a_source_or_a_shipped_metric_is_accepted(valid):
 
 
 @pytest.mark.slow
-def test_best_checkpoint_early_stopping_pruning_and_resume(assets, tmp_path):
+def stopping_run(assets, out, launcher: str):
     """A learning rate high enough that eval loss goes up and down: the run stops where the patience/threshold
-    rule applied to its own metrics.jsonl says, final/ holds exactly the best checkpoint's weights (not the
-    last step's), save_total_limit 1 kept the best, and a resume from the best checkpoint ends the same way."""
+    rule applied to its own metrics.jsonl says (every rank, by its own log), final/ holds exactly the best
+    checkpoint's weights (not the last step's) and save_total_limit 1 kept the best. Returns the run, its
+    arguments, its eval losses and the best step."""
     from safetensors.torch import load_file
 
-    patience, threshold, max_steps = 2, 0.01, 30
     args = base_args(
         assets.llama,
         assets.instruction,
         "--max_steps",
-        str(max_steps),
+        str(MAX_STEPS),
         "--learning_rate",
         "0.03",
         "--lr_scheduler_type",
@@ -174,41 +176,83 @@ def test_best_checkpoint_early_stopping_pruning_and_resume(assets, tmp_path):
         "--load_best_model_at_end",
         "true",
         "--early_stopping_patience",
-        str(patience),
+        str(PATIENCE),
         "--early_stopping_threshold",
-        str(threshold),
+        str(THRESHOLD),
     )
-    run = finetune(tmp_path / "run", *args, launcher="python")
+    run = finetune(out, *args, launcher=launcher)
     evals = run.eval_rows
     losses = [r["eval_loss"] for r in evals]
     assert [r["step"] for r in evals] == list(range(1, len(evals) + 1))
-    stop = expected_stop(losses, patience, threshold)
-    assert stop is not None and stop + 1 < max_steps, losses  # the scenario must stop early
+    stop = expected_stop(losses, PATIENCE, THRESHOLD)
+    assert stop is not None and stop + 1 < MAX_STEPS, losses  # the scenario must stop early
     last = evals[-1]["step"]
     assert last == stop + 1 and run.train_rows[-1]["step"] == last
     best = evals[losses.index(min(losses))]["step"]  # the first of the lowest
     assert best != last, losses
-    out = run.output_dir
+    rank_logs = sorted((out / "logs").glob("rank*.log"))
+    assert len(rank_logs) == run.train_rows[-1]["world_size"], rank_logs
+    for log in rank_logs:  # every rank stopped there, and only there
+        stops = re.findall(r"early stopping at step (\d+)", log.read_text())
+        assert stops == [str(last)], (log.name, stops)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == sorted(["latest", f"step_{best}", f"step_{last}"])
     final = load_file(str(out / "final" / "model.safetensors"))
-    at_best = load_file(str(out / "checkpoints" / f"step_{best}" / "model.safetensors"))
-    at_last = load_file(str(out / "checkpoints" / f"step_{last}" / "model.safetensors"))
+    at_best, at_last = (checkpoint_weights(out / "checkpoints" / f"step_{step}") for step in (best, last))
     assert set(final) <= set(at_best) and final
     assert all((final[k] == at_best[k]).all() for k in final)
     assert any((final[k] != at_last[k]).any() for k in final)
     assert f"step {best}" in (out / "final" / "README.md").read_text()
     state = json.loads((out / "checkpoints" / f"step_{last}" / "trainer_state.json").read_text())
-    assert (state["best_step"], state["evals_without_improvement"]) == (best, patience)
+    assert (state["best_step"], state["evals_without_improvement"]) == (best, PATIENCE)
     assert state["best_metric"] == pytest.approx(min(losses), rel=1e-12)
     assert f"early stopping at step {last}" in run.output
+    return run, args, losses, best
 
+
+PATIENCE, THRESHOLD, MAX_STEPS = 2, 0.01, 30
+
+
+def checkpoint_weights(ckpt: Path) -> dict:
+    """The whole model a checkpoint holds, read with the libraries' own tools, not finetune's: safetensors, or
+    DeepSpeed's zero_to_fp32 over a ZeRO-3 checkpoint's partitions, or torch.distributed.checkpoint's converter over
+    an FSDP2 checkpoint's shards."""
+    import torch
+    from safetensors.torch import load_file
+
+    if (ckpt / "model.safetensors").exists():
+        return load_file(str(ckpt / "model.safetensors"))
+    if (ckpt / "pytorch_model").is_dir():
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="pytorch_model")
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    whole = ckpt.parent.parent / f"{ckpt.name}_whole.pt"
+    dcp_to_torch_save(str(ckpt / "pytorch_model_fsdp_0"), str(whole))
+    return torch.load(whole)["model"]
+
+
+def test_best_checkpoint_early_stopping_pruning_and_resume(assets, tmp_path):
+    """One process: stopping_run, then a resume from the best checkpoint ends the same way."""
+    from safetensors.torch import load_file
+
+    run, args, losses, best = stopping_run(assets, tmp_path / "run", "python")
     resumed_dir = tmp_path / "resumed"
-    shutil.copytree(out, resumed_dir)
+    shutil.copytree(run.output_dir, resumed_dir)
     crash_after(resumed_dir, best)
     resumed = finetune(resumed_dir, *args, "--resume_from_checkpoint", "latest", launcher="python")
     assert [r["eval_loss"] for r in resumed.eval_rows] == pytest.approx(losses, rel=1e-6)
     again = load_file(str(resumed_dir / "final" / "model.safetensors"))
-    assert all((again[k] == final[k]).all() for k in final)
+    final = load_file(str(run.output_dir / "final" / "model.safetensors"))
+    assert final and all((again[k] == final[k]).all() for k in final)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["ddp", "zero3", "fsdp2"])
+def test_every_rank_stops_at_the_same_step_and_exports_the_best(assets, tmp_path, launcher):
+    """stopping_run under DDP, ZeRO-3 and FSDP2 (2 ranks): the sharded layouts save and load their own checkpoint
+    formats, and final/ must still be the best checkpoint's whole model."""
+    stopping_run(assets, tmp_path / launcher, launcher)
 
 
 @pytest.mark.slow

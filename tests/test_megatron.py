@@ -416,8 +416,9 @@ def test_tp_refusals(monkeypatch, run_values, assets):
 
 @pytest.mark.slow
 def test_tp2_on_cpu_equals_one_process_and_resumes_exactly(assets, tmp_path):
-    """TP 2 on 2 CPU ranks (gloo): per-step losses within 1e-4 of one process; 2 steps + resume + 2 steps
-    equals 4 steps; final/ is a whole model that reloads."""
+    """TP 2 on 2 CPU ranks (gloo): per-step losses within 1e-6 relative of one process and the exported weights
+    within 1e-5 absolute, as the other layouts' (docs/megatron.md gives the measured figures); 2 steps + resume + 2
+    steps equals 4 steps; final/ is a whole model that reloads."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -430,8 +431,14 @@ def test_tp2_on_cpu_equals_one_process_and_resumes_exactly(assets, tmp_path):
     assert "x data parallel 1 = global batch 4" in tp.output  # both ranks hold the same batch
     a, b = single.losses(), tp.losses()
     assert len(a) == len(b) == 4
-    assert max(abs(x - y) / abs(x) for x, y in zip(a, b)) <= 1e-4, (a, b)
-    assert abs(single.eval_rows[-1]["eval_loss"] - tp.eval_rows[-1]["eval_loss"]) <= 1e-4
+    loss_diff = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+    ws, wt = (load_file(str(r.output_dir / "final" / "model.safetensors")) for r in (single, tp))
+    assert ws and set(ws) == set(wt), set(ws) ^ set(wt)
+    weight_diff = max((ws[k] - wt[k]).abs().max().item() for k in ws)
+    print(f"TP 2 against one process: losses {loss_diff:.1e} relative, weights {weight_diff:.1e} absolute")
+    assert loss_diff <= 1e-6, (a, b)
+    assert weight_diff <= 1e-5
+    assert abs(single.eval_rows[-1]["eval_loss"] - tp.eval_rows[-1]["eval_loss"]) <= 1e-6
     assert [r["learning_rate"] for r in single.train_rows] == [r["learning_rate"] for r in tp.train_rows]
 
     step2 = tp.output_dir / "checkpoints" / "step_2"

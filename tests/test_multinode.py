@@ -19,7 +19,8 @@ from pathlib import Path
 import conftest
 import pytest
 import yaml
-from conftest import ROOT, Result, base_args, crash_after, finetune
+from conftest import ROOT, Result, assert_layout, base_args, crash_after, finetune
+from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multinode")]  # one worker: references run once
 SHIPPED = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
@@ -33,24 +34,29 @@ def launch(outs: tuple[Path, Path], config: str, *args: str, timeout: int = 300)
     return [Result(code, output, out) for (code, output), out in zip(ran, outs)]
 
 
-DIST_TYPE = {"multinode_ddp": "MULTI_CPU", "multinode_zero3": "DEEPSPEED", "multinode_fsdp2": "FSDP"}
+SINGLE_NODE = {"multinode_ddp": "ddp", "multinode_zero3": "zero3", "multinode_fsdp2": "fsdp2"}
 
 
 def assert_two_machines(results: list[Result], config: str) -> None:
-    """Both launches succeeded as one job of 2 processes on 2 machines, of the config's distributed type."""
+    """Both launches succeeded as one job of 2 processes on 2 machines, in the layout of the config's one-machine
+    counterpart (distributed type, ZeRO stage, FSDP version, parameter share: conftest.EXPECTED)."""
     machine0 = results[0]
     assert all(r.returncode == 0 for r in results), "\n\n".join(r.output[-4000:] for r in results)
-    assert f"distributed: {DIST_TYPE[config]}, world size 2," in machine0.output, machine0.output[-3000:]
+    dist_type = conftest.EXPECTED[SINGLE_NODE[config]][0]
+    assert f"distributed: {dist_type}, world size 2," in machine0.output, machine0.output[-3000:]
     assert "machines: 2 x 1 process(es) per machine = 2" in machine0.output, machine0.output[-3000:]
     assert re.search(r"rendezvous (127\.0\.0\.1|localhost):\d+", machine0.output), machine0.output[-3000:]
-    rows = machine0.train_rows
-    assert rows and rows[-1]["world_size"] == 2 and rows[-1]["distributed_type"] == DIST_TYPE[config]
+    assert_layout(machine0.train_rows, SINGLE_NODE[config])
 
 
-def losses_equal(a: Result, b: Result) -> None:
+def same_run(a: Result, b: Result) -> None:
+    """The same per-step losses (1e-6 relative) and the same exported weights (1e-6 absolute)."""
     la, lb = a.losses(), b.losses()
     assert len(la) == len(lb) and la, (la, lb)
     assert max(abs(x - y) / abs(x) for x, y in zip(la, lb)) <= 1e-6, (la, lb)
+    wa, wb = (load_file(str(r.output_dir / "final" / "model.safetensors")) for r in (a, b))
+    assert wa and set(wa) == set(wb), set(wa) ^ set(wb)
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +66,8 @@ def reference(assets, tmp_path_factory):
 
     def get(config: str) -> Result:
         if config not in cache:
-            single_node = {"multinode_ddp": "ddp", "multinode_zero3": "zero3", "multinode_fsdp2": "fsdp2"}[config]
-            cache[config] = finetune(tmp_path_factory.mktemp(config) / "run", *run_args(assets), launcher=single_node)
+            run = tmp_path_factory.mktemp(config) / "run"
+            cache[config] = finetune(run, *run_args(assets), launcher=SINGLE_NODE[config])
         return cache[config]
 
     return get
@@ -77,7 +83,7 @@ def test_two_machines_sharing_output_dir_equal_one_machine(assets, tmp_path, ref
     results = launch((out, out), config, *run_args(assets))
     assert_two_machines(results, config)
     assert f"storage: {out} is shared by the 2 machines" in results[0].output
-    losses_equal(reference(config), results[0])
+    same_run(reference(config), results[0])
     assert (out / "final").is_dir() and (out / "checkpoints" / "step_4").is_dir()
     if config == "multinode_ddp":  # resume: both machines continue from the shared checkpoint
         crash_after(out, 2)
@@ -85,7 +91,7 @@ def test_two_machines_sharing_output_dir_equal_one_machine(assets, tmp_path, ref
         assert_two_machines(resumed, config)
         assert "resumed from" in resumed[0].output
         assert [r["step"] for r in resumed[0].train_rows] == [1, 2, 3, 4]
-        losses_equal(reference(config), resumed[0])
+        same_run(reference(config), resumed[0])
 
 
 @pytest.mark.parametrize("config", ["multinode_zero3"])  # (DDP's per-machine copy: save_on_each_node, the same path)
@@ -96,7 +102,7 @@ def test_two_machines_each_with_its_own_output_dir_equal_one_machine_and_resume(
     results = launch(outs, config, *run_args(assets))
     assert_two_machines(results, config)
     assert "is NOT shared between the 2 machines" in results[0].output
-    losses_equal(reference(config), results[0])
+    same_run(reference(config), results[0])
     assert (outs[0] / "final").is_dir() and not (outs[1] / "final").exists()
     assert not (outs[1] / "metrics.jsonl").exists()
     for rank, out in enumerate(outs):  # each machine's own complete copy
@@ -113,7 +119,7 @@ def test_two_machines_each_with_its_own_output_dir_equal_one_machine_and_resume(
     resumed = launch(outs, config, *run_args(assets), "--resume_from_checkpoint", "latest")
     assert_two_machines(resumed, config)
     assert [r["step"] for r in resumed[0].train_rows] == [1, 2, 3, 4]
-    losses_equal(reference(config), resumed[0])
+    same_run(reference(config), resumed[0])
 
 
 def _crash_copy(out: Path, step: int) -> None:

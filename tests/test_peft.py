@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, base_args, classification_args, crash_after, finetune, reevaluate
+from conftest import ROOT, assert_layout, base_args, classification_args, crash_after, finetune, reevaluate
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -77,14 +77,21 @@ def test_lora_causal_lm_same_under_every_backend(assets, tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     expected = {"single": ("NO", 1), "ddp": ("MULTI_CPU", 2), "zero3": ("DEEPSPEED", 2)}
     expected["fsdp2"] = ("FSDP", 2)
-    losses = {}
+    losses, adapters = {}, {}
     for name, (dist_type, world) in expected.items():
-        check_adapter(out / name / "final", r=4)
+        adapters[name] = check_adapter(out / name / "final", r=4)
         assert "trainable (" in (out / f"{name}.log").read_text()
         rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
         train = [r for r in rows if "loss" in r]
         assert {(r["distributed_type"], r["world_size"]) for r in train} == {(dist_type, world)}, name
+        assert_layout(train, name)
         losses[name] = [r["loss"] for r in train]
+    # the exported adapters equal one process's (computed here from the files), and training moved them
+    base = adapters["single"]
+    assert any(v.abs().max() > 0 for k, v in base.items() if "lora_B" in k)  # B starts at zero
+    for name, tensors in adapters.items():
+        assert set(tensors) == set(base), (name, set(tensors) ^ set(base))
+        assert max((tensors[k] - base[k]).abs().max().item() for k in base) <= 1e-5, name
     # Facts about the model are counted once, before prepare, the same under every backend (MFU's reference)
     flops = {
         name: re.search(r"trainable \([\d.]+%\), (\S+) FLOPs per token", (out / f"{name}.log").read_text())[1]

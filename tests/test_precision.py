@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import EXPECTED, ROOT, Result, base_args, finetune, run_killing_the_group
+from conftest import EXPECTED, ROOT, Result, assert_layout, base_args, finetune, run_killing_the_group
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.xdist_group("precision")  # one worker: the bf16 layouts fixture (about 3 minutes) runs once
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.xdist_group("precision")  # one worker: the bf16 layout
 LOSS_RTOL = 3e-3
 UPDATE_RTOL = 0.06
 # Every layout of the promise, with the distributed type and world size each must come up as.
-LAYOUTS = {**EXPECTED, "tp2": ("MULTI_CPU", 2)}
+LAYOUTS = {**{name: facts[:2] for name, facts in EXPECTED.items()}, "tp2": ("MULTI_CPU", 2)}
 
 
 def train_rows(out) -> list[dict]:
@@ -107,6 +107,8 @@ def test_bf16_every_layout_equals_one_bf16_process(assets, bf16_runs):
         rows = train_rows(out / name)
         assert len(rows) == 6, name
         assert {(r["distributed_type"], r["world_size"]) for r in rows} == {(dist_type, world)}, name
+        if name in EXPECTED:  # its ZeRO stage, offload, FSDP version and parameter share too
+            assert_layout(rows, name)
         assert_ran_in(rows, "bfloat16")
         final = out / name / "final"
         weights = load_file(str(final / "model.safetensors"))

@@ -7,6 +7,7 @@ import json
 
 import pytest
 from conftest import base_args, crash_after, finetune
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
 
@@ -27,11 +28,21 @@ def chain(tmp_path, args: list[str], legs: list[tuple[str, ...]], every: int):
 
 
 def assert_continues(straight, last) -> None:
-    """The chained run's losses and final eval loss are the uninterrupted run's (1e-5 relative)."""
+    """The chained run's losses and final eval loss are the uninterrupted run's (1e-5 relative), and so are its
+    exported weights (the whole model, or the adapter with what PEFT trains beside it: 1e-5 absolute)."""
     assert straight.losses(), "the uninterrupted run logged no losses"
     for a, b in zip(straight.losses(), last.losses(), strict=True):
         assert abs(a - b) / abs(a) <= 1e-5, (straight.losses(), last.losses())
     assert last.eval_rows[-1]["eval_loss"] == pytest.approx(straight.eval_rows[-1]["eval_loss"], rel=1e-5)
+    want, got = final_weights(straight.output_dir), final_weights(last.output_dir)
+    assert want and set(want) == set(got), set(want) ^ set(got)
+    assert max((want[k] - got[k]).abs().max().item() for k in want) <= 1e-5
+
+
+def final_weights(out) -> dict:
+    final = out / "final"
+    adapter = final / "adapter_model.safetensors"
+    return load_file(str(adapter if adapter.exists() else final / "model.safetensors"))
 
 
 def test_chain_through_every_sharded_layout_continues_the_run(assets, tmp_path):
