@@ -405,6 +405,7 @@ def _log_eval(run: Run, state: TrainState, bar) -> dict[str, float]:
     result = evaluate(run)
     if run.generation is not None:
         result.update(run.generation.evaluate(run, state.step))
+    run.backend.end_inference(run.model)
     runtime = time.perf_counter() - start  # what this evaluation cost (metrics.jsonl, the summary's final eval)
     run.log.write({"step": state.step, **result, "runtime_s": round(runtime, 3)})
     if run.log.enabled:  # the main process: curves.png so far

@@ -198,6 +198,7 @@ def compute_references(acc, backend, model, splits: dict, collate, batch_size: i
                 f"reference log-probs: {int(torch.isnan(table).any(1).sum())} {split} pairs not computed"
             )
         out[split] = table
+    backend.end_inference(model)
     model.train()
     return out
 

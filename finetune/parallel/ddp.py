@@ -127,6 +127,10 @@ class Backend:
     def forward_loss(self, model, batch: dict) -> torch.Tensor:
         return model(**batch, **self.no_kv_cache(model)).loss
 
+    def end_inference(self, model) -> None:
+        """Forward passes without a backward are over (reference log-probs, an evaluation with its generation):
+        what they left gathered goes back to where training keeps it. Nothing here (see fsdp.Backend)."""
+
     def forward_logits(self, model, inputs: dict) -> torch.Tensor:
         """The logits of a forward over `inputs` (no labels: the caller computes its own loss, preference.py)."""
         return model(**inputs, **self.no_kv_cache(model)).logits
