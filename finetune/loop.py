@@ -122,6 +122,10 @@ def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: i
             if acc.sync_gradients:
                 skipped = acc.optimizer_step_was_skipped  # fp16 loss scaling: inf/nan gradients, no update
         nll_sum = nll_sum + loss.detach().float() * n
+    if skipped and backend.mixed_precision != "fp16":
+        # DeepSpeed's ZeRO optimizers skip a step with non-finite gradients in fp32 and bf16 too, where no loss scaler
+        # backs off and tries again: that is divergence (the run went on with NaN losses to the end and exported).
+        grad_norm, skipped = torch.full((), float("nan")), False
     return nll_sum, global_count, tokens, positions, grad_norm, skipped
 
 
