@@ -302,3 +302,16 @@ def test_parity_exits_1_on_a_planted_difference(capsys):
         assert report([run("single"), other], args) == 1, other
         shown = capsys.readouterr().out
         assert "<-- above tolerance" in shown or "FAILED" in shown, shown
+
+
+def test_transformers_still_keeps_unused_conversions_under_zero3():
+    """The reason for finetune.parallel.deepspeed.keep_used_weight_conversions: transformers' ZeRO-3 loading path
+    keeps its whole weight mapping as the conversions save_pretrained reverts, used or not. When this fails, it
+    keeps only the used ones (as convert_and_load_state_dict_in_model does): delete the workaround."""
+    import inspect
+
+    from transformers.integrations import deepspeed
+
+    assert "model_to_load._weight_conversions = weight_mapping\n" in inspect.getsource(
+        deepspeed._load_state_dict_into_zero3_model
+    )

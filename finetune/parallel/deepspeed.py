@@ -157,6 +157,19 @@ def _json_says_bf16() -> bool:
         return False
 
 
+def keep_used_weight_conversions(model) -> None:
+    """Workaround (transformers 5.23): under ZeRO-3, from_pretrained keeps every weight conversion it tried as the
+    ones to revert on save (integrations/deepspeed.py: `model_to_load._weight_conversions = weight_mapping`),
+    where every other loading path keeps only those that matched a checkpoint key. So save_pretrained reverted
+    renamings that were never applied: a BERT trained under ZeRO-3 was exported with LayerNorm.gamma/beta, under
+    every other layout with LayerNorm.weight/bias. Keep the used ones, as the other paths do
+    (tests/test_deepspeed.py::test_transformers_still_keeps_unused_conversions_under_zero3 fails once fixed)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # an adapter's base model
+    conversions = getattr(base, "_weight_conversions", None)
+    if conversions:
+        base._weight_conversions = [c for c in conversions if c.was_used()]
+
+
 class Backend(ddp.Backend):
     """DeepSpeed ZeRO: only what differs from the DDP backend."""
 
@@ -174,6 +187,11 @@ class Backend(ddp.Backend):
         reads when it loads (by default only global rank 0 writes it); each rank writes its own partition."""
         super().keep_checkpoints_per_machine()
         self.acc.state.deepspeed_plugin.deepspeed_config.setdefault("checkpoint", {})["use_node_local_storage"] = True
+
+    def place_model(self, model):
+        model = super().place_model(model)
+        keep_used_weight_conversions(model)
+        return model
 
     def reentrant_checkpointing(self, peft_on: bool) -> bool:
         # PEFT under ZeRO-3: the non-reentrant recompute meets parameters ZeRO-3 has already released.
