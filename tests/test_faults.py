@@ -3,6 +3,7 @@ checkpoint, divergence, a stuck rank. Nothing hangs, nothing is lost, one messag
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -13,7 +14,9 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
+import conftest
 import psutil
 import pytest
 import torch
@@ -74,6 +77,46 @@ class Launch:
     proc: subprocess.Popen
     lines: list[str]
     reader: threading.Thread
+    reached: threading.Event  # the output reported the step `start` was given
+
+    @classmethod
+    def start(cls, cmd: list[str], step: int, cwd=ROOT, env: dict | None = None) -> Launch:
+        """cmd (anything that runs finetune) in a session of its own, killed with its processes when the test ends."""
+        proc = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+            start_new_session=True,
+        )
+        LAUNCHED.append(proc)
+        lines: list[str] = []
+        reached = threading.Event()
+
+        def read() -> None:
+            for line in proc.stdout:
+                lines.append(line)
+                if f"step {step}/" in line:
+                    reached.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        return cls(proc, lines, reader, reached)
+
+    def wait_for_step(self, limit_s: float) -> Launch:
+        """Until the output reports the step; fails with the output so far if the run exits first or takes longer
+        than limit_s."""
+        deadline = time.monotonic() + limit_s
+        while not self.reached.wait(0.2):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.reader.join(timeout=5)
+                how = (
+                    f"exited with {self.proc.returncode}" if self.proc.poll() is not None else f"took over {limit_s} s"
+                )
+                raise AssertionError(f"the run {how} before the step it waited for:\n{''.join(self.lines)[-4000:]}")
+        return self
 
     def finish(self, timeout: float) -> str:
         """Its whole output, once the launcher has exited (TimeoutExpired after timeout seconds)."""
@@ -83,50 +126,31 @@ class Launch:
 
 
 def launch_until(out, assets, launcher: str, step: int, limit_s: float = 240) -> Launch:
-    """Start the run under `accelerate launch` in a session of its own and read its output until it reports
-    `step`; fails with the output so far if it exits first or takes longer than limit_s."""
+    """Start the run under `accelerate launch` and read its output until it reports `step`."""
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
         "--config_file", str(ROOT / "accelerate_configs" / f"{launcher}.yaml"), "--main_process_port", "0",
         "-m", "finetune", "--output_dir", str(out), "--disable_tqdm", "true", *run_args(assets),
     ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        start_new_session=True,
-    )
-    LAUNCHED.append(proc)
-    lines: list[str] = []
-    reached = threading.Event()
-
-    def read() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if f"step {step}/" in line:
-                reached.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    deadline = time.monotonic() + limit_s
-    while not reached.wait(0.2):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            reader.join(timeout=5)
-            how = f"exited with {proc.returncode}" if proc.poll() is not None else f"took over {limit_s} s"
-            raise AssertionError(f"the run {how} before step {step}:\n{''.join(lines)[-4000:]}")
-    return Launch(proc, lines, reader)
+    return Launch.start(cmd, step).wait_for_step(limit_s)
 
 
 def assert_resume_finishes(out, launcher: str, straight_run, assets) -> None:
     resumed = finetune(out, *run_args(assets), "--resume_from_checkpoint", "auto", launcher=launcher)
+    assert_resume_equal(out, resumed, launcher, straight_run)
+
+
+def assert_resume_equal(out, resumed, launcher: str, straight_run) -> None:
+    """The resumed run logged every step and ends where the uninterrupted run does: weights (bit-equal under DDP,
+    1e-6 elsewhere) and per-step losses (1e-6 relative)."""
     assert [r["step"] for r in resumed.train_rows] == list(range(1, 31))
     a, b = final_weights(straight_run.output_dir), final_weights(out)
+    assert a and set(a) == set(b), set(a) ^ set(b)
     worst = max((a[k] - b[k]).abs().max().item() for k in a)
     assert worst == 0.0 if launcher == "ddp" else worst <= 1e-6, worst
-    assert max(abs(x - y) / abs(x) for x, y in zip(straight_run.losses(), resumed.losses())) <= 1e-6
+    la, lb = straight_run.losses(), resumed.losses()
+    assert len(la) == len(lb) == 30
+    assert max(abs(x - y) / abs(x) for x, y in zip(la, lb)) <= 1e-6
 
 
 def kill_rank_1(proc: subprocess.Popen) -> None:
@@ -157,7 +181,7 @@ def test_killed_rank_stops_everyone_and_resume_finishes_the_run(assets, tmp_path
     assert_resume_finishes(out, launcher, straight(launcher), assets)
 
 
-@pytest.mark.parametrize("launcher", ["ddp", "zero3", "single"])
+@pytest.mark.parametrize("launcher", ["ddp", "zero3", "fsdp2", "single"])
 def test_sigterm_to_the_launcher_checkpoints_the_step_reached(assets, tmp_path, launcher, straight):
     """A scheduler's preemption: SIGTERM to `accelerate launch` mid-run (torchrun's agent for ddp/zero3,
     accelerate's simple launcher with one child for single). Every rank finishes its step, a checkpoint of the
@@ -205,6 +229,69 @@ def test_preemption_signal_to_every_rank_checkpoints_the_step_reached(assets, tm
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{step}"
     assert not (out / "final").exists()
     assert_resume_finishes(out, "ddp", straight("ddp"), assets)
+
+
+def test_slurm_preemption_and_requeue_continue_the_run(assets, tmp_path, straight):
+    """scripts/slurm.sbatch end to end on one node (stand-in srun and scontrol; a real accelerate launch of
+    multinode_ddp.yaml, 2 ranks, rendezvous on 127.0.0.1): SIGUSR1 to every process of the job step, as SLURM's
+    `--signal=USR1@300` sends it. The launcher ignores it (the script's trap), the ranks checkpoint the step they
+    reached and the job exits 128 + 10; the requeued job (the same script again, as `--requeue` reruns it)
+    continues from that checkpoint (--resume_from_checkpoint auto) and ends equal to the uninterrupted run."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fakes = {  # srun: the launch line on this one node (exec: its processes are the job step's)
+        "srun": '#!/bin/bash\nwhile [[ "$1" == --* ]]; do case "$1" in --output) shift 2;; *) shift;; esac; done\n'
+        'SLURM_NODEID=0 exec "$@"\n',
+        "scontrol": "#!/bin/bash\necho 127.0.0.1\n",
+    }
+    for name, text in fakes.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    run = tmp_path / "run.yaml"
+    run.write_text(json.dumps({"model": assets.llama, "dataset": assets.instruction}))
+    out = tmp_path / "out"
+    script = [
+        "bash", str(ROOT / "scripts" / "slurm.sbatch"), str(ROOT / "accelerate_configs" / "multinode_ddp.yaml"),
+        str(run), "--output_dir", str(out), "--disable_tqdm", "true", *run_args(assets),
+    ]  # fmt: skip
+    env = {
+        "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",  # the fakes, then this venv's
+        "PYTHONPATH": str(ROOT),  # `accelerate` (the venv's, on PATH) imports this checkout
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_NODELIST": "node-a",
+        "SLURM_JOB_ID": "42",
+        "GPUS_PER_NODE": "2",
+    }
+
+    def submit(until_step: int) -> Launch:
+        for _ in range(3):  # another process may take the free port before the launcher binds it: another port
+            job = Launch.start(script, until_step, tmp_path, {**env, "MAIN_PORT": str(conftest.free_port())})
+            try:
+                return job.wait_for_step(240)
+            except AssertionError:
+                if "address already in use" not in "".join(job.lines).lower():
+                    raise
+        raise AssertionError("3 ports in a row were taken before the launcher could listen on them")
+
+    job = submit(seeded_step("SIGUSR1 to the job step"))
+    step_processes = psutil.Process(job.proc.pid).children(recursive=True)
+    ranks = [p for p in step_processes if "RANK" in p.environ() and "finetune" in " ".join(p.cmdline())]
+    assert len(ranks) == 2, [p.cmdline() for p in step_processes]
+    for p in step_processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGUSR1)
+    output = job.finish(timeout=90)
+    match = re.search(r"stopped by SIGUSR1 \(preemption\) after step (\d+); checkpoint saved: (\S+)\.", output)
+    assert match, output[-3000:]
+    step = int(match.group(1))
+    assert "Traceback" not in output and job.proc.returncode == 128 + signal.SIGUSR1, (job.proc.returncode, output)
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{step}" and not (out / "final").exists()
+
+    requeued = submit(step + 1)
+    output = requeued.finish(timeout=240)
+    assert requeued.proc.returncode == 0, output[-3000:]
+    assert f"resumed from {out / 'checkpoints' / f'step_{step}'}" in output, output[-3000:]
+    assert_resume_equal(out, conftest.Result(0, output, out), "ddp", straight("ddp"))
 
 
 def test_kill_while_writing_a_checkpoint_keeps_the_previous_one_and_auto_resumes(assets, tmp_path):
@@ -290,15 +377,74 @@ def test_full_disk_while_saving_then_a_damaged_checkpoint(assets, tmp_path):
     assert f"resumed from {ckpts / 'step_4'}" in again.output
 
 
-def test_divergence_stops_at_the_non_finite_step_and_exports_nothing(assets, tmp_path):
+@pytest.mark.parametrize("launcher", ["python", "ddp", "zero3", "fsdp2", "tp2"])
+def test_divergence_stops_at_the_non_finite_step_and_exports_nothing(assets, tmp_path, launcher):
+    """Every rank stops at the step whose gradient norm is not finite (each layout computes that norm its own way:
+    DDP's local one, DeepSpeed's engine, FSDP2's and TP's DTensors), says so once, and exports nothing."""
     args = base_args(assets.llama, assets.instruction, "--max_steps", "30", "--eval_fraction", "0")
-    res = finetune(tmp_path / "run", *args, "--learning_rate", "1e30", launcher="python", expect_ok=False)
+    res = finetune(tmp_path / "run", *args, "--learning_rate", "1e30", launcher=launcher, expect_ok=False)
     assert res.returncode == 1 and "Traceback" not in res.output, res.output[-3000:]
     match = re.search(r"the gradient norm of step (\d+) is (nan|inf)", res.output)
     assert match and "training diverged" in res.output, res.output[-3000:]
     assert not (tmp_path / "run" / "final").exists()
     logged = [r["step"] for r in res.train_rows] if (tmp_path / "run" / "metrics.jsonl").exists() else []
     assert all(step < int(match.group(1)) for step in logged)
+
+
+def damage(checkpoint) -> str:
+    """Flip one byte in the middle of the checkpoint's largest file (same size, wrong checksum); its name."""
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    assert manifest, checkpoint
+    name = max(manifest, key=lambda n: manifest[n][0])
+    path = checkpoint / name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return name
+
+
+@pytest.mark.parametrize("launcher", ["ddp", "zero3", "fsdp2", "tp2"])
+def test_storage_faults_on_one_rank_then_a_damaged_checkpoint(assets, tmp_path, launcher, straight):
+    """One run's life under 2 ranks of each layout (each saves its own checkpoint format): rank 1's disk fills
+    while step 10 is saved (every rank stops, one message naming rank 1, exit 1, the half-written checkpoint
+    removed, `latest` still step 5); the resume has rank 1 killed (-9) in the middle of writing step 15 (the
+    others stop, `latest` still step 10, the half-written one hidden); step 10 is then damaged on disk, so the
+    next resume skips it for step 5 and finishes equal to the uninterrupted run (weights and losses)."""
+    out = tmp_path / "run"
+    ckpts = out / "checkpoints"
+    full = finetune(
+        out,
+        *run_args(assets),
+        launcher=launcher,
+        expect_ok=False,
+        extra_env={"FINETUNE_FAULT": "enospc-in-checkpoint:10:1"},
+    )
+    assert full.returncode == 1 and "Traceback" not in full.output, full.output[-3000:]
+    assert "could not write checkpoint step_10 (rank 1: " in full.output, full.output[-3000:]
+    assert "rank 0:" not in full.output.split("could not write checkpoint step_10 (", 1)[1].split(")")[0]
+    assert (ckpts / "latest").read_text().strip() == "step_5"
+    assert not (ckpts / ".tmp_step_10").exists() and not (out / "final").exists()
+
+    killed = finetune(
+        out,
+        *run_args(assets),
+        "--resume_from_checkpoint",
+        "latest",
+        launcher=launcher,
+        expect_ok=False,
+        extra_env={"FINETUNE_FAULT": "in-checkpoint:15:1"},
+    )
+    assert killed.returncode != 0 and "Traceback" not in killed.output, killed.output[-3000:]
+    assert "rank 1 exit code -9" in killed.output, killed.output[-3000:]
+    assert (ckpts / "latest").read_text().strip() == "step_10"
+    assert (ckpts / ".tmp_step_15").exists() and not (ckpts / "step_15").exists()
+
+    damaged = damage(ckpts / "step_10")
+    resumed = finetune(out, *run_args(assets), "--resume_from_checkpoint", "latest", launcher=launcher)
+    assert f"step_10: {damaged} does not match its checksum" in resumed.output, resumed.output[-3000:]
+    assert f"resumed from {ckpts / 'step_5'}" in resumed.output
+    assert not (ckpts / ".tmp_step_15").exists()
+    assert_resume_equal(out, resumed, launcher, straight(launcher))
 
 
 def test_resume_with_a_changed_run_config(assets, tmp_path):
