@@ -761,16 +761,9 @@ LAUNCHED_CASES = (
     # at the edge
     "yaml_malformed",  # the file
     "no_config_no_model",  # three problems
-    "unknown_key_typo",
     "unknown_flag",  # the command line
-    "int_given_text",  # a type
-    "choice_typo",
-    "model_dir_missing",  # the filesystem
     "deepspeed_json_contradicts_accumulation",  # the launcher's DeepSpeed config
-    "mixture_source_key_typo",  # a nested key
     "output_dir_holds_previous_run",  # nothing of the previous run is touched
-    "resume_latest_without_checkpoint",
-    "metric_for_best_model_never_computed",
     # with the data
     "model_hub_id_offline",
     "dataset_not_json",  # reading it

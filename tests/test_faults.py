@@ -285,6 +285,8 @@ def test_slurm_preemption_and_requeue_continue_the_run(assets, tmp_path, straigh
     assert match, output[-3000:]
     step = int(match.group(1))
     assert "Traceback" not in output and job.proc.returncode == 128 + signal.SIGUSR1, (job.proc.returncode, output)
+    # the launcher outlived the signal (the script's trap) and reported its ranks' exit, as the job step's end
+    assert "stopped with the message below" in output, output[-3000:]
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{step}" and not (out / "final").exists()
 
     requeued = submit(step + 1)

@@ -4,26 +4,28 @@ ZeRO-3 -> FSDP2 -> DDP -> one process -> FSDP2 -> ZeRO-2 (2 ranks each but the o
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
-from conftest import base_args, crash_after, finetune
+from conftest import Result, base_args, crash_after, finetune
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
 
 
 def chain(tmp_path, args: list[str], legs: list[tuple[str, ...]], every: int):
-    """The same run straight (DDP) and as a chain of layouts: leg i (launcher, extra args...) resumes
-    from the checkpoint at step i x `every`, as if the previous leg had died right after it.
+    """The same run straight (under the first leg's layout) and as a chain of layouts: leg i (launcher, extra
+    args...) resumes from the checkpoint at step i x `every`, as if the previous leg had died right after it. The
+    first leg is the straight run itself up to its first checkpoint (a copy of its output directory).
     Returns the straight run and every leg's result."""
-    straight = finetune(tmp_path / "straight", *args, launcher="ddp")
+    first, *first_extra = legs[0]
+    straight = finetune(tmp_path / "straight", *args, *first_extra, launcher=first)
     run = tmp_path / "chain"
-    results = []
-    for i, (launcher, *extra) in enumerate(legs):
-        if i:
-            crash_after(run, i * every)
-            extra = [*extra, "--resume_from_checkpoint", "latest"]
-        results.append(finetune(run, *args, *extra, launcher=launcher))
+    shutil.copytree(straight.output_dir, run)
+    results = [Result(straight.returncode, straight.output, run)]
+    for i, (launcher, *extra) in enumerate(legs[1:], start=1):
+        crash_after(run, i * every)
+        results.append(finetune(run, *args, *extra, "--resume_from_checkpoint", "latest", launcher=launcher))
     return straight, results
 
 
