@@ -126,9 +126,10 @@ class _State:
     started: float = time.time()
 
 
-def setup() -> RankLog:
+def setup(progress_bars: bool = True) -> RankLog:
     """Route every log record and warning of this process (before the Accelerator exists: DeepSpeed's import
-    already logs). Rank from the launcher's environment; idempotent."""
+    already logs). Rank from the launcher's environment; idempotent. The libraries' progress bars (loading the
+    weights, mapping the data) on rank 0 only, none with progress_bars False (disable_tqdm)."""
     from finetune.parallel.topology import Launcher  # here: finetune.parallel imports this module
 
     rank = Launcher.read().rank
@@ -158,9 +159,13 @@ def setup() -> RankLog:
 
     transformers.utils.logging.set_verbosity_warning()
     datasets.utils.logging.set_verbosity_warning()
-    if not main:  # one progress bar per job, not one per rank
+    if main and progress_bars:  # one progress bar per job, not one per rank
+        transformers.utils.logging.enable_progress_bar()
+        datasets.enable_progress_bars()
+    else:
         transformers.utils.logging.disable_progress_bar()
         datasets.disable_progress_bars()
+    if not main:
         sys.stdout = _Printed(log)
     adopt_library_loggers()
     return log

@@ -89,7 +89,7 @@ def _run(cfg: RunConfig, acc, backend, storage) -> dict:
 
 def start(cfg: RunConfig):
     """The Accelerator, logging, the backend that knows how this run is spread, and where its files go."""
-    console.setup()  # before the Accelerator: DeepSpeed's import already logs
+    console.setup(progress_bars=not cfg.train.disable_tqdm)  # before the Accelerator: DeepSpeed's import already logs
     model.check_peft_support(cfg.peft)
     problems = report.tracker_problems(cfg.train.report_to)
     if os.environ.get("RANK", "0") == "0":  # one question to the Hub per job
@@ -108,6 +108,13 @@ def start(cfg: RunConfig):
         facts["mixed_precision"],
         ", ".join(facts["devices"]),
     )
+    if facts["restart"]:
+        logger.info(
+            "restart %d of at most %d of this launch (--max_restarts): the previous attempt failed (its message is "
+            "above)",
+            facts["restart"],
+            facts["max_restarts"],
+        )
     topo = backend.topology
     logger.info("parallelism: %s", topo.summary())
     if acc.device.type == "cpu":

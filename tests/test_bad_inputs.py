@@ -154,6 +154,13 @@ def without_checkpoints(c: Ctx) -> list[str]:
     return c.yaml(resume_from_checkpoint="latest")
 
 
+def restarted_by_the_launcher(c: Ctx) -> list[str]:
+    """torchrun restarted the ranks (--max_restarts) of a run launched without --resume_from_checkpoint auto: its
+    first attempt is the previous run in output_dir."""
+    c.env["TORCHELASTIC_RESTART_COUNT"] = "1"
+    return c.yaml()
+
+
 def latest_names_missing_step(c: Ctx) -> list[str]:
     (c.out / "checkpoints" / "latest").write_text("step_9\n")
     return c.yaml(resume_from_checkpoint="latest")
@@ -543,6 +550,13 @@ CASES = [
     ),
     # ---- output_dir, checkpoints, resume
     Case("output_dir_holds_previous_run", lambda c: c.yaml(), "output_dir", "--overwrite_output_dir", overwrite=False),
+    Case(
+        "output_dir_holds_previous_run_at_restart",
+        restarted_by_the_launcher,
+        "output_dir",
+        "restart 1 (--max_restarts): launch with --resume_from_checkpoint auto",
+        overwrite=False,
+    ),
     Case("output_dir_is_a_file", output_dir_is_a_file, "output_dir", "out.txt", overwrite=False),
     Case(
         "resume_latest_without_checkpoint",

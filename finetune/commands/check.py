@@ -408,8 +408,10 @@ def connect_store(rank: int, timeout: float):
         raise ConfigError(
             [("environment", f"WORLD_SIZE > 1 but {', '.join(missing)} not set: start it with accelerate launch")]
         )
+    from finetune.parallel.topology import Launcher
+
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    master = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
+    master = not Launcher.read().agent_store and rank == 0
     return TCPStore(host, port, is_master=master, timeout=timedelta(seconds=timeout), wait_for_workers=False)
 
 
@@ -620,7 +622,9 @@ def main(argv: list[str]) -> int:
     rank, world = facts["rank"], facts["world_size"]
     group = None
     if world > 1:
-        run_id = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+        from finetune.parallel.topology import Launcher
+
+        run_id = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/{Launcher.read().restart}"
         prefix = f"finetune_check/{run_id}"
         try:
             store = connect_store(rank, args.timeout)

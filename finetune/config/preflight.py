@@ -273,4 +273,12 @@ def output_dir_problems(t: TrainArgs) -> list[tuple[str, str]]:
         f"{t.output_dir!r} holds a previous run ({', '.join(found)}); pick a new output_dir, "
         "resume it with --resume_from_checkpoint latest, or replace it with --overwrite_output_dir"
     )
+    from finetune.parallel.topology import Launcher
+
+    restart = Launcher.read().restart
+    if restart:  # the launcher restarted this run (--max_restarts): the previous run is its own first attempt
+        why += (
+            f"; this is the launcher's restart {restart} (--max_restarts): launch with --resume_from_checkpoint auto "
+            "so that a restart continues from the newest checkpoint"
+        )
     return [("output_dir", why)]

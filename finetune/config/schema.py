@@ -417,7 +417,10 @@ class TrainArgs:
     hub_private_repo: bool | None = _f(
         None, "Create the Hub repository as private (default: the Hub's default, public)."
     )
-    disable_tqdm: bool = _f(False, "No progress bar (a log line every logging_steps instead).")
+    disable_tqdm: bool = _f(
+        False,
+        "No progress bars, training's or the libraries' (loading weights, mapping data): a log line every logging_steps instead.",
+    )
 
 
 PEFT_METHODS = ("none", "lora", "dora")

@@ -72,6 +72,9 @@ class Launcher:
     megatron_sequence_parallel: bool  # MEGATRON_LM_SEQUENCE_PARALLELISM
     megatron_distributed_optimizer: bool  # MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER
     megatron_uneven_last_stage: bool  # MEGATRON_LM_DECODER_LAST_PIPELINE_NUM_LAYERS is set
+    agent_store: bool  # TORCHELASTIC_USE_AGENT_STORE: torchrun's agent hosts the store the ranks rendezvous in
+    restart: int  # TORCHELASTIC_RESTART_COUNT: the times torchrun restarted this machine's ranks (--max_restarts)
+    max_restarts: int  # TORCHELASTIC_MAX_RESTARTS
 
     @classmethod
     def read(cls, env: Mapping[str, str] = os.environ) -> Launcher:
@@ -100,6 +103,9 @@ class Launcher:
             megatron_sequence_parallel=_true(env.get("MEGATRON_LM_SEQUENCE_PARALLELISM", "False")),
             megatron_distributed_optimizer=_true(env.get("MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER")),
             megatron_uneven_last_stage="MEGATRON_LM_DECODER_LAST_PIPELINE_NUM_LAYERS" in env,
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            restart=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
+            max_restarts=_int(env, "TORCHELASTIC_MAX_RESTARTS", 0),
         )
 
     @property
