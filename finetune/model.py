@@ -131,10 +131,12 @@ def build_model(
     extra_kwargs: dict | None = None,
     load_weights: bool = True,
     micro_batch_tokens: int = 0,
+    numel: Callable[[torch.nn.Parameter], int] = torch.nn.Parameter.numel,
 ):
     """Load the model for the task; a classifier gets a head sized to the labels in the data; adapters on top.
     load_weights False: the architecture only, on the meta device (the backend brings its own weights).
-    micro_batch_tokens: the most tokens a training micro batch holds (the chunked loss cuts every one alike)."""
+    micro_batch_tokens: the most tokens a training micro batch holds (the chunked loss cuts every one alike).
+    numel: a parameter's full size (the backend's: ZeRO-3 partitions at load)."""
     import transformers
     from transformers import AutoConfig
 
@@ -163,7 +165,7 @@ def build_model(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant_checkpointing})
         if reentrant_checkpointing:  # reentrant checkpoints need an input that requires grad (frozen embeddings)
             model.enable_input_require_grads()
-    vocab, hidden, params = full_sizes(model)
+    vocab, hidden, params = full_sizes(model, numel)
     if load_weights and chunked_loss.wanted(m.chunked_loss, model.config.model_type, m.task, vocab, hidden, params):
         chunk = chunked_loss.chunk_tokens(m.loss_chunk_tokens, vocab)
         pieces = chunked_loss.install(model, chunk, micro_batch_tokens)
@@ -177,11 +179,11 @@ def build_model(
     return apply_peft(model, pe, "classification" if label_names is not None else m.task) if pe else model
 
 
-def full_sizes(model) -> tuple[int, int, int]:
-    """The vocabulary, hidden size and parameter count of a loaded model, as every layout sees it: under ZeRO-3
-    (zero.Init) each parameter holds only this rank's partition, and its full size is `ds_numel`."""
+def full_sizes(model, numel: Callable[[torch.nn.Parameter], int]) -> tuple[int, int, int]:
+    """The vocabulary, hidden size and parameter count of a loaded model, as every layout sees it (numel: a
+    parameter's full size, the backend's)."""
     embeddings = model.get_input_embeddings()
-    params = sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters())
+    params = sum(numel(p) for p in model.parameters())
     return embeddings.num_embeddings, embeddings.embedding_dim, params
 
 

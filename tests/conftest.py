@@ -48,11 +48,14 @@ EXPECTED = {
 }
 
 
-def assert_layout(rows: list[dict], launcher: str) -> None:
-    """The run's last train row shows the layout `launcher` promises (a resumed run's first rows may come from
-    another): no silent fallback to another distributed type, ZeRO stage, offload or one process."""
+def assert_layout(rows: list[dict], launcher: str, every_row: bool = False) -> None:
+    """The run's last train row (every_row: each of them; a resumed run's first rows may come from another layout)
+    shows the layout `launcher` promises: no silent fallback to another distributed type, ZeRO stage, offload or
+    one process."""
     dist_type, world, facts = EXPECTED[launcher]
     assert rows, f"{launcher}: no train rows"
+    if every_row:
+        assert {(r["distributed_type"], r["world_size"]) for r in rows} == {(dist_type, world)}, launcher
     last = rows[-1]
     assert (last["distributed_type"], last["world_size"]) == (dist_type, world), (launcher, last)
     for key, want in facts.items():
@@ -342,13 +345,21 @@ def max_rel_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(x) for x, y in zip(a, b))
 
 
+def max_tensor_diff(a: dict, b: dict) -> float:
+    """Largest absolute difference between two sets of named tensors, which must hold the same names (at least one)
+    and shapes."""
+    assert a and set(a) == set(b), set(a) ^ set(b)
+    assert all(a[k].shape == b[k].shape for k in a), [
+        (k, a[k].shape, b[k].shape) for k in a if a[k].shape != b[k].shape
+    ]
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
 def max_weight_diff(dir_a, dir_b, name: str = "model.safetensors") -> float:
-    """Largest absolute difference between two exported weight files (same tensor names required)."""
+    """Largest absolute difference between two exported weight files (max_tensor_diff)."""
     from safetensors.torch import load_file
 
-    wa, wb = load_file(str(Path(dir_a) / name)), load_file(str(Path(dir_b) / name))
-    assert set(wa) == set(wb), set(wa) ^ set(wb)
-    return max((wa[k].float() - wb[k].float()).abs().max().item() for k in wa)
+    return max_tensor_diff(load_file(str(Path(dir_a) / name)), load_file(str(Path(dir_b) / name)))
 
 
 def crash_after(output_dir, step: int) -> None:

@@ -107,15 +107,18 @@ def test_auto_decides_from_full_sizes_as_the_planner_does(assets):
     parameters hold only their partition (zero.Init: an empty tensor and the full size in ds_numel)."""
     from finetune.memory.estimate import ModelShape
     from finetune.model import full_sizes
+    from finetune.parallel import ddp, deepspeed
 
     model = _model(assets.llama)
     shape = ModelShape.of_model(model, model.config, 4)
     want = (shape.vocab, shape.hidden, shape.total)
-    assert min(want) > 0 and full_sizes(model) == want
+    whole, zero3 = ddp.Backend.__new__(ddp.Backend), deepspeed.Backend.__new__(deepspeed.Backend)
+    assert min(want) > 0 and full_sizes(model, whole.numel) == want
     for p in model.parameters():
         p.ds_numel = p.numel()
         p.data = torch.empty(0)
-    assert full_sizes(model) == want
+    assert full_sizes(model, zero3.numel) == want
+    assert full_sizes(model, whole.numel) != want  # a layout's own numel is what makes it right
 
 
 @pytest.fixture(scope="module")

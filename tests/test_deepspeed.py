@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import EXPECTED, ROOT, assert_layout, base_args, finetune, run_killing_the_group
+from conftest import ROOT, assert_layout, base_args, finetune, max_rel_diff, max_tensor_diff, run_killing_the_group
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -64,8 +64,7 @@ def test_parity_over_every_single_node_backend(assets, tmp_path):
         rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
         train = [r for r in rows if "loss" in r]
         assert len(train) == 10
-        assert {(r["distributed_type"], r["world_size"]) for r in train} == {EXPECTED[name][:2]}, name
-        assert_layout(train, name)
+        assert_layout(train, name, every_row=True)
         if name in MASTER_COPY:
             assert train[-1]["fp32_master_copy"] == MASTER_COPY[name], name
         weights = load_file(str(out / name / "final" / "model.safetensors"))
@@ -73,11 +72,9 @@ def test_parity_over_every_single_node_backend(assets, tmp_path):
         if reference is None:
             reference = losses, weights
             continue
-        assert max(abs(a - b) / abs(a) for a, b in zip(reference[0], losses)) <= 1e-5, name
+        assert max_rel_diff(reference[0], losses) <= 1e-5, name
         # final/ is the whole model (ZeRO-3 and FSDP gather it; not an empty shell), and it is the trained one
-        assert set(weights) == set(reference[1]), (name, set(weights) ^ set(reference[1]))
-        assert all(weights[k].shape == reference[1][k].shape for k in weights), name
-        assert max((reference[1][k] - weights[k]).abs().max().item() for k in weights) <= 1e-5, name
+        assert max_tensor_diff(reference[1], weights) <= 1e-5, name
     base = load_file(os.path.join(assets.llama, "model.safetensors"))
     assert any(not torch.equal(reference[1][k], base[k]) for k in base)  # trained, not the base
     for name in ("zero3", "zero2_offload"):  # reloads through from_pretrained

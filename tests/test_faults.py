@@ -19,17 +19,11 @@ from pathlib import Path
 import conftest
 import psutil
 import pytest
-import torch
-from conftest import ROOT, base_args, crash_after, finetune
-from safetensors.torch import load_file
+from conftest import ROOT, base_args, crash_after, finetune, max_rel_diff, max_weight_diff
 
 from finetune.launching import kill_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("faults")]  # one worker: the straight runs once
-
-
-def final_weights(output_dir) -> dict[str, torch.Tensor]:
-    return load_file(str(output_dir / "final" / "model.safetensors"))
 
 
 def run_args(assets) -> list[str]:
@@ -147,13 +141,11 @@ def assert_resume_equal(out, resumed, launcher: str, straight_run) -> None:
     """The resumed run logged every step and ends where the uninterrupted run does: weights (bit-equal under DDP,
     1e-6 elsewhere) and per-step losses (1e-6 relative)."""
     assert [r["step"] for r in resumed.train_rows] == list(range(1, 31))
-    a, b = final_weights(straight_run.output_dir), final_weights(out)
-    assert a and set(a) == set(b), set(a) ^ set(b)
-    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    worst = max_weight_diff(straight_run.output_dir / "final", out / "final")
     assert worst == 0.0 if launcher == "ddp" else worst <= 1e-6, worst
     la, lb = straight_run.losses(), resumed.losses()
     assert len(la) == len(lb) == 30
-    assert max(abs(x - y) / abs(x) for x, y in zip(la, lb)) <= 1e-6
+    assert max_rel_diff(la, lb) <= 1e-6
 
 
 def kill_rank_1(proc: subprocess.Popen) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import ROOT, base_args, crash_after, finetune
+from conftest import ROOT, base_args, crash_after, finetune, max_rel_diff, max_weight_diff
 
 from finetune.config import ConfigError, build_config
 from finetune.parallel import megatron, tensor
@@ -431,10 +431,8 @@ def test_tp2_on_cpu_equals_one_process_and_resumes_exactly(assets, tmp_path):
     assert "x data parallel 1 = global batch 4" in tp.output  # both ranks hold the same batch
     a, b = single.losses(), tp.losses()
     assert len(a) == len(b) == 4
-    loss_diff = max(abs(x - y) / abs(x) for x, y in zip(a, b))
-    ws, wt = (load_file(str(r.output_dir / "final" / "model.safetensors")) for r in (single, tp))
-    assert ws and set(ws) == set(wt), set(ws) ^ set(wt)
-    weight_diff = max((ws[k] - wt[k]).abs().max().item() for k in ws)
+    loss_diff = max_rel_diff(a, b)
+    weight_diff = max_weight_diff(single.output_dir / "final", tp.output_dir / "final")
     print(f"TP 2 against one process: losses {loss_diff:.1e} relative, weights {weight_diff:.1e} absolute")
     assert loss_diff <= 1e-6, (a, b)
     assert weight_diff <= 1e-5
@@ -453,10 +451,8 @@ def test_tp2_on_cpu_equals_one_process_and_resumes_exactly(assets, tmp_path):
     crash_after(part, 2)
     resumed = finetune(part, *args, "--resume_from_checkpoint", "latest", launcher="tp2")
     assert [r["step"] for r in resumed.train_rows] == [1, 2, 3, 4]
-    assert max(abs(x - y) / abs(x) for x, y in zip(b, resumed.losses())) <= 1e-6
-    wa = load_file(str(tp.output_dir / "final" / "model.safetensors"))
-    wb = load_file(str(part / "final" / "model.safetensors"))
-    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
+    assert max_rel_diff(b, resumed.losses()) <= 1e-6
+    assert max_weight_diff(tp.output_dir / "final", part / "final") <= 1e-6
     model = AutoModelForCausalLM.from_pretrained(tp.output_dir / "final")
     assert sum(p.numel() for p in model.parameters()) == sum(v.numel() for v in base.values())
     assert all(0.4 <= r["parameter_shard"] <= 0.6 for r in tp.train_rows)  # each rank holds about half
@@ -465,5 +461,5 @@ def test_tp2_on_cpu_equals_one_process_and_resumes_exactly(assets, tmp_path):
     crash_after(part, 2)
     single_resumed = finetune(part, *args, "--resume_from_checkpoint", "latest")
     assert "written by MULTI_CPU TP 2 on 2 process(es), converted" in single_resumed.output
-    assert max(abs(x - y) / abs(x) for x, y in zip(b, single_resumed.losses())) <= 1e-5
+    assert max_rel_diff(b, single_resumed.losses()) <= 1e-5
     print(json.dumps({"single": a, "tp2": b}))

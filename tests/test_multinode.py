@@ -19,8 +19,7 @@ from pathlib import Path
 import conftest
 import pytest
 import yaml
-from conftest import ROOT, Result, assert_layout, base_args, crash_after, finetune
-from safetensors.torch import load_file
+from conftest import ROOT, Result, assert_layout, base_args, crash_after, finetune, max_rel_diff, max_weight_diff
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("multinode")]  # one worker: references run once
 SHIPPED = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
@@ -51,12 +50,8 @@ def assert_two_machines(results: list[Result], config: str) -> None:
 
 def same_run(a: Result, b: Result) -> None:
     """The same per-step losses (1e-6 relative) and the same exported weights (1e-6 absolute)."""
-    la, lb = a.losses(), b.losses()
-    assert len(la) == len(lb) and la, (la, lb)
-    assert max(abs(x - y) / abs(x) for x, y in zip(la, lb)) <= 1e-6, (la, lb)
-    wa, wb = (load_file(str(r.output_dir / "final" / "model.safetensors")) for r in (a, b))
-    assert wa and set(wa) == set(wb), set(wa) ^ set(wb)
-    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
+    assert max_rel_diff(a.losses(), b.losses()) <= 1e-6, (a.losses(), b.losses())
+    assert max_weight_diff(a.output_dir / "final", b.output_dir / "final") <= 1e-6
 
 
 @pytest.fixture(scope="module")

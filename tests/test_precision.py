@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import EXPECTED, ROOT, Result, assert_layout, base_args, finetune, run_killing_the_group
+from conftest import EXPECTED, ROOT, Result, assert_layout, base_args, finetune, max_rel_diff, run_killing_the_group
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.xdist_group("precision")  # one worker: the bf16 layouts fixture (about 3 minutes) runs once
@@ -45,11 +45,6 @@ def update_distance(final: dict, reference: dict, base: dict) -> float:
     den = sum(((reference[k].float() - base[k].float()) ** 2).sum() for k in final) ** 0.5
     assert den > 0, "the reference did not train"
     return float(num / den)
-
-
-def max_rel(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) and a, (a, b)
-    return max(abs(x - y) / abs(x) for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +110,7 @@ def test_bf16_every_layout_equals_one_bf16_process(assets, bf16_runs):
         # one export dtype under every layout: the base model's (float32 here), in the file and in config.json
         assert {v.dtype for v in weights.values()} == {torch.float32}, name
         assert json.loads((final / "config.json").read_text())["dtype"] == "float32", name
-        loss = max_rel([r["loss"] for r in ref_rows], [r["loss"] for r in rows])
+        loss = max_rel_diff([r["loss"] for r in ref_rows], [r["loss"] for r in rows])
         update = update_distance(weights, ref, base)
         table.append((name, loss, update))
         assert loss <= LOSS_RTOL, (name, loss)
@@ -151,7 +146,7 @@ def test_two_loopback_machines_in_bf16_equal_one_process(assets, tmp_path, bf16_
     assert "distributed: MULTI_CPU, world size 2," in ran[0][1]
     rows = Result(0, ran[0][1], shared).train_rows
     assert_ran_in(rows, "bfloat16")
-    assert max_rel([r["loss"] for r in train_rows(out / "single")], [r["loss"] for r in rows]) <= LOSS_RTOL
+    assert max_rel_diff([r["loss"] for r in train_rows(out / "single")], [r["loss"] for r in rows]) <= LOSS_RTOL
     base = load_file(os.path.join(assets.llama, "model.safetensors"))
     ref = load_file(str(out / "single" / "final" / "model.safetensors"))
     assert update_distance(load_file(str(shared / "final" / "model.safetensors")), ref, base) <= UPDATE_RTOL
@@ -334,4 +329,4 @@ def test_deepspeed_bf16_mode_exports_its_fp32_masters_and_resumes(assets, tmp_pa
         rows = resumed.train_rows
         assert [r["step"] for r in rows] == [1, 2, 3, 4]
         tol = 1e-6 if layout == str(config) else 2e-2  # DDP computes under autocast with fp32 weights
-        assert max_rel(straight.losses()[2:], [r["loss"] for r in rows[2:]]) <= tol, layout
+        assert max_rel_diff(straight.losses()[2:], [r["loss"] for r in rows[2:]]) <= tol, layout

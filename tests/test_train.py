@@ -7,19 +7,18 @@ import shutil
 
 import pytest
 import torch
-from conftest import ROOT, base_args, classification_args, crash_after, finetune, reevaluate
-from safetensors.torch import load_file
+from conftest import (
+    ROOT,
+    base_args,
+    classification_args,
+    crash_after,
+    finetune,
+    max_rel_diff,
+    max_weight_diff,
+    reevaluate,
+)
 
 pytestmark = pytest.mark.slow
-
-
-def weights(output_dir) -> dict[str, torch.Tensor]:
-    return load_file(str(output_dir / "final" / "model.safetensors"))
-
-
-def max_rel(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) and a, (a, b)
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
 def test_length_aware_batching_changes_speed_not_the_run(assets, tmp_path):
@@ -41,10 +40,10 @@ def test_length_aware_batching_changes_speed_not_the_run(assets, tmp_path):
     assert "length-aware batching: each global batch of 8 rows split into 2 micro batches" in ddp.output
     one = finetune(tmp_path / "one", *aware, "--gradient_accumulation_steps", "2")
     assert [r["tokens_seen"] for r in ddp.train_rows] == [r["tokens_seen"] for r in fixed.train_rows]
-    assert max_rel(fixed.losses(), ddp.losses()) <= 1e-5
-    assert max_rel(ddp.losses(), one.losses()) <= 1e-5
+    assert max_rel_diff(fixed.losses(), ddp.losses()) <= 1e-5
+    assert max_rel_diff(ddp.losses(), one.losses()) <= 1e-5
     zero2 = finetune(tmp_path / "zero2", *aware, launcher="zero2")  # DeepSpeed wants a fixed micro batch size
-    assert max_rel(ddp.losses(), zero2.losses()) <= 1e-5
+    assert max_rel_diff(ddp.losses(), zero2.losses()) <= 1e-5
     pad = [sum(r["padding_fraction"] for r in run.train_rows) for run in (fixed, ddp)]
     assert pad[1] < pad[0], pad
     crash_after(ddp.output_dir, 3)
@@ -86,11 +85,10 @@ def test_two_ranks_equal_one_rank_with_accumulation_dropout_on(assets, tmp_path)
     one = finetune(tmp_path / "one", *args, "--gradient_accumulation_steps", "2", launcher="single")
     assert len(ddp.losses()) == 8
     assert "Setting accelerator to CPU" not in ddp.output  # no DeepSpeed import outside DeepSpeed runs
-    assert max_rel(ddp.losses(), one.losses()) <= 1e-5
-    assert max_rel([r["grad_norm"] for r in ddp.train_rows], [r["grad_norm"] for r in one.train_rows]) <= 1e-4
+    assert max_rel_diff(ddp.losses(), one.losses()) <= 1e-5
+    assert max_rel_diff([r["grad_norm"] for r in ddp.train_rows], [r["grad_norm"] for r in one.train_rows]) <= 1e-4
     assert [r["tokens_seen"] for r in ddp.train_rows] == [r["tokens_seen"] for r in one.train_rows]
-    wa, wb = weights(ddp.output_dir), weights(one.output_dir)
-    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-5
+    assert max_weight_diff(ddp.output_dir / "final", one.output_dir / "final") <= 1e-5
     assert ddp.eval_rows[-1]["eval_loss"] == pytest.approx(one.eval_rows[-1]["eval_loss"], rel=1e-5)
 
 
@@ -124,9 +122,8 @@ def test_resume_equals_uninterrupted(assets, tmp_path):
     resumed = finetune(part, *args, "--resume_from_checkpoint", "latest")
     assert "resumed from" in resumed.output
     assert [r["step"] for r in resumed.train_rows] == [1, 2, 3, 4]  # log continued, not duplicated
-    assert max_rel(resumed.losses(), straight.losses()) <= 1e-6
-    wa, wb = weights(straight.output_dir), weights(part)
-    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) <= 1e-6
+    assert max_rel_diff(resumed.losses(), straight.losses()) <= 1e-6
+    assert max_weight_diff(straight.output_dir / "final", part / "final") <= 1e-6
 
 
 def test_resume_across_epoch_boundary_under_ddp(assets, tmp_path):
@@ -149,7 +146,7 @@ def test_resume_across_epoch_boundary_under_ddp(assets, tmp_path):
     shutil.copytree(straight.output_dir, part)
     crash_after(part, 8)
     resumed = finetune(part, *args, "--resume_from_checkpoint", "latest", launcher="ddp")
-    assert max_rel(resumed.losses(), straight.losses()) <= 1e-6
+    assert max_rel_diff(resumed.losses(), straight.losses()) <= 1e-6
 
 
 def test_final_model_reloads_and_reproduces_eval_loss(assets, tmp_path):
