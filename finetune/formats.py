@@ -621,8 +621,10 @@ def chat_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int, split: st
 
 
 def _renders(tokenizer, ex: dict, layout: Layout, where: str) -> list[tuple[str, bool]] | str:
-    """A chat row as the template's renderings of its growing prefixes, each with whether the tokens it adds are
-    learned (an assistant turn's; the generation prompt before it is not); or why the row has nothing to learn."""
+    """A chat row as the template's renderings of the growing prefixes where what is learned starts or ends, each
+    with whether the tokens it adds are learned (an assistant turn's; the generation prompt before it is not), the
+    last the whole conversation; or why the row has nothing to learn. Only those prefixes: each rendering costs about
+    what tokenizing the whole conversation does."""
     messages, first = conversation(ex, layout, where)
     learned = [k for k, m in enumerate(messages) if m["role"] == "assistant" and k >= first]
     if layout.answer and not ex[layout.answer]:
@@ -631,10 +633,12 @@ def _renders(tokenizer, ex: dict, layout: Layout, where: str) -> list[tuple[str,
         return "no assistant turn" + (f" in {layout.answer!r}" if layout.answer else "")
     tools = _tools(ex, layout)
     out = []
-    for k in range(len(messages)):
-        if k in learned and k:
+    for k in learned:
+        if k:  # the turn starts after the template's generation prompt
             out.append((render(tokenizer, messages[:k], True, tools), False))
-        out.append((render(tokenizer, messages[: k + 1], False, tools), k in learned))
+        out.append((render(tokenizer, messages[: k + 1], False, tools), True))
+    if learned[-1] < len(messages) - 1:
+        out.append((render(tokenizer, messages, False, tools), False))
     return out
 
 

@@ -767,9 +767,10 @@ def test_bad_input_exits_2_with_one_clear_message(case: Case, assets, no_chat_mo
 
 
 # The refusal as users meet it, through `accelerate launch` with 2 ranks (about 7 s of a 2-core machine each). By
-# default each kind of problem once, by where it is found: at the edge (every rank runs the same parse before any
-# distributed start, so the launch path does not depend on the case), with the data (the main process prepares it
-# first and the others wait for its cache: the path a refusal there must release) and with the model.
+# default each place a problem can be found once: at the edge (every rank runs the same parse before any distributed
+# start, so the launch path does not depend on the case), with the data (the main process prepares it first and the
+# others wait for its cache: the path a refusal there must release, once per step of the preparation) and with the
+# model.
 # FINETUNE_BAD_INPUT_GRID=1 launches every case (about 14 minutes of CPU).
 LAUNCHED_CASES = (
     # at the edge
@@ -778,29 +779,21 @@ LAUNCHED_CASES = (
     "unknown_flag",  # the command line
     "deepspeed_json_contradicts_accumulation",  # the launcher's DeepSpeed config
     "output_dir_holds_previous_run",  # nothing of the previous run is touched
-    # with the data
-    "model_hub_id_offline",
+    # with the data: each place the main process can stop while the others wait for its cache
     "dataset_not_json",  # reading it
-    "dataset_hub_id_offline",
     "format_not_detectable",  # its shape
-    "text_column_missing",
     "chat_role_not_assistant",  # rendering it
     "no_supervised_tokens",  # after tokenizing
     "label_out_of_range_in_eval",  # the eval split
-    "data_smaller_than_one_batch",  # after the split
     "streaming_chat_role_not_assistant",  # every rank reads the stream
-    "preference_pairs_all_the_same",
-    "mixture_classification_labels_differ",
-    "resume_incomplete_checkpoint",
+    "preference_pairs_all_the_same",  # preference pairs
+    "mixture_classification_labels_differ",  # a mixture of sources
+    "resume_incomplete_checkpoint",  # the checkpoint to resume
     "seq2seq_under_fsdp2",  # the layout
-    "report_to_unknown_tracker",
-    "load_in_4bit_without_gpu",
     # with the model
     "attn_implementation_unknown",
     "peft_target_modules_not_in_model",
 )
-# Under single.yaml accelerate starts one plain child process (its simple launcher, not torchrun): a representative
-# set of the corpus there, each stage and kind once (a launch costs about 3 s of CPU).
 ONE_PROCESS_CASES = (
     "no_config_no_model",  # at the edge, three problems
     "unknown_key_typo",

@@ -182,7 +182,7 @@ def test_max_restarts_continue_the_run_after_a_killed_rank(assets, tmp_path, lau
     """`accelerate launch --max_restarts 1` with --resume_from_checkpoint auto: rank 1 killed mid-run, torchrun
     restarts the ranks, they say so, resume from the newest intact checkpoint, and the launch exits 0 with the
     uninterrupted run's weights and losses. (The restarted ranks connected to the previous attempt's dead
-    addresses before environment.restart_init_method.)"""
+    addresses before base.restart_init_method.)"""
     out = tmp_path / "restarted"
     step = seeded_step("rank 1 killed")
     run = launch_until(
@@ -202,7 +202,7 @@ def test_max_restarts_continue_the_run_after_a_killed_rank(assets, tmp_path, lau
 
 
 def test_torchrun_still_shares_one_store_across_restarts(monkeypatch):
-    """Why environment.restart_init_method exists: torchrun's static rendezvous (every shipped one-machine config)
+    """Why base.restart_init_method exists: torchrun's static rendezvous (every shipped one-machine config)
     hands each attempt of a launch the same store, and torch's env:// rendezvous gives the ranks no key space of
     their attempt: what attempt 0 wrote (gloo's rank addresses) is there for attempt 1. Fails once torch separates
     attempts (in either place), and the workaround can go. The workaround's stores do separate them."""
@@ -210,7 +210,7 @@ def test_torchrun_still_shares_one_store_across_restarts(monkeypatch):
     from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import create_rdzv_handler
     from torch.distributed.rendezvous import rendezvous
 
-    from finetune.parallel.environment import restart_init_method
+    from finetune.parallel.base import restart_init_method
 
     port = conftest.free_port()
     agent = create_rdzv_handler(RendezvousParameters("static", f"127.0.0.1:{port}", "run", 1, 1, rank=0, timeout=30))
@@ -260,31 +260,8 @@ def test_sigterm_to_the_launcher_checkpoints_the_step_reached(assets, tmp_path, 
     assert_resume_finishes(out, launcher, straight(launcher), assets)
 
 
-def test_preemption_signal_to_every_rank_checkpoints_the_step_reached(assets, tmp_path, straight):
-    """SLURM's `--signal=USR1@300`, as scripts/slurm.sbatch sets it up (the launcher ignores it, the ranks act):
-    SIGUSR1 (preemption_signal's default) to every rank mid-run. They agree on a step boundary, write its checkpoint
-    and exit 128 + 10; the launcher reports it in one line; the resume equals the uninterrupted run."""
-    out = tmp_path / "preempted"
-    run = launch_until(out, assets, "ddp", seeded_step("SIGUSR1 to every rank"))
-    proc = run.proc
-    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "RANK" in p.environ()]
-    ranks = [p for p in ranks if "finetune" in " ".join(p.cmdline())]
-    assert len(ranks) == 2, [p.cmdline() for p in ranks]
-    for p in ranks:
-        p.send_signal(signal.SIGUSR1)
-    output = run.finish(timeout=90)
-    match = re.search(r"stopped by SIGUSR1 \(preemption\) after step (\d+); checkpoint saved: (\S+)\.", output)
-    assert match, output[-3000:]
-    step = int(match.group(1))
-    assert 6 <= step < 30 and match.group(2).endswith(f"step_{step}")
-    assert "Traceback" not in output and proc.returncode == 128 + signal.SIGUSR1, (proc.returncode, output[-3000:])
-    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{step}"
-    assert not (out / "final").exists()
-    assert_resume_finishes(out, "ddp", straight("ddp"), assets)
-
-
 def test_slurm_preemption_and_requeue_continue_the_run(assets, tmp_path, straight):
-    """scripts/slurm.sbatch end to end on one node (stand-in srun and scontrol; a real accelerate launch of
+    """preemption_signal (SIGUSR1) end to end, as scripts/slurm.sbatch sets it up: scripts/slurm.sbatch on one node (stand-in srun and scontrol; a real accelerate launch of
     multinode_ddp.yaml, 2 ranks, rendezvous on 127.0.0.1): SIGUSR1 to every process of the job step, as SLURM's
     `--signal=USR1@300` sends it. The launcher ignores it (the script's trap), the ranks checkpoint the step they
     reached and the job exits 128 + 10; the requeued job (the same script again, as `--requeue` reruns it)

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 import torch
 
 from finetune.config import ConfigError
+from finetune.parallel.topology import Launcher
 
 
 def has_accelerator_device() -> bool:
@@ -26,6 +27,45 @@ def unwrap_without_deepspeed() -> None:
     import accelerate.utils.other
 
     accelerate.utils.other.is_deepspeed_available = lambda: False
+
+
+RESTART_SCHEME = "finetune-attempt"
+
+
+def restart_init_method() -> str | None:
+    """Workaround (torch 2.13's elastic agent, pytorch/pytorch#135712): the process group's rendezvous in a store of
+    this attempt's own (None, env:// as usual, outside torchrun).
+
+    torchrun's agent hosts the TCP store every worker rendezvouses in (TORCHELASTIC_USE_AGENT_STORE), and with
+    `--max_restarts` keeps that one store for every attempt: the restarted workers find the previous attempt's
+    keys, gloo's address of every rank among them, and a rank that reads its peer's key before the peer rewrites it
+    connects to a dead port ("connectFullMesh failed ... Connection refused"; every restart failed so, here). The
+    scheme below is env:// with the store behind a prefix of the attempt (TORCHELASTIC_RESTART_COUNT), so every group
+    of an attempt, the default one and those made by new_group, is found only by that attempt's ranks. (On several
+    machines each agent counts its own restarts; they agree when a failure restarts every machine's ranks, as it
+    does when a rank dies and its peers' collectives fail.)
+    tests/test_faults.py::test_torchrun_still_shares_one_store_across_restarts fails once torch separates attempts
+    itself, and then this can go."""
+    if not Launcher.read().agent_store:
+        return None
+    from torch.distributed.rendezvous import register_rendezvous_handler
+
+    try:
+        register_rendezvous_handler(RESTART_SCHEME, _attempt_rendezvous)
+    except RuntimeError:  # registered already (a second Accelerator in this process)
+        pass
+    return f"{RESTART_SCHEME}://"
+
+
+def _attempt_rendezvous(url: str, **kwargs):
+    """env:// (rank, world size and the store from torchrun's environment), the store behind the attempt's prefix."""
+    from urllib.parse import urlparse
+
+    import torch.distributed as dist
+    from torch.distributed.rendezvous import rendezvous
+
+    store, rank, world_size = next(rendezvous(f"env://?{urlparse(url).query}", **kwargs))
+    yield dist.PrefixStore(f"finetune/attempt_{Launcher.read().restart}", store), rank, world_size
 
 
 def unwrap(accelerator, model):

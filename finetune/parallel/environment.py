@@ -47,9 +47,7 @@ def make_accelerator(cfg: RunConfig):
     import os
 
     from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs
-    from accelerate.utils import GradientAccumulationPlugin, InitProcessGroupKwargs, ProjectConfiguration
-
-    from finetune.parallel.base import has_accelerator_device
+    from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
 
     family = family_module()
     family.environment(cfg)
@@ -63,13 +61,7 @@ def make_accelerator(cfg: RunConfig):
         DistributedDataParallelKwargs(find_unused_parameters=t.ddp_find_unused_parameters, gradient_as_bucket_view=True)
     ]
     if Launcher.read().distributed:
-        gpu = has_accelerator_device()
-        timeout = datetime.timedelta(seconds=collective_timeout(t))
-        handlers.append(
-            InitProcessGroupKwargs(
-                timeout=timeout, init_method=restart_init_method(), **({} if gpu else {"backend": "gloo"})
-            )
-        )
+        handlers.append(process_group_kwargs(t))
     try:
         with console.printed_to_log():  # DeepSpeed prints "...op built successfully" at every start
             return Accelerator(
@@ -100,6 +92,18 @@ def make_accelerator(cfg: RunConfig):
             fix = "set report_to to some of those names, or [] for metrics.jsonl only"
             raise ConfigError([("report_to", f"{first}; {fix}")]) from None
         raise
+
+
+def process_group_kwargs(train):
+    """How the ranks start their process group: gloo without a GPU, collectives that wait collective_timeout, and
+    each launcher restart's own rendezvous keys (base.restart_init_method)."""
+    from accelerate.utils import InitProcessGroupKwargs
+
+    from finetune.parallel import base
+
+    timeout = datetime.timedelta(seconds=collective_timeout(train))
+    backend = {} if base.has_accelerator_device() else {"backend": "gloo"}
+    return InitProcessGroupKwargs(timeout=timeout, init_method=base.restart_init_method(), **backend)
 
 
 def regional_compile():
@@ -253,45 +257,6 @@ def set_cpu_allocator(mode: str) -> str:
     for param, value in CPU_ALLOCATOR_SETTINGS[mode]:
         mallopt(param, value)
     return mode
-
-
-RESTART_SCHEME = "finetune-attempt"
-
-
-def restart_init_method() -> str | None:
-    """Workaround (torch 2.13's elastic agent, pytorch/pytorch#135712): the process group's rendezvous in a store of
-    this attempt's own (None, env:// as usual, outside torchrun).
-
-    torchrun's agent hosts the TCP store every worker rendezvouses in (TORCHELASTIC_USE_AGENT_STORE), and with
-    `--max_restarts` keeps that one store for every attempt: the restarted workers find the previous attempt's
-    keys, gloo's address of every rank among them, and a rank that reads its peer's key before the peer rewrites it
-    connects to a dead port ("connectFullMesh failed ... Connection refused"; every restart failed so, here). The
-    scheme below is env:// with the store behind a prefix of the attempt (TORCHELASTIC_RESTART_COUNT), so every group
-    of an attempt, the default one and those made by new_group, is found only by that attempt's ranks. (On several
-    machines each agent counts its own restarts; they agree when a failure restarts every machine's ranks, as it
-    does when a rank dies and its peers' collectives fail.)
-    tests/test_faults.py::test_torchrun_still_shares_one_store_across_restarts fails once torch separates attempts
-    itself, and then this can go."""
-    if not Launcher.read().agent_store:
-        return None
-    from torch.distributed.rendezvous import register_rendezvous_handler
-
-    try:
-        register_rendezvous_handler(RESTART_SCHEME, _attempt_rendezvous)
-    except RuntimeError:  # registered already (a second Accelerator in this process)
-        pass
-    return f"{RESTART_SCHEME}://"
-
-
-def _attempt_rendezvous(url: str, **kwargs):
-    """env:// (rank, world size and the store from torchrun's environment), the store behind the attempt's prefix."""
-    from urllib.parse import urlparse
-
-    import torch.distributed as dist
-    from torch.distributed.rendezvous import rendezvous
-
-    store, rank, world_size = next(rendezvous(f"env://?{urlparse(url).query}", **kwargs))
-    yield dist.PrefixStore(f"finetune/attempt_{Launcher.read().restart}", store), rank, world_size
 
 
 def collective_timeout(train) -> int:

@@ -41,9 +41,7 @@ def come_up_on_cpu(timeout: datetime.timedelta) -> None:
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
-    from finetune.parallel.environment import restart_init_method
-
-    state = PartialState(cpu=True, timeout=timeout, init_method=restart_init_method())
+    state = PartialState(cpu=True, timeout=timeout, init_method=base.restart_init_method())
     if state.distributed_type == DistributedType.MULTI_CPU:
         state.distributed_type = DistributedType.MULTI_GPU
 
