@@ -40,6 +40,7 @@ reaches the top of a process (or, in an `accelerate launch` of finetune, a SIGTE
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 
@@ -119,6 +120,17 @@ def _torchrun_records_to_file() -> None:
 
     for name in TORCHRUN_LOGGERS:
         logging.getLogger(name).addFilter(ToFile())
+    atexit.register(_remove_unnamed_log)
+
+
+def _remove_unnamed_log() -> None:
+    """At a launcher's ordinary exit (a run that ended well, or a failure shown with its traceback) no report named
+    the file: it goes. A report that names it ends the launcher with os._exit, which skips this."""
+    for path in _torchrun_log:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
 
 
 def _torchrun_note() -> str:

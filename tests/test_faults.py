@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -174,6 +175,8 @@ def test_killed_rank_stops_everyone_and_resume_finishes_the_run(assets, tmp_path
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(out) in " ".join(p.info["cmdline"] or [])]
     assert "finetune rank 0:" in output and "Last complete checkpoint" in output, output[-3000:]
     assert "rank 1 exit code -9" in output and "Traceback" not in output, output[-3000:]  # named by the launcher
+    named = re.search(r"torchrun's own log lines: (\S+)\)", output)  # and the file it names is there to read
+    assert named and "failed (exitcode: -9)" in Path(named[1]).read_text(), output[-3000:]
     assert_resume_finishes(out, launcher, straight(launcher), assets)
 
 
@@ -195,6 +198,8 @@ def test_max_restarts_continue_the_run_after_a_killed_rank(assets, tmp_path, lau
     assert len(resumed) == 1 and "restart 1 of at most 1 of this launch" in output, output[-4000:]
     at = int(resumed[0][1])
     assert at in (5, 10) and at <= step, (at, step)
+    # torchrun logged the killed rank into the launcher's file; a launch that ended well leaves no such file behind
+    assert not (Path(tempfile.gettempdir()) / f"finetune-launcher-{run.proc.pid}.log").exists()
     result = conftest.Result(0, output, out)
     if launcher in conftest.EXPECTED:
         conftest.assert_layout(result.train_rows, launcher)
