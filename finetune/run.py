@@ -304,7 +304,7 @@ def _length_aware_batches(train, sampler, plan: parallel.Plan, net) -> data.Leng
     similar cost. Per token, attention costs about width / (6 x hidden size) of the linear layers."""
     import pyarrow.compute as pc
 
-    lengths = pc.list_value_length(train.with_format("arrow")["input_ids"]).to_pylist()
+    lengths = pc.list_value_length(data.arrow_column(train, "input_ids")).to_pylist()
     hidden = getattr(getattr(net, "config", None), "hidden_size", None)
     parts = plan.gradient_accumulation_steps * plan.data_parallel_size
     logger.info(

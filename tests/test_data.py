@@ -576,3 +576,26 @@ def test_datasets_still_replaces_os_environ(monkeypatch):
     os.environ["FINETUNE_SEEN_BY_THE_ORIGINAL"] = "1"
     assert "FINETUNE_SEEN_BY_THE_ORIGINAL" not in original
     del os.environ["FINETUNE_SEEN_BY_THE_ORIGINAL"]
+
+
+def test_datasets_still_gathers_a_mapped_column_row_by_row(monkeypatch):
+    """The library behaviour data.arrow_column works around: reading one column of a set with an indices mapping
+    (here after filter, as the tokenized rows are) goes through Table.fast_gather with every row's index, one
+    Arrow slice per row. When this fails, datasets takes the rows itself: read the column with
+    ds.with_format("arrow")[name] and remove arrow_column. arrow_column gives the same values without it."""
+    from datasets import Dataset
+    from datasets.table import Table
+
+    from finetune.data import arrow_column
+
+    ds = Dataset.from_dict({"n": list(range(100)), "keep": [i % 3 != 0 for i in range(100)]})
+    kept = ds.filter(lambda keep: keep, input_columns="keep").shuffle(seed=1)
+    gathered = []
+    real = Table.fast_gather
+    monkeypatch.setattr(Table, "fast_gather", lambda self, idx: gathered.append(len(idx)) or real(self, idx))
+    want = kept.with_format("arrow")["n"].to_pylist()
+    assert gathered == [len(kept)] and len(kept) == 66  # every row gathered one by one
+    gathered.clear()
+    assert arrow_column(kept, "n").to_pylist() == want and gathered == []
+    assert want == [r["n"] for r in kept] and want != sorted(want)  # the set's own (shuffled) order
+    assert arrow_column(ds, "n").to_pylist() == list(range(100))  # no mapping: the column as it is
