@@ -1,21 +1,26 @@
-"""GPU verification of tensor/pipeline parallelism: Megatron-LM and torch TP configs against DDP, plus `finetune parity`.
+"""GPU verification on ONE GPU (issue 33): what GPU users run first, measured in one command, one table.
 
-Run on a machine with >= 2 NVIDIA GPUs (4 for the TP 2 x PP 2 row), from the project root:
+    python bench/gpu_verify.py [--size 1b] [--budget_s 470] [--results bench/results/gpu.json]
 
-    .venv/bin/python bench/gpu_verify.py [--steps 10] [--work outputs/gpu_verify] [--skip_parity]
+On the GPU machine, from the project root. Parts, in this order (each skipped, and said so, once --budget_s is
+spent; the JSON is rewritten after every part, so a run cut short keeps what it measured):
 
-What it does:
-  1. builds a small Llama (8 heads, 4 layers: divisible by TP 2 and PP 2) and fixed-length text data, offline;
-  2. trains it for --steps optimizer steps under each config below with the SAME global batch of 8 rows
-     (the per-rank micro batch and accumulation are chosen per layout), and compares per-step losses
-     (and, where the export is an HF model, the final weights) with the DDP run;
-  3. runs `finetune parity` over single, ddp, zero2, zero3 (the standard cross-backend check);
-  4. prints one table; exits 1 if a row is above tolerance or failed.
+  build     a Llama of ~1.2B parameters from a config (Llama-3.2-1B's shape: hidden 2048, 16 layers, 32 heads,
+            8 KV heads, MLP 8192, vocabulary 128,256, tied embeddings), saved in bf16 as Hub checkpoints are,
+            the demo tokenizer, packed text
+  mfu       one process, bf16, packing, 2048 tokens x micro 4: MFU (model FLOPs / 989 TFLOP/s dense bf16, and
+            against the bf16 matmul rate measured here) eager with the whole logits, with the chunked loss,
+            and with torch_compile + chunked loss; host syncs observed per step (CUDA sync debug mode, by place)
+  layouts   the shipped configs with ONE process each, bf16 (accelerate launch --mixed_precision bf16), nccl:
+            single, ddp, zero2, zero3, fsdp2, zero3_offload: per-step losses against single within
+            docs/precision.md's bf16 tolerance (3e-3 relative; the training update within 6% in L2), exported
+            dtype identical, peak GPU memory next to the run's own estimate (finetune plan's)
+  fp16      one process, fp16: the loss-scaling path runs, skipped steps counted
+  qlora     LoRA on the 4-bit base (bitsandbytes nf4): loss falls, the adapter exports and reloads onto a fresh
+            4-bit base with the same loss, the merge (peft.merge) into the full-precision base
 
-Megatron rows need Megatron-LM installed and the model converted to Megatron's layout at <model>/megatron
-(docs/megatron.md); without them the row says SKIPPED and why (the conversion command is printed).
-Text data in fixed-length blocks supervises every token, so Megatron's per-micro-batch loss averaging and
-finetune's token-weighted mean are the same number: a difference is a real difference.
+--size tiny runs the same parts on a tiny Llama (a dry run of this script; on a CPU only the CPU-capable parts).
+With 2 or more GPUs, bench/gpu_verify_multi.py covers TP and Megatron-LM.
 """
 
 from __future__ import annotations
@@ -23,180 +28,482 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
+import platform
+import re
+import shutil
+import statistics
 import sys
-from dataclasses import dataclass
+import tempfile
+import time
+from collections import Counter
 from pathlib import Path
 
 import harness
+import yaml
 
+from finetune import launching
 from finetune.commands import parity
 
 ROOT = harness.ROOT
+PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, the datasheet figure MFU is quoted against
+LAYOUTS = os.environ.get("GPU_VERIFY_LAYOUTS", "single,ddp,zero2,zero3,fsdp2,zero3_offload").split(",")
+BF16_LOSS_RTOL, BF16_UPDATE_RTOL = 3e-3, 0.06  # docs/precision.md
+SYNC_WARNING = "called a synchronizing CUDA operation"
+REFERENCE: dict[str, parity.Outcome] = {}  # the single run, which every layout is compared with
+
+SIZES = {  # LlamaConfig fields
+    "1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    ),
+}
+
+# Where the step sync counter hooks in: a sitecustomize on PYTHONPATH (the run is the real app, unmodified).
+SITECUSTOMIZE = """
+import warnings
+try:
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.set_sync_debug_mode("warn")
+        warnings.filterwarnings("always", message=".*synchronizing CUDA operation.*")
+except Exception as e:  # never break the run being measured
+    print("gpu_verify sitecustomize:", e)
+"""
 
 
-@dataclass
-class Row:
-    name: str
-    config: str
-    gpus: int
-    micro: int
-    ga: int
-    status: str = "ok"
-    outcome: parity.Outcome | None = None
+class Budget:
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
 
 
-# Global batch 8 everywhere: rows per data-parallel rank per step x data-parallel size.
-ROWS = [
-    Row("ddp", "ddp", 2, micro=4, ga=1),  # 2 replicas x 4
-    Row("tp2", "tp2", 2, micro=4, ga=2),  # 1 replica (TP 2) x 4 x GA 2
-    Row("megatron_tp2", "megatron_tp2", 2, micro=8, ga=1),  # 1 replica x 8 x 1 micro batch (no HF export)
-    Row("megatron_tp2_pp2", "megatron_tp2_pp2", 4, micro=2, ga=1),  # 1 replica x 2 x 4 micro batches
-]
+BUDGET = Budget(3600)  # main() sets --budget_s
 
 
-def build(work: Path) -> Path:
+def build(work: Path, size: str) -> dict:
+    """The model, tokenizer and data; returns the run config (also written to work/run.yaml)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
     from finetune import demo
 
     tok = demo.build_tokenizer(work / "tokenizer")
-    model = demo.build_model(
-        "llama",
-        work / "model",
-        tok,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        head_dim=32,  # given: demo.build_model sets attributes after the config derived head_dim
-    )
-    rows = [{"text": " ".join(e["text"] for e in demo.topic_examples(40, seed=i))} for i in range(200)]
-    data = demo.write_jsonl(rows, work / "text.jsonl")
-    run = work / "run.yaml"
-    run.write_text(
-        json.dumps(
-            {
-                "model": model,
-                "dataset": data,
-                "format": "text",
-                "max_seq_length": 128,
-                "learning_rate": 1e-4,
-                "eval_fraction": 0.05,
-            }
+    model_dir = work / f"llama_{size}"
+    if not (model_dir / "config.json").exists():
+        cfg = LlamaConfig(
+            **SIZES[size],
+            pad_token_id=tok.pad_token_id,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
         )
-    )
+        torch.manual_seed(0)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        with torch.device(device):
+            net = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        net.save_pretrained(model_dir)
+        tok.save_pretrained(model_dir)
+        del net
+    rows = [{"text": " ".join(e["text"] for e in demo.topic_examples(40, seed=i))} for i in range(3000)]
+    data = demo.write_jsonl(rows, work / "text.jsonl")
+    run = {
+        "model": str(model_dir),
+        "dataset": data,
+        "format": "text",
+        "packing": True,
+        "max_seq_length": 1024,
+        "per_device_train_batch_size": 4,
+        "per_device_eval_batch_size": 4,
+        "learning_rate": 1e-4,
+        "eval_fraction": 0.01,
+        "eval_steps": None,
+        "save_steps": None,
+        "logging_steps": 1,
+        "disable_tqdm": True,
+    }
+    (work / "run.yaml").write_text(yaml.safe_dump(run))
     return run
 
 
-def megatron_skip_reason(model: str) -> str | None:
-    from finetune.parallel import megatron
+def one_process_config(name: str, work: Path) -> Path:
+    """The shipped Accelerate config `name` with num_processes 1 (the DeepSpeed JSON path stays the shipped one)."""
+    path = parity.accelerate_config_path(name)
+    cfg = yaml.safe_load(path.read_text())
+    if cfg.get("num_processes", 1) == 1:
+        return path
+    cfg["num_processes"] = 1
+    out = work / "configs" / f"{name}.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(cfg))
+    return out
 
-    missing = megatron.megatron_lm_missing()
-    if missing:
-        return f"Megatron-LM not installed ({missing})"
-    if not os.path.isfile(os.path.join(megatron.converted_checkpoint(model), "latest_checkpointed_iteration.txt")):
-        return f"no converted checkpoint at {megatron.converted_checkpoint(model)} (docs/megatron.md)"
-    return None
+
+def launch(name: str, config: str, work: Path, run_args: list[str], launch_args=(), env=None):
+    """One run of the real app under `config` (a shipped name); its metrics rows, log text and error (or "")."""
+    from finetune.metrics import read_metrics
+
+    out = work / "runs" / name
+    args = [*run_args, "--output_dir", str(out), "--overwrite_output_dir", "true"]
+    cmd = launching.finetune_command(args, one_process_config(config, work), tuple(launch_args))
+    log = work / "runs" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    timeout = max(60, BUDGET.left() + 60)  # a run started inside the budget may finish a minute after it
+    r = launching.launch(cmd, timeout=timeout, env={**os.environ, **(env or {})}, log=log)
+    error = ""
+    if r.timed_out:
+        error = f"timed out after {timeout} s"
+    elif r.rc != 0:
+        error = f"exit {r.rc}: " + " | ".join(r.output.strip().splitlines()[-4:])
+    rows = read_metrics(str(out)) if (out / "metrics.jsonl").exists() else []
+    return rows, r.output, error, r.wall_s
 
 
-def train(row: Row, args: argparse.Namespace, out: Path) -> Row:
-    """The run under the row's layout, through `finetune parity`'s runner (same launch, metrics and weights)."""
-    micro = ["--per_device_train_batch_size", str(row.micro), "--per_device_eval_batch_size", str(row.micro)]
-    path = parity.accelerate_config_path(row.config)
-    row.outcome = parity.run_one(row.name, path, row.ga, args, micro, out)
-    if not row.outcome.ok:
-        row.status = row.outcome.error
-    return row
+def train_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if "loss" in r and "eval_loss" not in r]
+
+
+def peak_row(rows: list[dict]) -> dict:
+    return next((r["peak_memory"][0] for r in rows if "peak_memory" in r), {})
+
+
+def exported_dtypes(final: Path) -> str:
+    """The dtypes of final/'s weights, read from the safetensors headers (not from config.json)."""
+    seen = Counter()
+    for f in sorted(final.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        seen.update(v["dtype"] for k, v in header.items() if k != "__metadata__")
+    return ",".join(sorted(seen)) or "none"
+
+
+def matmul_rate() -> float | None:
+    """bf16 8192^3 matmul FLOP/s measured on this GPU (mean of 10 after 3 warm-ups)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * 8192**3 * 10 / (time.perf_counter() - t0)
+
+
+def syncs_per_step(output: str, first: int, last: int) -> tuple[float | None, dict[str, int]]:
+    """CUDA sync warnings between the log lines of steps `first` and `last` (disable_tqdm: "step N/M"),
+    per step, and their places (file:line)."""
+    lines = output.splitlines()
+    start = next((i for i, line in enumerate(lines) if re.search(rf"\bstep {first}/\d+", line)), None)
+    end = next((i for i, line in enumerate(lines) if re.search(rf"\bstep {last}/\d+", line)), None)
+    if start is None or end is None:
+        return None, {}
+    places = Counter()
+    for line in lines[start:end]:
+        if SYNC_WARNING in line:
+            m = re.search(r"([\w./-]+\.py:\d+): UserWarning", line)
+            places[m.group(1).split("site-packages/")[-1].split(str(ROOT) + "/")[-1] if m else "?"] += 1
+    return sum(places.values()) / (last - first), dict(places.most_common())
+
+
+def part_mfu(work: Path, run: dict, base_args: list[str], result: dict, budget: Budget, steps: int) -> None:
+    import torch
+
+    rate = matmul_rate()
+    result["matmul_bf16_tflops"] = rate / 1e12 if rate else None
+    site = work / "syncdebug"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    seq, micro = (2048, 4) if torch.cuda.is_available() else (256, 2)
+    variants = {
+        "eager": ["--chunked_loss", "false"],
+        "chunked_loss": ["--chunked_loss", "true"],
+        "compile+chunked_loss": ["--chunked_loss", "true", "--torch_compile", "true"],
+    }
+    every = max(steps // 3, 1)
+    for name, extra in variants.items():
+        if budget.left() < 60:
+            result["mfu"][name] = {"status": "SKIPPED: out of time"}
+            continue
+        args = [
+            *base_args,
+            "--max_seq_length",
+            str(seq),
+            "--per_device_train_batch_size",
+            str(micro),
+            "--max_steps",
+            str(steps),
+            "--logging_steps",
+            str(every),
+            *extra,
+        ]
+        rows, output, error, wall = launch(f"mfu_{name}", "single", work, args, ("--mixed_precision", "bf16"), env)
+        tr = train_rows(rows)[1:]  # the first window holds the warm-up (and the compilation)
+        syncs, places = syncs_per_step(output, every, steps)
+        peak = peak_row(rows)
+        compile_s = re.search(r"torch_compile: the first step took ([\d.]+) s", output)
+        result["mfu"][name] = {
+            "status": error or "ok",
+            "wall_s": round(wall, 1),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in tr) if tr else None,
+            "step_time_s": statistics.median(r["step_time_s"] for r in tr) if tr else None,
+            "mfu_vs_989": statistics.median(r["mfu"] for r in tr if r.get("mfu")) if tr and tr[0].get("mfu") else None,
+            "peak_gpu_allocated_gb": peak.get("train_peak_gpu_allocated_gb"),
+            "estimate_train_peak_gb": peak.get("estimate_train_peak_gb"),
+            "compile_first_step_s": float(compile_s.group(1)) if compile_s else None,
+            "host_syncs_per_step": syncs,
+            "host_sync_places": places,
+            "losses": [r["loss"] for r in train_rows(rows)],
+        }
+        shutil.rmtree(work / "runs" / f"mfu_{name}", ignore_errors=True)
+        m = result["mfu"][name]
+        if m["mfu_vs_989"] and rate:
+            m["mfu_vs_matmul"] = m["mfu_vs_989"] * PEAK_BF16 / rate
+        print(f"[gpu_verify] mfu {name}: {json.dumps({k: v for k, v in m.items() if k != 'losses'})}", flush=True)
+
+
+def part_layouts(
+    names: list[str], work: Path, run: dict, base_args: list[str], result: dict, budget: Budget, steps: int
+) -> None:
+    from safetensors.torch import load_file
+
+    base = parity.base_weights(run["model"]) or {}
+    if "lm_head.weight" not in base and "model.embed_tokens.weight" in base:  # tied: the export writes both
+        base["lm_head.weight"] = base["model.embed_tokens.weight"]
+    ref = REFERENCE.get("single")
+    for name in names:
+        if budget.left() < (150 if name == "zero3_offload" else 60):
+            result["layouts"][name] = {"status": "SKIPPED: out of time"}
+            continue
+        args = [*base_args, "--max_steps", str(steps)]
+        rows, output, error, wall = launch(name, name, work, args, ("--mixed_precision", "bf16"))
+        tr = train_rows(rows)
+        final = work / "runs" / name / "final"
+        o = parity.Outcome(name, not error and bool(tr), losses=[r["loss"] for r in tr])
+        if o.ok and (final / "model.safetensors").exists():
+            o.weights = load_file(str(final / "model.safetensors"))
+        peak = peak_row(rows)
+        entry = {
+            "status": error or ("ok" if tr else "no training rows"),
+            "wall_s": round(wall, 1),
+            "distributed_type": tr[0].get("distributed_type") if tr else None,
+            "compute_dtype": tr[0].get("compute_dtype") if tr else None,
+            "exported_dtype": exported_dtypes(final) if final.exists() else None,
+            "peak_gpu_allocated_gb": peak.get("train_peak_gpu_allocated_gb"),
+            "estimate_train_peak_gb": peak.get("estimate_train_peak_gb"),
+            "step_time_s": statistics.median(r["step_time_s"] for r in tr[1:]) if len(tr) > 1 else None,
+            "losses": o.losses,
+        }
+        if name == "single":
+            ref = REFERENCE["single"] = o
+        elif ref is not None and ref.ok and o.ok:
+            loss, weight, update = parity.compare(ref, o, base)
+            entry.update(max_rel_loss_diff=loss, max_abs_weight_diff=weight, update_rel_l2=update)
+            entry["within_tolerance"] = bool(
+                loss <= BF16_LOSS_RTOL
+                and update is not None
+                and update <= BF16_UPDATE_RTOL
+                and entry["exported_dtype"] == result["layouts"]["single"]["exported_dtype"]
+            )
+        result["layouts"][name] = entry
+        shutil.rmtree(work / "runs" / name, ignore_errors=True)  # a 1B run's checkpoint is 20-26 GB
+        print(
+            f"[gpu_verify] layout {name}: {json.dumps({k: v for k, v in entry.items() if k != 'losses'})}", flush=True
+        )
+
+
+def part_fp16(work: Path, base_args: list[str], result: dict, steps: int) -> None:
+    rows, output, error, wall = launch(
+        "fp16", "single", work, [*base_args, "--max_steps", str(steps)], ("--mixed_precision", "fp16")
+    )
+    tr = train_rows(rows)
+    result["fp16"] = {
+        "status": error or "ok",
+        "compute_dtype": tr[0].get("compute_dtype") if tr else None,
+        "losses": [r["loss"] for r in tr],
+        "skipped_steps": tr[-1].get("skipped_steps") if tr else None,
+        "skip_warnings_in_log": output.count("the fp16 loss scaler skipped the update"),
+    }
+    print(f"[gpu_verify] fp16: {json.dumps(result['fp16'])}", flush=True)
+
+
+def part_qlora(work: Path, run: dict, base_args: list[str], result: dict, steps: int) -> None:
+    import torch
+
+    args = [
+        *base_args,
+        "--max_steps",
+        str(steps),
+        "--learning_rate",
+        "1e-3",
+        "--peft.method",
+        "lora",
+        "--peft.load_in_4bit",
+        "true",
+        "--peft.merge",
+        "true",
+    ]
+    rows, output, error, wall = launch("qlora", "single", work, args, ("--mixed_precision", "bf16"))
+    tr = train_rows(rows)
+    final, merged = work / "runs" / "qlora" / "final", work / "runs" / "qlora" / "merged"
+    q = {
+        "status": error or "ok",
+        "losses": [r["loss"] for r in tr],
+        "adapter_files": sorted(p.name for p in final.glob("*")) if final.exists() else [],
+        "merged_files": sorted(p.name for p in merged.glob("*")) if merged.exists() else [],
+    }
+    result["qlora"] = q
+    if error or not final.exists():
+        print(f"[gpu_verify] qlora: {json.dumps(q)}", flush=True)
+        return
+    # Reload: the adapter onto a fresh 4-bit base, and the merged model; the loss on the same packed text.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    tok = AutoTokenizer.from_pretrained(run["model"])
+    text = [json.loads(line)["text"] for line in open(run["dataset"])][:8]
+    batch = tok(text, return_tensors="pt", padding=True, truncation=True, max_length=512).to("cuda")
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+
+    def loss_of(net) -> float:
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            return float(net(**batch, labels=labels).loss)
+
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    base = AutoModelForCausalLM.from_pretrained(run["model"], quantization_config=bnb, device_map={"": 0})
+    q["reload_base_4bit_loss"] = loss_of(base)
+    q["reload_adapter_4bit_loss"] = loss_of(PeftModel.from_pretrained(base, str(final)))
+    del base
+    if merged.exists():
+        net = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.bfloat16).cuda()
+        q["reload_merged_loss"] = loss_of(net)
+        q["merged_dtype"] = exported_dtypes(merged)
+        del net
+    torch.cuda.empty_cache()
+    print(f"[gpu_verify] qlora: {json.dumps(q)}", flush=True)
+
+
+def versions() -> dict:
+    import accelerate
+    import torch
+    import transformers
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+    out["accelerate"] = accelerate.__version__
+    for mod in ("deepspeed", "peft", "bitsandbytes", "datasets"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            out[mod] = f"missing ({type(e).__name__})"
+    return out
+
+
+def print_table(result: dict) -> None:
+    print(f"\n[gpu_verify] {result['device']}  ({result['model']})")
+    head = f"{'layout (1 GPU, bf16)':<22} {'loss rel diff':>13} {'update L2':>9} {'exported':>9} {'peak GB':>8} {'estimate':>8} {'step s':>7}  status"
+    print(head + "\n" + "-" * len(head))
+    for name, e in result["layouts"].items():
+        f = lambda k, fmt, e=e: format(e[k], fmt) if e.get(k) is not None else "-"  # noqa: E731
+        print(
+            f"{name:<22} {f('max_rel_loss_diff', '.2e'):>13} {f('update_rel_l2', '.3f'):>9} {e.get('exported_dtype') or '-':>9} "
+            f"{f('peak_gpu_allocated_gb', '.1f'):>8} {f('estimate_train_peak_gb', '.1f'):>8} {f('step_time_s', '.3f'):>7}  {e['status']}"
+        )
+    head = f"{'MFU (1 GPU, bf16, packed)':<22} {'tokens/s':>9} {'MFU/989':>8} {'MFU/matmul':>10} {'peak GB':>8} {'syncs/step':>10}  status"
+    print("\n" + head + "\n" + "-" * len(head))
+    for name, m in result["mfu"].items():
+        g = lambda k, fmt, m=m: format(m[k], fmt) if m.get(k) is not None else "-"  # noqa: E731
+        print(
+            f"{name:<22} {g('tokens_per_s', '.0f'):>9} {g('mfu_vs_989', '.1%'):>8} {g('mfu_vs_matmul', '.1%'):>10} "
+            f"{g('peak_gpu_allocated_gb', '.1f'):>8} {g('host_syncs_per_step', '.1f'):>10}  {m['status']}"
+        )
+    for part in ("fp16", "qlora"):
+        if part in result:
+            print(f"\n{part}: {json.dumps(result[part])}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--work", default="outputs/gpu_verify")
-    parser.add_argument(
-        "--loss_rtol", type=float, default=1e-3, help="GPU kernels differ by layout; default %(default)s"
-    )
-    parser.add_argument("--weight_atol", type=float, default=1e-4)
-    parser.add_argument("--timeout", type=int, default=1200)
-    parser.add_argument("--skip_parity", action="store_true", help="do not run `finetune parity` afterwards")
+    parser.add_argument("--size", choices=sorted(SIZES), default="1b")
+    parser.add_argument("--parts", default="mfu,layouts,fp16,qlora")
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per layout run")
+    parser.add_argument("--mfu_steps", type=int, default=12)
+    parser.add_argument("--budget_s", type=float, default=470, help="parts not started by then are skipped")
+    parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "gpu_verify"))
+    parser.add_argument("--results", default=str(ROOT / "bench" / "results" / "gpu.json"))
     args = parser.parse_args()
+    global BUDGET
+    budget = BUDGET = Budget(args.budget_s)
 
     import torch
 
-    gpus = torch.cuda.device_count()
-    if gpus < 2:
-        print(f"gpu_verify: needs at least 2 CUDA GPUs, found {gpus}", file=sys.stderr)
-        return 2
-    work = Path(args.work).resolve()
+    work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    run = build(work)
-    args.config = str(run)
-    model = json.loads(run.read_text())["model"]
-    skip_megatron = megatron_skip_reason(model)
-    if skip_megatron:
-        print(
-            f"[gpu_verify] Megatron rows skipped: {skip_megatron}. To convert (Megatron-LM checkout at $MLM):\n"
-            f"  python $MLM/tools/checkpoint/convert.py --model-type GPT --loader llama_mistral --saver mcore "
-            f"--checkpoint-type hf --model-size llama3 --load-dir {model} --save-dir {model}/megatron "
-            f"--tokenizer-model {model} --target-tensor-parallel-size 2 --target-pipeline-parallel-size 1",
-            flush=True,
-        )
-    rows = []
-    for row in ROWS:
-        if row.gpus > gpus:
-            row.status = f"SKIPPED: needs {row.gpus} GPUs, found {gpus}"
-        elif row.config.startswith("megatron") and skip_megatron:
-            row.status = f"SKIPPED: {skip_megatron}"
-        else:
-            print(f"[gpu_verify] {row.name}: {row.gpus} GPUs, micro {row.micro} x GA {row.ga} ...", flush=True)
-            row = train(row, args, work)
-        rows.append(row)
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.processor()})"
+    result = {
+        "command": " ".join(sys.argv),
+        "device": device,
+        "versions": versions(),
+        "model": f"Llama {args.size} from config",
+        "layouts": {},
+        "mfu": {},
+    }
 
-    ref = rows[0]
-    head = (
-        f"{'config':<18} {'distributed':<12} {'world':>5} {'micro x GA':>10} {'max rel loss diff':>17} "
-        f"{'max abs weight diff':>19} {'step s':>7}  status"
-    )
-    print("\n" + head + "\n" + "-" * len(head))
-    failed = False
-    for row in rows:
-        o = row.outcome if row.outcome and row.outcome.ok else parity.Outcome(row.name, False)
-        ok_ref = ref.outcome if ref.outcome and ref.outcome.ok else None
-        loss, weight = parity.compare(ok_ref, o) if ok_ref and o.ok else (float("nan"), None)
-        bad = not row.status.startswith("SKIPPED") and (
-            row.status != "ok" or not loss <= args.loss_rtol or (weight is not None and weight > args.weight_atol)
-        )
-        failed |= bad
-        weight_text = f"{weight:.2e}" if weight is not None else "n/a"
-        print(
-            f"{row.name:<18} {o.distributed_type:<12} {o.world_size:>5} {f'{row.micro} x {row.ga}':>10} "
-            f"{loss:>17.2e} {weight_text:>19} {o.step_time_s:>7.3f}  {row.status}{'  <-- FAIL' if bad else ''}"
-        )
-    print(
-        f"\nreference: ddp; tolerances: loss {args.loss_rtol:g} relative, weights {args.weight_atol:g} absolute; "
-        f"global batch 8 rows everywhere; logs under {work}"
-    )
-    if not args.skip_parity:
-        print("\n[gpu_verify] finetune parity over single, ddp, zero2, zero3:", flush=True)
-        code = subprocess.call(
-            [
-                sys.executable,
-                "-m",
-                "finetune",
-                "parity",
-                "--config",
-                str(run),
-                "--steps",
-                str(args.steps),
-                "--configs",
-                "single,ddp,zero2,zero3",
-                "--output_dir",
-                str(work / "parity"),
-            ],
-            cwd=ROOT,
-        )
-        failed |= code != 0
-    return 1 if failed else 0
+    def save() -> None:
+        Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.results).write_text(json.dumps(result, indent=1, default=str))
+
+    t0 = time.perf_counter()
+    run = build(work, args.size)
+    result["build_s"] = round(time.perf_counter() - t0, 1)
+    save()
+    base_args = ["--config", str(work / "run.yaml")]
+    parts = args.parts.split(",")
+    cuda = torch.cuda.is_available()
+    steps = [  # (part, runs it, needs seconds left)
+        ("layouts", lambda: part_layouts(LAYOUTS[:-1], work, run, base_args, result, budget, args.steps), 0),
+        ("mfu", lambda: part_mfu(work, run, base_args, result, budget, args.mfu_steps), 0),
+        ("fp16", lambda: part_fp16(work, base_args, result, 8), 40 if cuda else None),
+        ("qlora", lambda: part_qlora(work, run, base_args, result, 10), 60 if cuda else None),
+        # zero3_offload last: DeepSpeed compiles its CPU Adam on first use (a minute or two)
+        ("layouts", lambda: part_layouts(LAYOUTS[-1:], work, run, base_args, result, budget, args.steps), 0),
+    ]
+    for part, fn, needs in steps:
+        if part not in parts or needs is None or budget.left() < needs:
+            continue
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - one part's failure is a finding; the others still run
+            import traceback
+
+            traceback.print_exc()
+            result.setdefault("errors", {})[part] = f"{type(e).__name__}: {e}"
+        save()
+    print_table(result)
+    return 0
 
 
 if __name__ == "__main__":

@@ -326,8 +326,12 @@ class _Health:
 
     def check(self, output_dir: str) -> None:
         unread, self.unread = self.unread, []
-        for step, norm in unread:
-            self._check_one(step, float(norm), output_dir)
+        if not unread:
+            return
+        norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for _, n in unread]  # FSDP2's is a DTensor
+        values = torch.stack([torch.as_tensor(n, dtype=torch.float32) for n in norms]).tolist()  # one host sync
+        for (step, _), value in zip(unread, values, strict=True):
+            self._check_one(step, value, output_dir)
 
     def _check_one(self, step: int, value: float, output_dir: str) -> None:
         if not math.isfinite(value):

@@ -190,6 +190,10 @@ def build_model(cfg: RunConfig, backend, tokenizer, ds: data.Datasets, resume: c
     model_args = cfg.model
     if resume and resume.portable and not peft_on:  # through from_pretrained: every backend's loading path
         model_args = dataclasses.replace(cfg.model, model=resume.model_dir())
+    blocker = backend.chunked_loss_blocker()
+    if blocker and model_args.chunked_loss == "auto":
+        logger.info("chunked loss off (chunked_loss auto): %s", blocker)
+        model_args = dataclasses.replace(model_args, chunked_loss="false")
     set_seed(cfg.train.seed)  # same initial weights (e.g. a new classifier head) on every layout
     net = model.build_model(
         model_args,

@@ -231,3 +231,28 @@ def test_refused_under_megatron(tmp_path):
     problems: list = []
     _model_option_problems(problems, build_config({**values, "chunked_loss": "true"}, check_filesystem=False))
     assert [key for key, _ in problems] == ["chunked_loss", "torch_compile"]
+
+
+def test_fsdp2_before_torch_2_13_keeps_it_off(monkeypatch, tmp_path):
+    """Seen on an H100 with torch 2.11 (bench/gpu_verify.py): FSDP2 with the chunked loss failed its first step, the
+    head run on its sharded weight in backward's recomputation. Before 2.13, auto is off (run.build_model) and true
+    is refused before any model loads, with the reason and the fix; from 2.13, whose FSDP2 runs above prove it, it
+    runs. The version is the gate because the failure is torch's, fixed in its FSDP2."""
+    import torch
+
+    from finetune.parallel import fsdp
+
+    assert fsdp.chunked_loss_blocker("2.13.0") is None and fsdp.chunked_loss_blocker("2.14.1+cu130") is None
+    assert "torch 2.11.0+cu130 (before 2.13)" in fsdp.chunked_loss_blocker("2.11.0+cu130")
+    assert "2.12.1" in fsdp.chunked_loss_blocker("2.12.1")  # unproven there
+    values = {"model": "(config given)", "dataset": "d.jsonl", "output_dir": str(tmp_path)}
+    for setting in ("true", "auto"):
+        cfg = build_config({**values, "chunked_loss": setting}, check_filesystem=False)
+        assert not [k for k, _ in fsdp.problems(cfg) if k == "chunked_loss"]  # this suite's torch
+        monkeypatch.setattr(torch, "__version__", "2.11.0")
+        refused = [why for k, why in fsdp.problems(cfg) if k == "chunked_loss"]
+        monkeypatch.undo()
+        if setting == "true":
+            assert len(refused) == 1 and "upgrade torch to 2.13 or newer, or set chunked_loss: auto" in refused[0]
+        else:
+            assert not refused  # auto: off at load, logged

@@ -82,6 +82,11 @@ class Backend:
     def reentrant_checkpointing(self, peft_on: bool) -> bool:
         return False
 
+    def chunked_loss_blocker(self) -> str | None:
+        """Why this layout cannot run the chunked loss (chunked_loss auto is then off; true is refused earlier,
+        in problems()); None when it can."""
+        return None
+
     def numel(self, p: torch.nn.Parameter) -> int:
         return p.numel()
 

@@ -46,7 +46,7 @@ def make_accelerator(cfg: RunConfig):
     """
     import os
 
-    from accelerate import Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs
+    from accelerate import Accelerator, DistributedDataParallelKwargs
     from accelerate.utils import GradientAccumulationPlugin, ProjectConfiguration
 
     family = family_module()
@@ -68,13 +68,7 @@ def make_accelerator(cfg: RunConfig):
                 gradient_accumulation_plugin=GradientAccumulationPlugin(
                     num_steps=t.gradient_accumulation_steps, sync_with_dataloader=False
                 ),
-                # Our sampler is already identical on every rank; accelerate only shards its batches. A stream
-                # (data.StreamedRows) is read by every rank, which keeps its own micro batches (IterableDatasetShard),
-                # instead of accelerate's default for iterables: rank 0 reads and sends batches, which must then all
-                # have one width.
-                dataloader_config=DataLoaderConfiguration(
-                    use_seedable_sampler=False, even_batches=True, dispatch_batches=False
-                ),
+                dataloader_config=loader_config(),
                 kwargs_handlers=handlers,
                 # torch_compile: accelerate compiles each repeated block at prepare (compile_regions, its FSDP2 and
                 # DeepSpeed variants), after FSDP2's sharding and activation checkpointing.
@@ -92,6 +86,25 @@ def make_accelerator(cfg: RunConfig):
             fix = "set report_to to some of those names, or [] for metrics.jsonl only"
             raise ConfigError([("report_to", f"{first}; {fix}")]) from None
         raise
+
+
+def loader_config():
+    """How accelerate serves the loaders' batches. Our sampler is already identical on every rank; accelerate only
+    shards its batches. A stream (data.StreamedRows) is read by every rank, which keeps its own micro batches
+    (IterableDatasetShard), instead of accelerate's default for iterables: rank 0 reads and sends batches, which
+    must then all have one width. On a GPU the loaders pin their batches (run.py) and the copies to the device leave
+    the host running (non_blocking): a blocking copy made the host wait once per tensor, 5 times a step on an H100
+    (bench/README.md, one GPU)."""
+    from accelerate import DataLoaderConfiguration
+
+    from finetune.parallel import base
+
+    return DataLoaderConfiguration(
+        use_seedable_sampler=False,
+        even_batches=True,
+        dispatch_batches=False,
+        non_blocking=base.has_accelerator_device(),
+    )
 
 
 def process_group_kwargs(train):

@@ -62,6 +62,9 @@ def problems(cfg: RunConfig) -> list[tuple[str, str]]:
                 "parallelism_config sizes (for one process: accelerate_configs/fsdp2.yaml or fsdp2_offload.yaml)",
             )
         )
+    blocker = chunked_loss_blocker()
+    if cfg.model.chunked_loss == "true" and blocker:
+        p.append(("chunked_loss", f"is true, but {blocker}: upgrade torch to 2.13 or newer, or set chunked_loss: auto"))
     if cfg.model.task == "seq2seq":
         p.append(
             (
@@ -74,6 +77,25 @@ def problems(cfg: RunConfig) -> list[tuple[str, str]]:
             )
         )
     return p
+
+
+def chunked_loss_blocker(torch_version: str | None = None) -> str | None:
+    """Why FSDP2 cannot run the chunked loss with this torch (None: it can). Before 2.13, FSDP2 skips the unshard
+    when backward recomputes a checkpointed module and, its unit resharded by the previous chunk's backward, the
+    head ran on its sharded weight: `aten.mm.default got mixed torch.Tensor and DTensor` on the first step of every
+    such run (seen on an H100, torch 2.11, accelerate 1.15, bench/gpu_verify.py). torch 2.13 unshards there
+    ("params might have been resharded by a previous post_backward"), which tests/test_chunked_loss.py's FSDP2 runs
+    prove; 2.12 is unproven and counted with the older ones."""
+    import torch
+    from packaging.version import Version
+
+    version = Version(torch_version or torch.__version__)
+    if version.release >= (2, 13):
+        return None
+    return (
+        f"FSDP2 in torch {version} (before 2.13) reshards the LM head between the chunks' recomputations in backward "
+        "and the step fails (mixed torch.Tensor and DTensor)"
+    )
 
 
 def accelerator_kwargs(cfg: RunConfig) -> dict:
@@ -138,6 +160,9 @@ class Backend(ddp.Backend):
 
     def fp32_master_weights(self) -> bool:
         return self.mixed_precision in ("bf16", "fp16")  # its 16-bit compute copy is made from fp32 masters
+
+    def chunked_loss_blocker(self) -> str | None:
+        return chunked_loss_blocker()
 
     def keep_checkpoints_per_machine(self) -> None:
         raise base.no_checkpoints_per_machine(
