@@ -256,3 +256,33 @@ def test_fsdp2_before_torch_2_13_keeps_it_off(monkeypatch, tmp_path):
             assert len(refused) == 1 and "upgrade torch to 2.13 or newer, or set chunked_loss: auto" in refused[0]
         else:
             assert not refused  # auto: off at load, logged
+
+
+def test_a_layout_that_cannot_run_it_leaves_auto_off(assets, tmp_path, monkeypatch, caplog):
+    """run.build_model asks the backend (chunked_loss_blocker): with a reason, auto is off and logged; without, on."""
+    import types
+
+    from finetune import model, run
+    from finetune.parallel import ddp
+
+    monkeypatch.setattr(chunked_loss, "AUTO_MIN_VOCAB", 1)  # auto on for the tiny Llama
+    monkeypatch.setattr(chunked_loss, "AUTO_MAX_COST", 1.0)
+    cfg = build_config({"model": assets.llama, "dataset": assets.instruction, "output_dir": str(tmp_path)})
+    assert cfg.model.chunked_loss == "auto"
+
+    class Backend(ddp.Backend):
+        def __init__(self, blocker):
+            self.cfg, self.mixed_precision, self.blocker = cfg, "no", blocker
+
+        def chunked_loss_blocker(self):
+            return self.blocker
+
+    tokenizer = model.load_tokenizer(cfg.model)
+    installed = {}
+    for blocker in (None, "a reason"):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="finetune"):
+            net, _ = run.build_model(cfg, Backend(blocker), tokenizer, types.SimpleNamespace(label_names=None), None)
+        installed[blocker] = "forward" in vars(net)  # chunked_loss.install replaces the instance's forward
+        assert ("chunked loss off (chunked_loss auto): a reason" in caplog.text) == bool(blocker), caplog.text
+    assert installed == {None: True, "a reason": False}
