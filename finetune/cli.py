@@ -77,6 +77,9 @@ def run_cli(argv: list[str] | None = None) -> int:
 def _stopping(e: BaseException, rank: str, cfg) -> int | None:
     """Say why the run stops and return its exit code; None for a crash (its traceback is shown) and for
     SystemExit (--help)."""
+    if isinstance(e, Stopped) or STOP.stopped:  # a stop signal, whatever error it was turned into on the way
+        _tell(_stopped_message(rank, cfg))
+        return 143
     if isinstance(e, ConfigError):
         _stop_with(e.render())
         return 2
@@ -93,9 +96,6 @@ def _stopping(e: BaseException, rank: str, cfg) -> int | None:
     if isinstance(e, KeyboardInterrupt):
         _tell("finetune: interrupted")
         return 130
-    if isinstance(e, Stopped):
-        _tell(_stopped_message(rank, cfg))
-        return 143
     if not isinstance(e, Exception):
         return None
     from finetune.parallel import is_peer_failure

@@ -34,6 +34,10 @@ class StopRequest:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.armed = False
+        # Stopped was raised in this process. What reaches run_cli may be another error made of it: Python 3.11
+        # wraps an exception raised in a class body's __set_name__ (the signal landing while a module imports) in
+        # a RuntimeError, which an `except Exception` around reading the data took for a damaged file.
+        self.stopped = False
 
     def install(self, *names: str) -> None:
         for name in {"SIGTERM", *names}:
@@ -41,6 +45,7 @@ class StopRequest:
 
     def _handle(self, signum, frame) -> None:
         if not self.armed:
+            self.stopped = True
             raise Stopped()
         self.signum = signum
 

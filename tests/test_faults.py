@@ -609,6 +609,33 @@ def test_a_ranks_message_reaches_stderr_in_one_write(monkeypatch):
     assert writes == [message + "\n"]
 
 
+def test_stop_signal_wrapped_by_python_and_taken_for_bad_input_still_stops(tmp_path):
+    """The launcher's SIGTERM landing while a module imports, in a class body's __set_name__ (seen: rank 1 of a
+    refused launch importing scipy inside datasets.load_dataset): Python 3.11 wraps Stopped in a RuntimeError
+    ("Error calling __set_name__"), an `except Exception` around the data loading took that for a damaged file,
+    and the rank reported "could not read ... as json". The rank must stop with its one line and exit 143."""
+    proc, shown = run_cli_script(
+        tmp_path / "stop_in_set_name.py",
+        "import os, signal, sys, time\n"
+        "import finetune.cli as cli\n"
+        "from finetune.config import ConfigError\n"
+        "class Landing:\n"
+        "    def __set_name__(self, owner, name):\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        for _ in range(100): time.sleep(0.001)  # the handler runs here, inside __set_name__\n"
+        "def parse(argv):\n"
+        "    try:\n"
+        "        type('Imported', (), {'field': Landing()})\n"
+        "    except Exception as e:  # as finetune.data._load reads a file\n"
+        "        raise ConfigError([('dataset', f'could not read it as json: {e}')]) from None\n"
+        "    raise SystemExit(0)\n"
+        "cli.parse = parse\n",
+    )
+    assert proc.returncode == 143, shown
+    assert "could not read" not in proc.stderr + proc.stdout and "Traceback" not in proc.stderr, shown
+    assert proc.stderr.strip().splitlines()[-1].startswith("finetune rank 0: stopped by the launcher"), shown
+
+
 def test_stop_signal_inside_a_callback_still_stops(tmp_path):
     """The launcher's SIGTERM landing while the main thread runs a weakref callback (seen once in the import
     system's module-lock callback): Stopped cannot be raised out of it, and Python would only print "Exception
