@@ -112,6 +112,7 @@ def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: i
             if run.objective is None:
                 loss = backend.forward_loss(run.model, batch)  # Megatron-LM: the whole step runs in here
             else:  # preference pairs: the method's loss from the answers' log-probs (finetune.preference)
+                batch = run.objective.with_reference(batch)
                 loss = run.objective.loss(backend.forward_logits(run.model, _inputs(batch)), batch)
             acc.backward(loss * (n * scale))  # Megatron-LM: returns at once (the step already ran)
             if acc.sync_gradients:  # true on the last micro batch only
@@ -140,6 +141,7 @@ def evaluate(run: Run) -> dict[str, float]:
         batch.pop("num_supervised"), batch.pop("num_tokens"), batch.pop("num_positions")
         source = batch.pop("source", None)  # a mixture's eval rows: which source each comes from
         if run.objective is not None:
+            batch = run.objective.with_reference(batch)
             stats = run.objective.per_pair(backend.forward_logits(run.model, _inputs(batch)), batch)
         else:
             labels = batch.pop("labels")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -100,14 +101,22 @@ class Objective:
     beta: float
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
+    live: Callable[[dict], torch.Tensor] | None = None  # reference: live (live_reference); else the collators' table
     window: dict = field(default_factory=dict)  # sums since the last log row
 
     @classmethod
-    def of(cls, t) -> Objective | None:
+    def of(cls, t, live: Callable[[dict], torch.Tensor] | None = None) -> Objective | None:
         """None for sft (the loop then takes the model's own loss)."""
         if t.method == "sft":
             return None
-        return cls(t.method, t.beta, t.label_smoothing, t.simpo_gamma)
+        return cls(t.method, t.beta, t.label_smoothing, t.simpo_gamma, live if t.method in REFERENCE_METHODS else None)
+
+    def with_reference(self, batch: dict) -> dict:
+        """The batch, with its pairs' reference log-probs where they are computed live (before the policy's forward:
+        ZeRO-3 gathers each layer's weights in the order the training forward and backward use them)."""
+        if self.live is not None:
+            batch["ref_logps"] = self.live(batch)
+        return batch
 
     @property
     def needs_reference(self) -> bool:
@@ -172,7 +181,29 @@ def _named(sums: dict[str, float]) -> dict[str, float]:
     }
 
 
-# ---------------------------------------------------------------- the reference: the starting model, once
+# ---------------------------------------------------------------- the reference: the starting model
+
+
+def live_reference(backend, model) -> Callable[[dict], torch.Tensor]:
+    """reference: live. A batch's (B, 2) reference log-probs from the policy itself with its adapter disabled: the
+    base model, which is where the adapter started (LoRA's B and DoRA's update start at zero), through the
+    prepared model (sharded as training shards it), in eval mode (no dropout) and without gradients."""
+    adapted = backend.hf_model(model)  # the PeftModel inside whatever wrapper the backend made
+
+    @torch.no_grad()
+    def logps(batch: dict) -> torch.Tensor:
+        was_training = model.training
+        model.eval()
+        try:
+            with adapted.disable_adapter():
+                logits = backend.forward_logits(model, {k: batch[k] for k in INPUTS})
+        finally:
+            model.train(was_training)
+        sums, _ = sequence_logps(logits, batch["labels"])
+        b = sums.shape[0] // 2
+        return torch.stack([sums[:b], sums[b:]], dim=1)
+
+    return logps
 
 
 @torch.no_grad()

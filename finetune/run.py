@@ -295,6 +295,9 @@ def with_references(cfg: RunConfig, acc, backend, p: Prepared, ds: data.Datasets
     objective = preference.Objective.of(cfg.train)
     if objective is None or not objective.needs_reference:
         return
+    if cfg.train.reference == "live":
+        logger.info("reference log-probs: live, the base model with the adapter disabled, in each micro batch")
+        return
     fingerprint = f"{ds.train._fingerprint}/{ds.eval._fingerprint if ds.eval is not None else ''}/{cfg.model.model}"
     tables = preference.load_or_compute_references(
         acc, backend, p.model, ds, data.Collator(tokenizer.pad_token_id), cfg.train.per_device_eval_batch_size,
@@ -389,7 +392,9 @@ def build_loop(
         best=best.BestRule.of(t),
         generation=generation,
         precision=metrics.PrecisionProbe(backend.hf_model(p.model)),
-        objective=preference.Objective.of(t),
+        objective=preference.Objective.of(
+            t, preference.live_reference(backend, p.model) if t.reference == "live" else None
+        ),
         compiled=cfg.model.torch_compile,
     )
 

@@ -162,12 +162,13 @@ def _references_of_the_start(model_dir, tokenizer, ds) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "method, peft, layouts",
-    [("dpo", "none", ["zero3", "fsdp2"]), ("orpo", "none", ["ddp"]), ("dpo", "lora", ["zero3"])],
+    [("dpo", "none", ["zero3", "fsdp2"]), ("orpo", "none", ["ddp"]), ("dpo", "lora", ["zero3", "zero3+live"])],
 )
 def test_every_layout_equals_one_process_with_accumulation(assets, tmp_path, method, peft, layouts):
     """2 ranks x GA 1 under each layout against 1 process x GA 2: losses, rewards, eval and exported weights (LoRA:
     the adapter) within 1e-5; dpo's reference log-probs, computed by the prepared model under each layout, equal the
-    starting model's own, pair by pair (LoRA: the base model's)."""
+    starting model's own, pair by pair (LoRA: the base model's). +live: `reference: live`, the base with the
+    adapter disabled in each micro batch, against the one process's precomputed references."""
     data = pairs(tmp_path / "pairs.jsonl")
     args = base_args(
         assets.llama, data, "--method", method, "--max_steps", "4", "--per_device_train_batch_size", "2",
@@ -176,7 +177,11 @@ def test_every_layout_equals_one_process_with_accumulation(assets, tmp_path, met
     weights = "adapter_model.safetensors" if peft != "none" else "model.safetensors"
     one = finetune(tmp_path / "one", *args, "--gradient_accumulation_steps", "2", launcher="single")
     assert len(one.losses()) == 4 and one.eval_rows
-    runs = [finetune(tmp_path / layout, *args, launcher=layout) for layout in layouts]
+    runs = [
+        finetune(tmp_path / layout, *args, *(["--reference", "live"] if "+live" in layout else []),
+                 launcher=layout.removesuffix("+live"))
+        for layout in layouts
+    ]  # fmt: skip
     for layout, two in zip(layouts, runs):
         assert max_rel_diff(one.losses(), two.losses()) <= 1e-5, layout
         for key in ("rewards_chosen", "reward_accuracy", "logps_rejected"):
@@ -193,7 +198,11 @@ def test_every_layout_equals_one_process_with_accumulation(assets, tmp_path, met
                         42, contextlib.nullcontext)  # fmt: skip
     want = _references_of_the_start(assets.llama, assets.tokenizer, ds.train)
     assert want.shape == (len(ds.train), 2)
-    for run in (one, *runs):
+    for layout, run in zip(["single", *layouts], (one, *runs)):
+        if "+live" in layout:
+            assert "reference log-probs: live" in run.output
+            assert not (run.output_dir / "reference_logps.pt").exists()
+            continue
         saved = torch.load(run.output_dir / "reference_logps.pt", weights_only=True)["train"]
         assert saved.shape == want.shape and (saved - want).abs().max() <= 1e-6 * want.abs().max()
 
@@ -255,3 +264,18 @@ def test_a_mixture_of_preference_sources_trains_with_one_reference_row_per_pair(
     r = finetune(tmp_path / "run", "--config", str(config), *more, launcher="python")
     assert len(r.losses()) == 3 and r.losses()[0] == pytest.approx(math.log(2), abs=1e-5)
     assert r.eval_rows and "eval_reward_accuracy" in r.eval_rows[-1]
+
+
+def test_a_live_reference_needs_an_adapter_and_a_method_that_compares(tmp_path):
+    from finetune.config import build_config
+
+    values = {"model": "m", "dataset": "d.jsonl", "output_dir": str(tmp_path), "method": "dpo", "reference": "live"}
+    for more, key, says in (
+        ({}, "reference", "live needs an adapter (peft.method: lora or dora)"),
+        ({"method": "orpo", "peft": {"method": "lora"}}, "reference", "orpo compares with no reference model"),
+        ({"reference": "online"}, "reference", "'online'"),
+    ):
+        with pytest.raises(ConfigError) as refused:
+            build_config({**values, **more}, check_filesystem=False)
+        assert any(k == key and says in why for k, why in refused.value.problems), refused.value.problems
+    assert build_config({**values, "peft": {"method": "lora"}}, check_filesystem=False).train.reference == "live"

@@ -18,6 +18,8 @@ from finetune.config.schema import (
     NO_EVAL_DATA,
     PEFT_METHODS,
     PREEMPTION_SIGNALS,
+    REFERENCE_METHODS,
+    REFERENCES,
     SCHEDULERS,
     SWITCHES,
     TASKS,
@@ -139,6 +141,13 @@ def preference_problems(cfg: RunConfig) -> list[tuple[str, str]]:
         p.append(("label_smoothing", f"must be in [0, 0.5), got {t.label_smoothing}"))
     if t.label_smoothing and t.method not in ("dpo", "simpo"):
         p.append(("label_smoothing", f"applies to dpo and simpo, not {t.method}; set it to 0"))
+    choice(p, "reference", t.reference, REFERENCES)
+    if t.reference == "live" and t.method not in REFERENCE_METHODS:
+        p.append(("reference", f"is live, but {t.method} compares with no reference model; leave reference out"))
+    elif t.reference == "live" and cfg.peft.method == "none":
+        p.append(("reference", "live needs an adapter (peft.method: lora or dora), whose reference is its base with "
+                               "the adapter disabled; a full fine-tune's would be a second, frozen copy of the model, "
+                               "which the precomputed log-probs avoid: set reference: precomputed"))  # fmt: skip
     return p
 
 

@@ -26,6 +26,7 @@ TASKS = ("causal_lm", "classification", "seq2seq")
 FORMATS = ("auto", "text", "instruction", "chat", "classification", "source_target", "preference")
 METHODS = ("sft", "dpo", "ipo", "orpo", "simpo")  # sft: the formats above; the others: preference pairs
 REFERENCE_METHODS = ("dpo", "ipo")  # compared with a reference model (ORPO and SimPO need none)
+REFERENCES = ("precomputed", "live")  # where dpo/ipo's reference log-probs come from (TrainArgs.reference)
 
 
 GENERATION_METRICS = ("exact_match", "rouge", "bleu")  # scored on generated text (generation_metrics)
@@ -290,7 +291,7 @@ class TrainArgs:
         "sft",
         f"One of {', '.join(METHODS)}. sft: supervised fine-tuning on text, instruction or chat data. dpo, ipo, "
         "orpo, simpo: preference tuning on {prompt, chosen, rejected} pairs (format preference; docs/preference.md); "
-        "dpo and ipo compare with the starting model's log-probs, computed once before training.",
+        "dpo and ipo compare with the starting model's log-probs (see reference).",
     )
     beta: float = _f(
         0.1, "Preference methods: dpo/ipo/simpo: the strength of the preference (dpo's beta, ipo's tau); orpo: lambda."
@@ -299,6 +300,13 @@ class TrainArgs:
         0.0, "dpo and simpo: the assumed rate of wrongly labelled pairs (robust DPO), in [0, 0.5)."
     )
     simpo_gamma: float = _f(0.5, "simpo: the target reward margin gamma.")
+    reference: str = _f(
+        "precomputed",
+        "dpo/ipo: where the reference log-probs come from. precomputed: the starting model's, computed once before "
+        "training by the prepared model and kept in output_dir/reference_logps.pt (training holds one model). live: "
+        "with an adapter (peft.method lora or dora), the policy's own base model with the adapter disabled, one more "
+        "forward per micro batch without gradients (no second copy, no file). docs/preference.md.",
+    )
     max_steps: int = _f(-1, "Optimizer steps to run; -1 uses num_train_epochs.")
     num_train_epochs: float = _f(1.0, "Epochs to run when max_steps is -1.")
     per_device_train_batch_size: int = _f(8, "Micro batch per process.")
