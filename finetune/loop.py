@@ -172,6 +172,7 @@ class _Window:
     def __init__(self) -> None:
         self.nll, self.count, self.tokens, self.positions, self.steps = 0.0, 0.0, 0, 0, 0
         self.t0 = time.perf_counter()
+        self.data_wait = 0.0  # seconds this rank's steps waited for their batches
 
     def add(self, nll, count, tokens: int, positions: int) -> None:
         self.nll, self.count = self.nll + nll, self.count + count
@@ -266,6 +267,7 @@ def _optimizer_step(run: Run, state: TrainState, p: _Progress, batches, epoch: i
     fault_point("hang-before-step", state.step + 1)
     started = time.perf_counter()
     micro = [next(batches) for _ in range(run.plan.gradient_accumulation_steps)]
+    p.win.data_wait += time.perf_counter() - started
     p.stop.post()  # this rank's stop request, agreed on while the step runs
     nll, count, tokens, positions, grad_norm, skipped = train_step(run, micro, epoch, step_in_epoch)
     state.step += 1
@@ -388,6 +390,7 @@ def _log_train(run: Run, state: TrainState, win: _Window, grad_norm, bar) -> Non
         "tokens_per_s": tokens.item() / seconds,
         "padding_fraction": 1 - tokens.item() / positions.item(),  # of the token positions computed
         "step_time_s": seconds / win.steps,
+        "data_wait_s": win.data_wait / win.steps,  # of step_time_s, waiting for the batch (this process's)
         "mfu": run.flops_per_token * tokens.item() / seconds / run.peak_flops if run.peak_flops else None,
         "epoch": None if run.plan.streamed else state.step / run.plan.steps_per_epoch,  # a stream's is unknown
         "skipped_steps": state.skipped_steps,

@@ -268,11 +268,11 @@ def build_optimization(cfg: RunConfig, acc, backend, net, ds: data.Datasets, pla
     else:
         batches = {"batch_size": plan.loader_batch_size, "sampler": sampler, "drop_last": True}
     gpu = acc.device.type == "cuda"
+    workers = (2 if gpu and not ds.streamed else 0) if t.dataloader_num_workers is None else t.dataloader_num_workers
     loading = {
-        "num_workers": (2 if gpu and not ds.streamed else 0)
-        if t.dataloader_num_workers is None
-        else t.dataloader_num_workers,
+        "num_workers": workers,
         "pin_memory": gpu,  # host-to-device copies from pinned memory
+        "persistent_workers": workers > 0,  # the same workers every epoch and every evaluation: no restart cost
     }
     generator = torch.Generator().manual_seed(t.seed)
     train_loader = torch.utils.data.DataLoader(

@@ -127,7 +127,8 @@ def test_resume_equals_uninterrupted(assets, tmp_path):
 
 
 def test_resume_across_epoch_boundary_under_ddp(assets, tmp_path):
-    """Resume in the middle of epoch 2 under DDP: the data position (epoch, batch) is exact."""
+    """Resume in the middle of epoch 1 of 3 under DDP: the data position (epoch, batch) is exact, also across the
+    two epoch boundaries after it, which the resumed run reads in worker processes kept from epoch to epoch."""
     args = base_args(
         assets.llama,
         assets.instruction,
@@ -144,9 +145,15 @@ def test_resume_across_epoch_boundary_under_ddp(assets, tmp_path):
     assert len(straight.losses()) == 18  # 48 rows / (4 x 2 ranks) = 6 steps per epoch
     part = tmp_path / "part"
     shutil.copytree(straight.output_dir, part)
-    crash_after(part, 8)
-    resumed = finetune(part, *args, "--resume_from_checkpoint", "latest", launcher="ddp")
+    crash_after(part, 4)
+    # The resume reads its batches in 2 worker processes per rank, the same ones for epochs 2 and 3
+    # (persistent_workers): the same data in the same order as the straight run's main-process loading.
+    resumed = finetune(
+        part, *args, "--resume_from_checkpoint", "latest", "--dataloader_num_workers", "2", launcher="ddp"
+    )
     assert max_rel_diff(resumed.losses(), straight.losses()) <= 1e-6
+    rows = [r for run in (straight, resumed) for r in run.train_rows]
+    assert rows and all(0 <= r["data_wait_s"] < r["step_time_s"] for r in rows), rows  # part of the step's time
 
 
 def test_final_model_reloads_and_reproduces_eval_loss(assets, tmp_path):

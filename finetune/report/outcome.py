@@ -12,7 +12,7 @@ def outcome(rows: list[dict[str, Any]]) -> dict[str, Any]:
     evals = [r for r in rows if "eval_loss" in r]
     seconds = tokens = busy = 0.0
     previous = 0
-    mfu_time = 0.0
+    mfu_time = waited = 0.0
     for r in train:
         window = r["tokens_seen"] - previous
         previous = r["tokens_seen"]
@@ -23,6 +23,8 @@ def outcome(rows: list[dict[str, Any]]) -> dict[str, Any]:
             if r.get("mfu") is not None:
                 mfu_time += r["mfu"] * spent
                 busy += spent
+            if r.get("step_time_s"):  # the share of the window's time its steps waited for batches
+                waited += spent * r.get("data_wait_s", 0.0) / r["step_time_s"]
     memory = next((r["peak_memory"] for r in reversed(rows) if "peak_memory" in r), [])
     return {
         "steps": train[-1]["step"] if train else 0,
@@ -33,6 +35,7 @@ def outcome(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "train_seconds": seconds,
         "tokens_per_s": tokens / seconds if seconds else None,
         "mfu": mfu_time / busy if busy else None,
+        "data_wait_fraction": waited / seconds if seconds else None,  # rank 0's share of step time waiting for data
         "world_size": train[-1].get("world_size") if train else None,
         "distributed_type": train[-1].get("distributed_type") if train else None,
         "skipped_steps": train[-1].get("skipped_steps", 0) if train else 0,

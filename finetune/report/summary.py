@@ -44,9 +44,10 @@ def summary(cfg: RunConfig, rows, facts: RunFacts, final_dir: str, card: str, cu
         lines.append("final eval   " + "  ".join(f"{k} {v:.4f}" for k, v in res["final_eval"].items()) + took)
     speed = f"{res['tokens_per_s']:.0f} tokens/s" if res["tokens_per_s"] else "tokens/s ?"
     mfu = f", MFU {100 * res['mfu']:.1f}%" if res["mfu"] is not None else ""
+    wait = f", {100 * res['data_wait_fraction']:.1f}% of it waiting for data" if res["data_wait_fraction"] else ""
     lines.append(
         f"training     {res['steps']} steps, {res['tokens_seen']:,} tokens, wall time {facts.wall_time_s:.1f} s "
-        f"(steps {res['train_seconds']:.1f} s), {speed}{mfu}"
+        f"(steps {res['train_seconds']:.1f} s{wait}), {speed}{mfu}"
     )
     precision = f"precision    compute {res['compute_dtype'] or '?'}, final/ saved in {facts.save_dtype or '?'}"
     if res["skipped_steps"]:
