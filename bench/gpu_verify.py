@@ -271,6 +271,7 @@ def part_mfu(work: Path, run: dict, base_args: list[str], result: dict, budget: 
             "wall_s": round(wall, 1),
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in tr) if tr else None,
             "step_time_s": statistics.median(r["step_time_s"] for r in tr) if tr else None,
+            "data_wait_s": statistics.median(r.get("data_wait_s", 0.0) for r in tr) if tr else None,
             "mfu_vs_989": statistics.median(r["mfu"] for r in tr if r.get("mfu")) if tr and tr[0].get("mfu") else None,
             "peak_gpu_allocated_gb": peak.get("train_peak_gpu_allocated_gb"),
             "estimate_train_peak_gb": peak.get("estimate_train_peak_gb"),
