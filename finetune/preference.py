@@ -184,18 +184,21 @@ def _named(sums: dict[str, float]) -> dict[str, float]:
 # ---------------------------------------------------------------- the reference: the starting model
 
 
-def live_reference(backend, model) -> Callable[[dict], torch.Tensor]:
-    """reference: live. A batch's (B, 2) reference log-probs from the policy itself with its adapter disabled: the
-    base model, which is where the adapter started (LoRA's B and DoRA's update start at zero), through the
-    prepared model (sharded as training shards it), in eval mode (no dropout) and without gradients."""
-    adapted = backend.hf_model(model)  # the PeftModel inside whatever wrapper the backend made
+def live_reference(backend, model, adapter: bool) -> Callable[[dict], torch.Tensor]:
+    """reference: live. A batch's (B, 2) reference log-probs, in eval mode (no dropout) and without gradients, from
+    `model` as the backend placed it (sharded as training shards it): adapter True, the policy itself with its
+    adapter disabled (the base model, where the adapter started: LoRA's B and DoRA's update start at zero); False, a
+    frozen copy of the starting model (backend.prepare_frozen)."""
+    import contextlib
+
+    off = backend.hf_model(model).disable_adapter if adapter else contextlib.nullcontext  # PEFT's, inside wrappers
 
     @torch.no_grad()
     def logps(batch: dict) -> torch.Tensor:
         was_training = model.training
         model.eval()
         try:
-            with adapted.disable_adapter():
+            with off():
                 logits = backend.forward_logits(model, {k: batch[k] for k in INPUTS})
         finally:
             model.train(was_training)

@@ -244,6 +244,7 @@ class Prepared:
     eval_loader: Any | None
     sampler: mixture.MixtureSampler | data.StreamedRows  # set_epoch(epoch): the order of every epoch
     references: preference.References  # preference pairs: the reference log-probs the collators add
+    live_reference: Any = None  # reference: live: a batch's reference log-probs (preference.live_reference)
 
 
 def build_optimization(cfg: RunConfig, acc, backend, net, ds: data.Datasets, plan, tokenizer) -> Prepared:
@@ -296,7 +297,7 @@ def with_references(cfg: RunConfig, acc, backend, p: Prepared, ds: data.Datasets
     if objective is None or not objective.needs_reference:
         return
     if cfg.train.reference == "live":
-        logger.info("reference log-probs: live, the base model with the adapter disabled, in each micro batch")
+        p.live_reference = live_reference(cfg, backend, p, tokenizer)
         return
     fingerprint = f"{ds.train._fingerprint}/{ds.eval._fingerprint if ds.eval is not None else ''}/{cfg.model.model}"
     tables = preference.load_or_compute_references(
@@ -304,6 +305,21 @@ def with_references(cfg: RunConfig, acc, backend, p: Prepared, ds: data.Datasets
         cfg.train.output_dir, step, storage.writes, fingerprint,
     )  # fmt: skip
     p.references.train, p.references.eval = tables["train"], tables.get("eval")
+
+
+def live_reference(cfg: RunConfig, backend, p: Prepared, tokenizer):
+    """reference: live. With an adapter: the policy itself with the adapter disabled. Without: a frozen copy of the
+    starting model, loaded as the policy was and placed by the backend as it places the policy (sharded under ZeRO-3
+    and FSDP2, on each device under DDP)."""
+    if cfg.peft.method != "none":
+        logger.info("reference log-probs: live, the base model with the adapter disabled, in each micro batch")
+        return preference.live_reference(backend, p.model, adapter=True)
+    frozen = model.build_model(
+        cfg.model, tokenizer, None, cfg.data.max_seq_length, extra_kwargs=backend.model_kwargs(), numel=backend.numel
+    )
+    frozen = backend.prepare_frozen(frozen)
+    logger.info("reference log-probs: live, a frozen copy of the starting model, in each micro batch")
+    return preference.live_reference(backend, frozen, adapter=False)
 
 
 def _length_aware_batches(train, sampler, plan: parallel.Plan, net) -> data.LengthAwareBatchSampler:
@@ -392,9 +408,7 @@ def build_loop(
         best=best.BestRule.of(t),
         generation=generation,
         precision=metrics.PrecisionProbe(backend.hf_model(p.model)),
-        objective=preference.Objective.of(
-            t, preference.live_reference(backend, p.model) if t.reference == "live" else None
-        ),
+        objective=preference.Objective.of(t, p.live_reference),
         compiled=cfg.model.torch_compile,
     )
 

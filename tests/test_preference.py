@@ -162,13 +162,18 @@ def _references_of_the_start(model_dir, tokenizer, ds) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "method, peft, layouts",
-    [("dpo", "none", ["zero3", "fsdp2"]), ("orpo", "none", ["ddp"]), ("dpo", "lora", ["zero3", "zero3+live"])],
+    [
+        ("dpo", "none", ["zero3", "zero3+live", "fsdp2+live", "ddp+live"]),
+        ("orpo", "none", ["ddp"]),
+        ("dpo", "lora", ["zero3", "zero3+live"]),
+    ],
 )
 def test_every_layout_equals_one_process_with_accumulation(assets, tmp_path, method, peft, layouts):
     """2 ranks x GA 1 under each layout against 1 process x GA 2: losses, rewards, eval and exported weights (LoRA:
     the adapter) within 1e-5; dpo's reference log-probs, computed by the prepared model under each layout, equal the
-    starting model's own, pair by pair (LoRA: the base model's). +live: `reference: live`, the base with the
-    adapter disabled in each micro batch, against the one process's precomputed references."""
+    starting model's own, pair by pair (LoRA: the base model's). +live: `reference: live` (a frozen copy of the
+    starting model placed as the layout places the trained one; LoRA: the base with the adapter disabled) in each
+    micro batch, against the one process's precomputed references."""
     data = pairs(tmp_path / "pairs.jsonl")
     args = base_args(
         assets.llama, data, "--method", method, "--max_steps", "4", "--per_device_train_batch_size", "2",
@@ -200,7 +205,8 @@ def test_every_layout_equals_one_process_with_accumulation(assets, tmp_path, met
     assert want.shape == (len(ds.train), 2)
     for layout, run in zip(["single", *layouts], (one, *runs)):
         if "+live" in layout:
-            assert "reference log-probs: live" in run.output
+            copy = "a frozen copy of the starting model" if peft == "none" else "the adapter disabled"
+            assert f"reference log-probs: live, {copy}" in run.output
             assert not (run.output_dir / "reference_logps.pt").exists()
             continue
         saved = torch.load(run.output_dir / "reference_logps.pt", weights_only=True)["train"]
@@ -266,16 +272,15 @@ def test_a_mixture_of_preference_sources_trains_with_one_reference_row_per_pair(
     assert r.eval_rows and "eval_reward_accuracy" in r.eval_rows[-1]
 
 
-def test_a_live_reference_needs_an_adapter_and_a_method_that_compares(tmp_path):
+def test_a_live_reference_needs_a_method_that_compares(tmp_path):
     from finetune.config import build_config
 
     values = {"model": "m", "dataset": "d.jsonl", "output_dir": str(tmp_path), "method": "dpo", "reference": "live"}
     for more, key, says in (
-        ({}, "reference", "live needs an adapter (peft.method: lora or dora)"),
-        ({"method": "orpo", "peft": {"method": "lora"}}, "reference", "orpo compares with no reference model"),
+        ({"method": "orpo"}, "reference", "orpo compares with no reference model"),
         ({"reference": "online"}, "reference", "'online'"),
     ):
         with pytest.raises(ConfigError) as refused:
             build_config({**values, **more}, check_filesystem=False)
         assert any(k == key and says in why for k, why in refused.value.problems), refused.value.problems
-    assert build_config({**values, "peft": {"method": "lora"}}, check_filesystem=False).train.reference == "live"
+    assert build_config(values, check_filesystem=False).train.reference == "live"

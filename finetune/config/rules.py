@@ -144,10 +144,6 @@ def preference_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     choice(p, "reference", t.reference, REFERENCES)
     if t.reference == "live" and t.method not in REFERENCE_METHODS:
         p.append(("reference", f"is live, but {t.method} compares with no reference model; leave reference out"))
-    elif t.reference == "live" and cfg.peft.method == "none":
-        p.append(("reference", "live needs an adapter (peft.method: lora or dora), whose reference is its base with "
-                               "the adapter disabled; a full fine-tune's would be a second, frozen copy of the model, "
-                               "which the precomputed log-probs avoid: set reference: precomputed"))  # fmt: skip
     return p
 
 

@@ -10,7 +10,8 @@ checkpoints and export are written once for all of them:
     accelerator_kwargs(cfg)  what Accelerator() needs (Megatron-LM's plugin, a parallelism config)
   after it (a `Backend` object, see ddp.Backend for the defaults the others override)
     topology                 the Topology: dp / tp / pp sizes, ZeRO stage, FSDP, offload, processes, machines
-    model_kwargs, reentrant_checkpointing, numel, set_weights_by_name, chunked_loss_blocker   building the model
+    model_kwargs, reentrant_checkpointing, numel, set_weights_by_name, chunked_loss_blocker, prepare_frozen
+                             building the model (prepare_frozen: a forward-only model, the live reference)
     prepare, observed        accelerate.prepare, and what the prepared objects show (logged, in metrics rows)
     forward_loss, clip_grad_norm, eval_stats, gather_for_metrics, generate the step and eval
     full_state_dict, full_optimizer_state, set_full_optimizer_state, hf_model   by parameter name

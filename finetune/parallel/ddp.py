@@ -82,6 +82,22 @@ class Backend:
     def reentrant_checkpointing(self, peft_on: bool) -> bool:
         return False
 
+    def prepare_frozen(self, model):
+        """A model that only runs forwards (dpo's live reference), placed as this layout places the trained one:
+        here whole on this process's device, its forwards in the run's mixed precision (accelerate's autocast, which
+        prepare gives the trained model); no DDP wrapper (it has no gradients to average) and not registered with
+        the Accelerator (checkpoints hold the trained model only)."""
+        model.requires_grad_(False)
+        model.to(self.acc.device).eval()
+        forward = model.forward
+
+        def autocast_forward(*args, **kwargs):
+            with self.acc.autocast():
+                return forward(*args, **kwargs)
+
+        model.forward = autocast_forward
+        return model
+
     def chunked_loss_blocker(self) -> str | None:
         """Why this layout cannot run the chunked loss (chunked_loss auto is then off; true is refused earlier,
         in problems()); None when it can."""

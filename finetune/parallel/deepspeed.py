@@ -214,6 +214,24 @@ class Backend(ddp.Backend):
     def numel(self, p: torch.nn.Parameter) -> int:
         return getattr(p, "ds_numel", None) or p.numel()
 
+    def prepare_frozen(self, model):
+        """Under ZeRO-3, partitioned as the trained model is (built inside zero.Init, as it was), in an engine of its
+        own without an optimizer, from the run's DeepSpeed config (accelerate's prepare takes one model under
+        DeepSpeed); under ZeRO-1/2, which shard only what an optimizer holds, whole on each rank (stage 0), as TRL's
+        prepare_deepspeed does."""
+        import copy
+
+        import deepspeed
+
+        config = copy.deepcopy(self.acc.state.deepspeed_plugin.deepspeed_config)
+        zero = config.setdefault("zero_optimization", {})
+        if zero.get("stage") != 3:
+            zero["stage"] = 0
+        model.requires_grad_(False)
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()  # DeepSpeedEngine.eval returns nothing
+        return engine
+
     def set_weights_by_name(self, named, weights) -> None:
         params = [named[n] for n in weights]
         gathered = contextlib.nullcontext()

@@ -164,6 +164,15 @@ class Backend(ddp.Backend):
     def chunked_loss_blocker(self) -> str | None:
         return chunked_loss_blocker()
 
+    def prepare_frozen(self, model):
+        """Sharded as the trained model is (accelerate's fully_shard wrapping, the run's mixed precision policy and
+        offload), each rank holding its share; accelerate's prepare takes one model under FSDP2, so its wrapping
+        function is called directly."""
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        model.requires_grad_(False)
+        return fsdp2_prepare_model(self.acc, model).eval()
+
     def keep_checkpoints_per_machine(self) -> None:
         raise base.no_checkpoints_per_machine(
             "FSDP's sharded checkpoint (torch.distributed.checkpoint) writes its metadata on rank 0 only and "
