@@ -122,6 +122,27 @@ def test_sharding_saves_what_the_zero_paper_says(assets):
         assert per_param["zero3"] == pytest.approx(16 / n, rel=0.05)  # small tensors stay whole
 
 
+def test_a_live_reference_copy_is_counted_as_the_layout_places_it(assets):
+    """dpo with reference: live and no adapter holds a frozen copy of the starting model (backend.prepare_frozen):
+    whole on each rank under DDP and ZeRO-1/2, sharded under ZeRO-3 and FSDP2; nothing with precomputed references
+    or an adapter (its reference is the base with the adapter disabled)."""
+    machines = memory.Machines(cpu_processes=2)
+    shape = memory.shape_from_config(run_config(assets.llama))
+    whole = shape.total * shape.weight_bytes / 1e9  # GB, as by_kind() gives them
+    live = run_config(assets.llama, method="dpo", reference="live")
+    for name, share in (("ddp", 1), ("zero2", 1), ("zero3", 1 / 2), ("fsdp2", 1 / 2)):
+        path = ROOT / "accelerate_configs" / f"{name}.yaml"
+        est = memory.plan_config(shape, live, path, machines)
+        assert est.by_kind()["reference"] == pytest.approx(whole * share), name
+        without = memory.plan_config(shape, run_config(assets.llama, method="dpo"), path, machines)
+        assert "reference" not in without.by_kind()
+        assert est.host_gb == pytest.approx(without.host_gb + whole * share), name
+    lora = run_config(assets.llama, method="dpo", reference="live", peft={"method": "lora"})
+    assert (
+        "reference" not in memory.plan_config(shape, lora, ROOT / "accelerate_configs" / "ddp.yaml", machines).by_kind()
+    )
+
+
 # ---------------------------------------------------------------- the estimate against real runs
 
 

@@ -203,6 +203,7 @@ def render(shape: ModelShape, cfg: RunConfig, machines: Machines, rows: list[Est
         "",
     ]
     kinds = ["parameters", "gradients", "optimizer", "master copy", "activations", "logits", "buffers", "overhead"]
+    kinds += ["reference"] if any("reference" in e.by_kind() for e in rows) else []  # dpo's live reference copy
     short = {"parameters": "params", "gradients": "grads", "optimizer": "optim", "master copy": "master"}
     head = f"{'config':<17} {'procs':>5} " + " ".join(f"{short.get(k, k)[:7]:>7}" for k in kinds)
     head += f" {'device GB' if gpu else '':>9} {'host GB':>8}  {'fits':<4}  notes"

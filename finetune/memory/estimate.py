@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune import chunked_loss
-from finetune.config import AUTO_CLASSES, ConfigError, RunConfig
+from finetune.config import AUTO_CLASSES, REFERENCE_METHODS, ConfigError, RunConfig
 from finetune.parallel import sharding
 from finetune.parallel.topology import Topology, launch_size, read_config_file
 
@@ -344,6 +344,9 @@ def estimate(
     if (accumulation or cfg.train.gradient_accumulation_steps) > 1:  # gradients live across micro batches
         parts = [dataclasses.replace(p, phase=sharding.ALWAYS) if p.name == "gradients" else p for p in parts]
     parts += activation_parts(shape, topology, batch, cfg.data.max_seq_length, cfg, half)
+    t = cfg.train
+    if t.method in REFERENCE_METHODS and t.reference == "live" and cfg.peft.method == "none":
+        parts.append(sharding.frozen_copy(topology, shape))
     overhead = FRAMEWORK_GB + (DEEPSPEED_EXTRA_GB if buckets.reduce else 0.0)
     if machines.on_gpu:
         parts.append(sharding.Part("overhead", CUDA_CONTEXT_GB * GB, note="CUDA context"))

@@ -133,6 +133,16 @@ def model_states(topology: Topology, shape: Any, mixed_precision: str, buckets: 
     return _ddp(t, shape, half)
 
 
+def frozen_copy(topology: Topology, shape: Any) -> Part:
+    """dpo/ipo's live reference without an adapter (backend.prepare_frozen): a second copy of the starting model's
+    weights, placed as the layout places it: sharded under ZeRO-3 and FSDP2 (offloaded where the parameters are),
+    whole on each rank elsewhere (one process, DDP, ZeRO-1/2, whose reference engine runs at stage 0)."""
+    t, w = topology, shape.weight_bytes
+    if t.family == "fsdp" or (t.family == "deepspeed" and t.zero_stage == 3):
+        return Part("reference", shape.total * w / t.num_processes, t.offload_params, "live reference, sharded")
+    return Part("reference", _split(shape, t.tp)[0] * w, note="live reference: a frozen copy")
+
+
 def _split(shape, tp: int, pp: int = 1) -> tuple[float, float]:
     """(total, trainable) parameters a rank holds when the tp_plan layers are split tp ways, the layers pp ways."""
     total = (shape.tp_splittable / tp + (shape.total - shape.tp_splittable)) / pp
