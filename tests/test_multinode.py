@@ -3,11 +3,13 @@ and `1`, main address 127.0.0.1 and one process each, as two machines run it. On
 
 The one-machine two-process run of the same config is the reference: the two "machines" must reproduce its
 per-step losses (1e-6 relative), with one shared output_dir and with one output_dir per machine (a node-local
-disk), and resume in both."""
+disk), and resume in both. multinode_fsdp2 with a shared output_dir trains DPO (issue 32: preference tuning on
+two machines)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -62,24 +64,35 @@ def reference(assets, tmp_path_factory):
     def get(config: str) -> Result:
         if config not in cache:
             run = tmp_path_factory.mktemp(config) / "run"
-            cache[config] = finetune(run, *run_args(assets), launcher=SINGLE_NODE[config])
+            cache[config] = finetune(run, *run_args(assets, config), launcher=SINGLE_NODE[config])
         return cache[config]
 
     return get
 
 
-def run_args(assets) -> list[str]:
-    return base_args(assets.llama, assets.instruction, "--max_steps", "4", "--save_steps", "2", "--eval_fraction", "0")
+def run_args(assets, config: str = "") -> list[str]:
+    """SFT on instruction rows; under multinode_fsdp2, DPO on preference pairs (its reference log-probs computed by
+    the two machines together before training, written once to the shared output_dir)."""
+    more = ("--max_steps", "4", "--save_steps", "2", "--eval_fraction", "0")
+    if config == "multinode_fsdp2":
+        from test_preference import pairs
+
+        data = pairs(Path(assets.llama).parent / "multinode_pairs.jsonl")
+        return base_args(assets.llama, data, "--method", "dpo", "--beta", "0.5", *more)
+    return base_args(assets.llama, assets.instruction, *more)
 
 
 @pytest.mark.parametrize("config", ["multinode_ddp", "multinode_zero3", "multinode_fsdp2"])
 def test_two_machines_sharing_output_dir_equal_one_machine(assets, tmp_path, reference, config):
+    """multinode_fsdp2 trains DPO (run_args)."""
     out = tmp_path / "shared"
-    results = launch((out, out), config, *run_args(assets))
+    results = launch((out, out), config, *run_args(assets, config))
     assert_two_machines(results, config)
     assert f"storage: {out} is shared by the 2 machines" in results[0].output
     same_run(reference(config), results[0])
     assert (out / "final").is_dir() and (out / "checkpoints" / "step_4").is_dir()
+    if config == "multinode_fsdp2":  # DPO: the policy starts as its reference; the log-probs written once
+        assert abs(results[0].losses()[0] - math.log(2)) <= 1e-5 and (out / "reference_logps.pt").is_file()
     if config == "multinode_ddp":  # resume: both machines continue from the shared checkpoint
         crash_after(out, 2)
         resumed = launch((out, out), config, *run_args(assets), "--resume_from_checkpoint", "latest")
