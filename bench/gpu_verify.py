@@ -46,7 +46,7 @@ from finetune.commands import parity
 
 ROOT = harness.ROOT
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, the datasheet figure MFU is quoted against
-LAYOUTS = os.environ.get("GPU_VERIFY_LAYOUTS", "single,ddp,zero2,zero3,fsdp2,zero3_offload").split(",")
+LAYOUTS = "single,ddp,zero2,zero3,fsdp2,zero3_offload"  # single first (the reference), zero3_offload last (--layouts)
 BF16_LOSS_RTOL, BF16_UPDATE_RTOL = 3e-3, 0.06  # docs/precision.md
 SYNC_WARNING = "called a synchronizing CUDA operation"
 REFERENCE: dict[str, parity.Outcome] = {}  # the single run, which every layout is compared with
@@ -450,6 +450,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="1b")
     parser.add_argument("--parts", default="mfu,layouts,fp16,qlora")
+    parser.add_argument("--layouts", default=LAYOUTS, help="shipped configs, single first (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per layout run")
     parser.add_argument("--mfu_steps", type=int, default=12)
     parser.add_argument("--budget_s", type=float, default=470, help="parts not started by then are skipped")
@@ -484,13 +485,14 @@ def main() -> int:
     base_args = ["--config", str(work / "run.yaml")]
     parts = args.parts.split(",")
     cuda = torch.cuda.is_available()
+    layouts = args.layouts.split(",")
     steps = [  # (part, runs it, needs seconds left)
-        ("layouts", lambda: part_layouts(LAYOUTS[:-1], work, run, base_args, result, budget, args.steps), 0),
+        ("layouts", lambda: part_layouts(layouts[:-1], work, run, base_args, result, budget, args.steps), 0),
         ("mfu", lambda: part_mfu(work, run, base_args, result, budget, args.mfu_steps), 0),
         ("fp16", lambda: part_fp16(work, base_args, result, 8), 40 if cuda else None),
         ("qlora", lambda: part_qlora(work, run, base_args, result, 10), 60 if cuda else None),
         # zero3_offload last: DeepSpeed compiles its CPU Adam on first use (a minute or two)
-        ("layouts", lambda: part_layouts(LAYOUTS[-1:], work, run, base_args, result, budget, args.steps), 0),
+        ("layouts", lambda: part_layouts(layouts[-1:], work, run, base_args, result, budget, args.steps), 0),
     ]
     for part, fn, needs in steps:
         if part not in parts or needs is None or budget.left() < needs:

@@ -314,8 +314,9 @@ def live_reference(cfg: RunConfig, backend, p: Prepared, tokenizer):
     if cfg.peft.method != "none":
         logger.info("reference log-probs: live, the base model with the adapter disabled, in each micro batch")
         return preference.live_reference(backend, p.model, adapter=True)
+    forward_only = dataclasses.replace(cfg.model, chunked_loss="false", gradient_checkpointing=False)
     frozen = model.build_model(
-        cfg.model, tokenizer, None, cfg.data.max_seq_length, extra_kwargs=backend.model_kwargs(), numel=backend.numel
+        forward_only, tokenizer, None, cfg.data.max_seq_length, extra_kwargs=backend.model_kwargs(), numel=backend.numel
     )
     frozen = backend.prepare_frozen(frozen)
     logger.info("reference log-probs: live, a frozen copy of the starting model, in each micro batch")
