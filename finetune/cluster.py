@@ -191,10 +191,11 @@ def describe(acc, num_machines: int) -> str:
     for m, host in hosts:
         by_machine.setdefault(m, set()).add(host)
     names = ", ".join(f"{m}: {'/'.join(sorted(h))}" for m, h in sorted(by_machine.items()))
-    local = Launcher.read().local_world_size
+    launcher = Launcher.read()
+    local = launcher.local_world_size
     per_machine = local if local is not None else acc.num_processes // max(1, num_machines)
     where = f"{os.environ.get('MASTER_ADDR', '-')}:{os.environ.get('MASTER_PORT', '-')}"
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    run_id = launcher.run_id
     rendezvous = f"rendezvous {where}" + (f" (run id {run_id})" if run_id and run_id != "none" else "")
     return (
         f"machines: {num_machines} x {per_machine} process(es) per machine = {acc.num_processes} "

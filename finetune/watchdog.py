@@ -7,6 +7,7 @@ import faulthandler
 import os
 import time
 
+from finetune.parallel.topology import Launcher
 from finetune.stop import Stopped
 
 
@@ -25,7 +26,7 @@ class Watchdog:
 
         self.rank, self.world, self.timeout = acc.process_index, acc.num_processes, timeout
         self.store = dist.distributed_c10d._get_default_store() if self.world > 1 and dist.is_initialized() else None
-        self.prefix = f"finetune/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
+        self.prefix = f"finetune/{Launcher.read().run_id or 'run'}"
         self.file = None
         if self.store is not None:
             logs = os.path.join(output_dir, "logs")

@@ -266,11 +266,11 @@ def test_sigterm_to_the_launcher_checkpoints_the_step_reached(assets, tmp_path, 
 
 
 def test_slurm_preemption_and_requeue_continue_the_run(assets, tmp_path, straight):
-    """preemption_signal (SIGUSR1) end to end, as scripts/slurm.sbatch sets it up: scripts/slurm.sbatch on one node (stand-in srun and scontrol; a real accelerate launch of
-    multinode_ddp.yaml, 2 ranks, rendezvous on 127.0.0.1): SIGUSR1 to every process of the job step, as SLURM's
-    `--signal=USR1@300` sends it. The launcher ignores it (the script's trap), the ranks checkpoint the step they
-    reached and the job exits 128 + 10; the requeued job (the same script again, as `--requeue` reruns it)
-    continues from that checkpoint (--resume_from_checkpoint auto) and ends equal to the uninterrupted run."""
+    """preemption_signal (SIGUSR1) end to end: scripts/slurm.sbatch on one node (stand-in srun and scontrol; a real
+    accelerate launch of multinode_ddp.yaml, 2 ranks, rendezvous on 127.0.0.1): SIGUSR1 to every process of the job
+    step, as SLURM's `--signal=USR1@300` sends it. The launcher ignores it (the script's trap), the ranks checkpoint
+    the step they reached and the job exits 128 + 10; the requeued job (the same script again, as `--requeue` reruns
+    it) continues from that checkpoint (--resume_from_checkpoint auto) and ends equal to the uninterrupted run."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     fakes = {  # srun: the launch line on this one node (exec: its processes are the job step's)

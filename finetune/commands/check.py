@@ -624,7 +624,8 @@ def main(argv: list[str]) -> int:
     if world > 1:
         from finetune.parallel.topology import Launcher
 
-        run_id = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/{Launcher.read().restart}"
+        launcher = Launcher.read()
+        run_id = f"{launcher.run_id or 'none'}/{launcher.restart}"
         prefix = f"finetune_check/{run_id}"
         try:
             store = connect_store(rank, args.timeout)

@@ -75,6 +75,7 @@ class Launcher:
     agent_store: bool  # TORCHELASTIC_USE_AGENT_STORE: torchrun's agent hosts the store the ranks rendezvous in
     restart: int  # TORCHELASTIC_RESTART_COUNT: the times torchrun restarted this machine's ranks (--max_restarts)
     max_restarts: int  # TORCHELASTIC_MAX_RESTARTS
+    run_id: str | None  # TORCHELASTIC_RUN_ID: the job's rendezvous id (--rdzv_id; "none" where not given)
 
     @classmethod
     def read(cls, env: Mapping[str, str] = os.environ) -> Launcher:
@@ -106,6 +107,7 @@ class Launcher:
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             restart=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
             max_restarts=_int(env, "TORCHELASTIC_MAX_RESTARTS", 0),
+            run_id=env.get("TORCHELASTIC_RUN_ID"),
         )
 
     @property
