@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -287,6 +288,10 @@ def test_parity_exits_1_on_a_planted_difference(capsys):
         return Outcome(name, ok, 1, "NO", losses=list(losses), weights=weights, error="" if ok else "exit 1")
 
     assert report([run("single"), run("ddp")], args) == 0
+    capsys.readouterr()
+    on_gpus = [dataclasses.replace(run(n), peak_rss_gb=[3.0], peak_gpu_gb=[1.25]) for n in ("single", "ddp")]
+    assert report(on_gpus, args) == 0  # GPU runs show torch's allocated peak, not the host's
+    assert capsys.readouterr().out.count("  1.25 GPU\n") == 2
     planted = [
         run("ddp", losses=(2.0, 1.5, 1.0001)),
         run("ddp", weights={"a": torch.ones(3) + 1e-3, "b": torch.zeros(2)}),

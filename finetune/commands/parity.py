@@ -45,6 +45,7 @@ class Outcome:
     weights: dict | None = None
     step_time_s: float = float("nan")
     peak_rss_gb: list[float] = field(default_factory=list)
+    peak_gpu_gb: list[float] = field(default_factory=list)  # on GPUs: torch's allocated peak per rank
     error: str = ""
 
 
@@ -112,6 +113,7 @@ def run_one(name: str, path: Path, ga: int, args: argparse.Namespace, overrides:
         weights=load_file(str(weights)) if weights.exists() else None,
         step_time_s=statistics.median(times),
         peak_rss_gb=[m["train_peak_rss_gb"] for m in memory],
+        peak_gpu_gb=[m["train_peak_gpu_allocated_gb"] for m in memory if "train_peak_gpu_allocated_gb" in m],
     )
 
 
@@ -231,7 +233,7 @@ def report(outcomes: list[Outcome], args: argparse.Namespace, base: dict | None 
     ref = ok_runs[0] if ok_runs else None
     head = (
         f"{'config':<15} {'distributed':<11} {'world':>5} {'GA':>3} {'sharding':<20} {'max rel loss diff':>17} "
-        f"{'max abs weight diff':>19} {'update diff':>11} {'step s':>7}  train peak RSS GB/rank"
+        f"{'max abs weight diff':>19} {'update diff':>11} {'step s':>7}  train peak GB/rank (GPU allocated, else RSS)"
     )
     print("\n" + head + "\n" + "-" * len(head))
     failed = False
@@ -250,7 +252,7 @@ def report(outcomes: list[Outcome], args: argparse.Namespace, base: dict | None 
             f"{o.name:<15} {o.distributed_type:<11} {o.world_size:>5} {o.gradient_accumulation_steps:>3} "
             f"{o.sharding:<20} {loss:>17.2e} {weight:>19.2e} "
             f"{'n/a' if update is None else f'{update:.3f}':>11} {o.step_time_s:>7.3f}  "
-            f"{', '.join(f'{m:.2f}' for m in o.peak_rss_gb)}{flag}"
+            f"{', '.join(f'{m:.2f}' for m in (o.peak_gpu_gb or o.peak_rss_gb))}{' GPU' if o.peak_gpu_gb else ''}{flag}"
         )
     print(
         f"\ntolerances: loss {args.loss_rtol:g} relative, weights {args.weight_atol:g} absolute, update "
