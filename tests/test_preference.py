@@ -205,7 +205,9 @@ def test_every_layout_equals_one_process_with_accumulation(assets, tmp_path, met
     assert want.shape == (len(ds.train), 2)
     for layout, run in zip(["single", *layouts], (one, *runs)):
         if "+live" in layout:
-            copy = "a frozen copy of the starting model" if peft == "none" else "the adapter disabled"
+            copy = (
+                "a frozen copy of the starting model" if peft == "none" else "the base model with the adapter disabled"
+            )
             assert f"reference log-probs: live, {copy}" in run.output
             assert not (run.output_dir / "reference_logps.pt").exists()
             continue
