@@ -109,7 +109,7 @@ class Objective:
         """None for sft (the loop then takes the model's own loss)."""
         if t.method == "sft":
             return None
-        return cls(t.method, t.beta, t.label_smoothing, t.simpo_gamma, live if t.method in REFERENCE_METHODS else None)
+        return cls(t.method, t.beta, t.label_smoothing, t.simpo_gamma, live)  # live: only ever made for dpo/ipo
 
     def with_reference(self, batch: dict) -> dict:
         """The batch, with its pairs' reference log-probs where they are computed live (before the policy's forward:
