@@ -13,7 +13,9 @@ printing that traceback, so the workaround can go):
   "To enable traceback see ...".
 - `install_excepthook`: in the launcher process, a failure whose ranks left such a message is reported in a
   few lines ending with that message, and the launcher exits with the rank's exit code (2: bad input). A
-  launcher stopped by a signal while launching finetune says so in one line (the ranks say where to resume).
+  launcher stopped by a signal while launching finetune says so in one line (the ranks say where to resume), and
+  so does a launch whose rank was killed by a signal before any rank could name the failure (the others stopped
+  by torchrun: exit 143).
   Anything else (a crash, another program) keeps the default traceback. FINETUNE_LAUNCHER_TRACEBACK=1 keeps
   it always.
 
@@ -218,7 +220,7 @@ def report(error: BaseException) -> int | None:
         rank: f for rank, f in failures.items() if isinstance(f.error_file_data, dict) and f.error_file_data.get(MARK)
     }
     if not ours:
-        return None
+        return _report_killed(error, failures)
     others = [f"rank {rank} exit code {f.exitcode}" for rank, f in failures.items() if rank not in ours]
     named = ", ".join(f"rank {rank}" for rank in ours)
     lines = [f"[launcher] {error.name} failed: {named} stopped with the message below"]
@@ -228,6 +230,35 @@ def report(error: BaseException) -> int | None:
     messages = list(dict.fromkeys(f.error_file_data["message"]["message"] for f in ours.values()))
     print("\n".join(lines + messages), file=sys.stderr)
     return next(iter(ours.values())).exitcode
+
+
+def _report_killed(error, failures: dict) -> int | None:
+    """No rank named the failure because one was killed by a signal (kill -9, the kernel's out-of-memory killer)
+    and torchrun stopped the others (exit 143, each saying so and where to resume) before a collective told them
+    of it. One line for it, exit 128 + the signal; anything else (a crash: its traceback is above) is not ours."""
+    import signal
+
+    killed = {rank: -f.exitcode for rank, f in failures.items() if f.exitcode < 0}
+    stopped = all(f.exitcode < 0 or f.exitcode == 143 for f in failures.values())
+    if not (killed and stopped and any("finetune" in arg for arg in sys.argv)):
+        return None
+    how = "; ".join(
+        f"rank {rank} exit code -{signum} ({_signal_name(signum)}"
+        + (": kill -9, or the system's out-of-memory killer)" if signum == signal.SIGKILL else ")")
+        for rank, signum in killed.items()
+    )
+    others = "; the others were stopped (their messages are above)" if len(killed) < len(failures) else ""
+    print(f"[launcher] {error.name} failed: {how}{others}." + _torchrun_note(), file=sys.stderr)
+    return 128 + next(iter(killed.values()))
+
+
+def _signal_name(signum: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def _report_child(error) -> int | None:

@@ -55,6 +55,22 @@ def test_the_same_message_from_every_rank_is_shown_once(tmp_path, monkeypatch, c
     assert err.count("diverged at step 3") == 1 and "rank 0, rank 1 stopped" in err
 
 
+def test_a_killed_rank_that_no_rank_named_is_one_line(tmp_path, monkeypatch, capsys):
+    """Rank 1 killed (-9) while rank 0 waited in a collective: torchrun's SIGTERM reached rank 0 before gloo's
+    error did, so rank 0 stopped as stopped by the launcher (143, its message on the screen, no error file). Seen
+    in tests/test_faults.py under ZeRO-3 with the other rank in a checkpoint's barrier."""
+    failures = {0: failure(tmp_path, 0, 143, None, monkeypatch), 1: failure(tmp_path, 1, -9, None, monkeypatch)}
+    monkeypatch.setattr(sys, "argv", ["accelerate", "launch", "-m", "finetune", "--config", "x.yaml"])
+    assert report(ChildFailedError("finetune", failures)) == 128 + signal.SIGKILL
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("[launcher] finetune failed: rank 1 exit code -9 (SIGKILL: kill -9, or the system's")
+    assert "the others were stopped" in err and "\n" not in err
+    crashed = {**failures, 0: failure(tmp_path, 0, 1, None, monkeypatch)}  # rank 0 crashed: its traceback stays
+    assert report(ChildFailedError("finetune", crashed)) is None
+    monkeypatch.setattr(sys, "argv", ["accelerate", "launch", "other.py"])  # not finetune's ranks
+    assert report(ChildFailedError("other.py", failures)) is None
+
+
 @pytest.mark.filterwarnings("ignore:Unable to enable fault handler")  # @record, under pytest
 def test_other_failures_keep_the_traceback(tmp_path, monkeypatch, capsys):
     """A crash (no error file), and an error file written by torch's own @record, are not ours."""
