@@ -50,6 +50,17 @@ def checkpoints_dir(output_dir: str) -> str:
     return os.path.join(output_dir, "checkpoints")
 
 
+def remove_half_written(output_dir: str) -> list[str]:
+    """Remove the checkpoints a stopped run was writing (.tmp_step_N: never complete, never resumed from); the
+    paths removed. A resumed run would otherwise leave each one on disk, a whole checkpoint's size, until it saved
+    that step again."""
+    root = checkpoints_dir(output_dir)
+    names = sorted(n for n in os.listdir(root) if re.fullmatch(r"\.tmp_step_\d+", n)) if os.path.isdir(root) else []
+    for name in names:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return [os.path.join(root, name) for name in names]
+
+
 def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     """(step, path) of complete checkpoints, oldest first."""
     root = checkpoints_dir(output_dir)

@@ -350,6 +350,8 @@ def restore_or_start(cfg: RunConfig, acc, backend, p: Prepared, plan, resume, st
         state = loop.TrainState(**{f.name: saved.get(f.name, f.default) for f in dataclasses.fields(loop.TrainState)})
         metrics.MetricsLog(t.output_dir, enabled=acc.is_main_process).truncate_after(state.step)
         logger.info("resumed from %s at step %d", resume.describe(), state.step)
+        for path in checkpoint.remove_half_written(t.output_dir) if storage.writes else ():
+            logger.info("removed %s: a checkpoint the stopped run did not finish writing", path)
         return state
     if storage.writes:
         if t.overwrite_output_dir or t.resume_from_checkpoint == "auto":  # auto: nothing checkpointed yet
