@@ -125,7 +125,7 @@ def test_auto_decides_from_full_sizes_as_the_planner_does(assets):
 def reference(assets, tmp_path_factory):
     """One process, transformers' loss: what every layout with the chunked loss must equal."""
     out = tmp_path_factory.mktemp("chunked") / "reference"
-    res = finetune(out, *_args(assets), "--chunked_loss", "false", launcher="single")
+    res = finetune(out, *_args(assets), "--chunked_loss", "false")
     assert "chunked loss:" not in res.output
     return res
 
@@ -166,7 +166,7 @@ def test_lora_on_the_head_under_zero3_equals_one_process(assets, tmp_path):
         "q_proj,v_proj,lm_head",
     )
     args = _args(assets, *peft)
-    one = finetune(tmp_path / "one", *args, "--chunked_loss", "false", launcher="single")
+    one = finetune(tmp_path / "one", *args, "--chunked_loss", "false")
     zero3 = finetune(
         tmp_path / "zero3",
         *args,

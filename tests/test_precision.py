@@ -312,7 +312,7 @@ def test_deepspeed_bf16_mode_exports_its_fp32_masters_and_resumes(assets, tmp_pa
     rows = straight.train_rows
     assert_ran_in(rows, "bfloat16")
     assert {r["weights_dtype"] for r in rows} == {"bfloat16"} and rows[-1]["distributed_type"] == "DEEPSPEED"
-    single = finetune(tmp_path / "single", *args, launch_args=bf16)
+    single = finetune(tmp_path / "single", *args, launcher="single", launch_args=bf16)
     base = load_file(os.path.join(assets.llama, "model.safetensors"))
     final = load_file(str(straight.output_dir / "final" / "model.safetensors"))
     assert {v.dtype for v in final.values()} == {torch.float32}  # the masters, not the bf16 copy

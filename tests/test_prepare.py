@@ -32,7 +32,7 @@ def test_a_prepared_run_trains_as_the_raw_data_does_and_differences_are_refused(
     again = prepare(*args, "--prepared_data", str(where))  # never over an earlier preparation
     assert again.returncode == 2 and "prepared_data" in again.stderr and "not empty" in again.stderr
 
-    from_raw = finetune(tmp_path / "from_raw", *args, "--gradient_accumulation_steps", "2", launcher="single")
+    from_raw = finetune(tmp_path / "from_raw", *args, "--gradient_accumulation_steps", "2")
     os.rename(raw, raw.with_suffix(".moved"))  # the prepared run must not need the raw data
     from_prepared = finetune(tmp_path / "from_prepared", *args, "--prepared_data", str(where), launcher="ddp")
     # (2 ranks x accumulation 1 against 1 x 2: the same global batches)

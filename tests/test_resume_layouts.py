@@ -1,5 +1,5 @@
 """Resume under another backend or world size, into and out of DeepSpeed and FSDP2:
-ZeRO-3 -> FSDP2 -> DDP -> one process -> FSDP2 -> ZeRO-2 (2 ranks each but the one process)."""
+ZeRO-3 -> FSDP2 -> DDP -> one process -> ZeRO-2 (2 ranks each but the one process)."""
 
 from __future__ import annotations
 
@@ -46,16 +46,16 @@ def final_weights(out) -> dict:
 
 
 def test_chain_through_every_sharded_layout_continues_the_run(assets, tmp_path):
-    """ZeRO-3 -> FSDP2 -> DDP -> one process -> FSDP2 -> ZeRO-2, 2 steps each, every leg resuming from the
-    previous one's checkpoint: out of DeepSpeed into FSDP2 (DTensor shards set from full tensors by name),
-    out of FSDP2 into DDP and into one process with the same global batch, back into FSDP2, and into ZeRO-2
-    (Adam's moments and step land in ZeRO's partitions, which DeepSpeed creates lazily; without them the
-    next update would be far off and the losses would part at the first resumed step)."""
+    """ZeRO-3 -> FSDP2 -> DDP -> one process -> ZeRO-2, 2 steps each, every leg resuming from the previous one's
+    checkpoint: out of DeepSpeed into FSDP2 (DTensor shards set from full tensors by name), out of FSDP2 into DDP
+    and into one process with the same global batch, and into ZeRO-2 (Adam's moments and step land in ZeRO's
+    partitions, which DeepSpeed creates lazily; without them the next update would be far off and the losses
+    would part at the first resumed step)."""
     args = base_args(
         assets.llama,
         assets.instruction,
         "--max_steps",
-        "12",
+        "10",
         "--save_steps",
         "2",
         "--eval_fraction",
@@ -65,23 +65,22 @@ def test_chain_through_every_sharded_layout_continues_the_run(assets, tmp_path):
         "--warmup_steps",
         "2",
     )
-    legs = [("zero3",), ("fsdp2",), ("ddp",), ("single", "--gradient_accumulation_steps", "2"), ("fsdp2",), ("zero2",)]
+    legs = [("zero3",), ("fsdp2",), ("ddp",), ("python", "--gradient_accumulation_steps", "2"), ("zero2",)]
     straight, results = chain(tmp_path, args, legs, every=2)
     written_by = [
         "DEEPSPEED ZeRO-3 on 2 process(es)",
         "FSDP FSDP2 on 2 process(es)",
         "MULTI_CPU on 2 process(es)",
         "NO on 1 process(es)",
-        "FSDP FSDP2 on 2 process(es)",
     ]
     for leg, writer in zip(results[1:], written_by, strict=True):
         assert f"written by {writer}, converted" in leg.output, leg.output[-3000:]
     last = results[-1]
     rows = last.train_rows
-    assert [r["step"] for r in rows] == list(range(1, 13))
-    kinds = ["DEEPSPEED", "FSDP", "MULTI_CPU", "NO", "FSDP", "DEEPSPEED"]
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    kinds = ["DEEPSPEED", "FSDP", "MULTI_CPU", "NO", "DEEPSPEED"]
     assert [r["distributed_type"] for r in rows] == [k for k in kinds for _ in range(2)]
-    assert [r.get("zero_stage") for r in rows] == [3, 3] + [None] * 8 + [2, 2]
+    assert [r.get("zero_stage") for r in rows] == [3, 3] + [None] * 6 + [2, 2]
     assert_continues(straight, last)
     assert [r["learning_rate"] for r in rows] == pytest.approx([r["learning_rate"] for r in straight.train_rows])
 

@@ -60,9 +60,7 @@ def test_two_ranks_and_accumulation_train_the_same_streamed_rows_and_a_resume_co
         "--per_device_train_batch_size",
         "2",
     )  # fmt: skip  (120 rows packed into rows of 64 tokens: the stream runs out and restarts within 8 steps)
-    one = finetune(
-        tmp_path / "one", *args, "--gradient_accumulation_steps", "2", "--save_steps", "3", launcher="single"
-    )
+    one = finetune(tmp_path / "one", *args, "--gradient_accumulation_steps", "2", "--save_steps", "3")
     two = finetune(tmp_path / "two", *args, launcher="ddp")
     assert "train rows streamed" in one.output and "tokenized and packed as training reads" in two.output
     a, b = one.train_rows, two.train_rows
@@ -76,7 +74,7 @@ def test_two_ranks_and_accumulation_train_the_same_streamed_rows_and_a_resume_co
     crash_after(one.output_dir, 3)
     resumed = finetune(
         one.output_dir, *args, "--gradient_accumulation_steps", "2", "--save_steps", "3",
-        "--resume_from_checkpoint", "auto", launcher="single",
+        "--resume_from_checkpoint", "auto",
     )  # fmt: skip
     assert "resumed from" in resumed.output and "at step 3" in resumed.output
     after = [r for r in resumed.train_rows if r["step"] > 3]

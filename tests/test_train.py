@@ -82,7 +82,7 @@ def test_two_ranks_equal_one_rank_with_accumulation_dropout_on(assets, tmp_path)
     model = demo.build_model("gpt2", tmp_path / "gpt2_dropout", assets.tokenizer, resid_pdrop=0.1, embd_pdrop=0.1)
     args = base_args(model, assets.text, "--max_steps", "8", "--eval_fraction", "0.1")
     ddp = finetune(tmp_path / "ddp", *args, "--gradient_accumulation_steps", "1", launcher="ddp")
-    one = finetune(tmp_path / "one", *args, "--gradient_accumulation_steps", "2", launcher="single")
+    one = finetune(tmp_path / "one", *args, "--gradient_accumulation_steps", "2")
     assert len(ddp.losses()) == 8
     assert "Setting accelerator to CPU" not in ddp.output  # no DeepSpeed import outside DeepSpeed runs
     assert max_rel_diff(ddp.losses(), one.losses()) <= 1e-5
