@@ -230,11 +230,11 @@ def test_adapter_resume_equals_uninterrupted(assets, tmp_path):
         ),
         *LORA,
     ]
-    straight = finetune(tmp_path / "straight", *args, launcher="ddp")
+    straight = finetune(tmp_path / "straight", *args)  # across layouts: tests/test_resume_layouts.py
     part = tmp_path / "part"
     shutil.copytree(straight.output_dir, part)
     crash_after(part, 2)
-    resumed = finetune(part, *args, "--resume_from_checkpoint", "latest", launcher="ddp")
+    resumed = finetune(part, *args, "--resume_from_checkpoint", "latest")
     assert [r["step"] for r in resumed.train_rows] == [1, 2, 3, 4]
     assert max_rel_diff(straight.losses(), resumed.losses()) <= 1e-6
     assert max_weight_diff(straight.output_dir / "final", part / "final", "adapter_model.safetensors") <= 1e-6

@@ -120,7 +120,7 @@ def test_adapter_run_ddp_to_zero3_to_single(assets, tmp_path):
         "--peft.method", "lora", "--peft.r", "4", "--peft.alpha", "8",
     ]  # fmt: skip
     straight, (*_, last) = chain(
-        tmp_path, args, [("ddp",), ("zero3",), ("single", "--gradient_accumulation_steps", "2")], every=2
+        tmp_path, args, [("ddp",), ("zero3",), ("python", "--gradient_accumulation_steps", "2")], every=2
     )
     assert "written by DEEPSPEED ZeRO-3 on 2 process(es), converted" in last.output
     assert [r["distributed_type"] for r in last.train_rows] == ["MULTI_CPU"] * 2 + ["DEEPSPEED"] * 2 + ["NO"] * 2
