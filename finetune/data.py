@@ -290,7 +290,8 @@ class Collator:
 
     def _pairs(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         """B preference pairs as 2B rows, the chosen answers first: prompt + answer, only the answer learned; the
-        batch counts pairs (num_supervised), and carries each pair's index and reference log-probs (once known)."""
+        batch counts pairs (num_supervised), and carries each pair's index and reference log-probs (once known;
+        a stream's pairs have no index: their references are live, or the method has none)."""
         answers = [e["chosen_ids"] for e in examples] + [e["rejected_ids"] for e in examples]
         prompts = [e["prompt_ids"] for e in examples] * 2
         width = self._width([p + a for p, a in zip(prompts, answers)])
@@ -300,19 +301,19 @@ class Collator:
             ids.append(list(p) + list(a) + [self.pad] * gap)
             labels.append([IGNORE] * len(p) + list(a) + [IGNORE] * gap)
             mask.append([1] * (len(p) + len(a)) + [0] * gap)
-        index = torch.tensor([e[PAIR_INDEX] for e in examples])
         batch = {
             "input_ids": torch.tensor(ids, dtype=torch.long),
             "attention_mask": torch.tensor(mask, dtype=torch.long),
             "labels": torch.tensor(labels, dtype=torch.long),
-            PAIR_INDEX: index,
             "num_tokens": torch.tensor(sum(map(sum, mask))),
             "num_positions": torch.tensor(len(ids) * width),
             "num_supervised": torch.tensor(len(examples)),
         }
-        reference = self.references(index) if self.references else None
-        if reference is not None:
-            batch["ref_logps"] = reference
+        if PAIR_INDEX in examples[0]:
+            batch[PAIR_INDEX] = torch.tensor([e[PAIR_INDEX] for e in examples])
+            reference = self.references(batch[PAIR_INDEX]) if self.references else None
+            if reference is not None:
+                batch["ref_logps"] = reference
         return batch
 
     def _encoder_decoder(self, examples: list[dict]) -> dict[str, torch.Tensor]:

@@ -357,6 +357,17 @@ CASES = [
         "dpo_on_instruction_data", lambda c: c.yaml(method="dpo"), "method", "cannot train instruction data", stage=DATA
     ),  # fmt: skip
     Case(
+        "streaming_dpo_with_precomputed_references",
+        lambda c: c.yaml(
+            method="dpo",
+            streaming=True,
+            max_steps=4,
+            dataset=c.jsonl("pairs.jsonl", [{"prompt": f"p{i}", "chosen": "a", "rejected": "b"} for i in range(20)]),
+        ),
+        "streaming",
+        "set reference: live",
+    ),
+    Case(
         "preference_pairs_all_the_same",
         lambda c: c.yaml(
             method="orpo",

@@ -1,6 +1,6 @@
 """`streaming: true`: the rows read, shuffled, tokenized and packed as training goes. The same rows and losses for
-2 ranks x GA 1 and 1 rank x GA 2, a resumed run that continues as the uninterrupted one did, a stream that runs out
-restarting reshuffled, and what a stream cannot do refused by key."""
+2 ranks x GA 1 and 1 rank x GA 2 (supervised rows and DPO's pairs), a resumed run that continues as the
+uninterrupted one did, a stream that runs out restarting reshuffled, and what a stream cannot do refused by key."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from conftest import base_args, crash_after, finetune, max_rel_diff, max_weight_diff
 
 from finetune.config import ConfigError, DataArgs, RunConfig
-from finetune.config.rules import streaming_problems
+from finetune.config.rules import preference_problems, streaming_problems
 from finetune.data import build_stream
 
 
@@ -112,3 +112,48 @@ def test_a_stream_with_no_training_rows_left_after_eval_is_refused(assets):
     with pytest.raises(ConfigError) as e:
         _stream(assets, eval_fraction_max_rows=400)
     assert e.value.problems[0][0] == "eval_fraction_max_rows"
+
+
+def test_streamed_pairs_need_a_live_reference_for_dpo_and_ipo_only():
+    cfg = RunConfig()
+    cfg.data.streaming, cfg.train.max_steps = True, 10
+    for method, reference, refused in [
+        ("dpo", "precomputed", True), ("ipo", "precomputed", True), ("dpo", "live", False), ("ipo", "live", False),
+        ("orpo", "precomputed", False), ("simpo", "precomputed", False),
+    ]:  # fmt: skip
+        cfg.train.method, cfg.train.reference = method, reference
+        problems = dict(preference_problems(cfg))
+        assert ("reference: live" in problems.get("streaming", "")) == refused, (method, reference, problems)
+        assert streaming_problems(cfg) == [], method
+    cfg.data.streaming, cfg.train.method, cfg.train.reference = False, "dpo", "precomputed"
+    assert "streaming" not in dict(preference_problems(cfg))
+
+
+def test_streamed_pairs_with_a_live_reference_train_the_same_under_two_ranks(assets, tmp_path):
+    """DPO on a stream of pairs, reference: live (a frozen copy of the starting model): 2 ranks x GA 1 (DDP) and one
+    process x GA 2 train the same pairs: losses, rewards, eval and exported weights within 1e-5; the policy starts as
+    its reference (loss log 2), and no reference log-probs were precomputed."""
+    import math
+
+    from test_preference import pairs
+
+    args = base_args(
+        assets.llama, pairs(tmp_path / "pairs.jsonl"), "--method", "dpo", "--beta", "0.5", "--reference", "live",
+        "--streaming", "true", "--max_steps", "4", "--per_device_train_batch_size", "2",
+        "--eval_fraction_max_rows", "16", "--shuffle_buffer_size", "40",
+    )  # fmt: skip
+    one = finetune(tmp_path / "one", *args, "--gradient_accumulation_steps", "2")
+    two = finetune(tmp_path / "two", *args, launcher="ddp")
+    assert "preference format, train rows streamed" in two.output, two.output[-3000:]
+    assert "reference log-probs: live, a frozen copy of the starting model" in two.output
+    a, b = one.train_rows, two.train_rows
+    assert len(a) == len(b) == 4
+    assert [r["tokens_seen"] for r in a] == [r["tokens_seen"] for r in b]  # the same pairs in every step
+    assert max_rel_diff(one.losses(), two.losses()) <= 1e-5
+    assert one.losses()[0] == pytest.approx(math.log(2), abs=1e-5)
+    for key in ("rewards_chosen", "rewards_rejected", "logps_chosen"):
+        x, y = [r[key] for r in a], [r[key] for r in b]
+        assert all(abs(p - q) <= 1e-5 * max(1.0, abs(p)) for p, q in zip(x, y, strict=True)), (key, x, y)
+    assert one.eval_rows and abs(one.eval_rows[-1]["eval_loss"] / two.eval_rows[-1]["eval_loss"] - 1) <= 1e-5
+    assert max_weight_diff(one.output_dir / "final", two.output_dir / "final") <= 1e-5
+    assert not (one.output_dir / "reference_logps.pt").exists() and not (two.output_dir / "reference_logps.pt").exists()

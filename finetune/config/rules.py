@@ -131,7 +131,6 @@ def preference_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     for key, on, why in (
         ("packing", d.packing, "a pair's two answers are compared whole, each in its own row"),
         ("length_aware_batching", d.length_aware_batching, "a pair is two rows of its own lengths"),
-        ("streaming", d.streaming, "the reference log-probs are computed over the whole data before training"),
     ):
         if on:
             p.append((key, f"is not supported with method {t.method} ({why}); turn it off, {off}"))
@@ -144,6 +143,10 @@ def preference_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     choice(p, "reference", t.reference, REFERENCES)
     if t.reference == "live" and t.method not in REFERENCE_METHODS:
         p.append(("reference", f"is live, but {t.method} compares with no reference model; leave reference out"))
+    if d.streaming and t.method in REFERENCE_METHODS and t.reference == "precomputed":
+        p.append(("streaming", f"method {t.method} precomputes its reference log-probs over the whole data before "
+                               "training, which a stream does not have; set reference: live (the reference model "
+                               "beside the trained one), or streaming: false"))  # fmt: skip
     return p
 
 

@@ -274,7 +274,8 @@ class DataArgs:
         "tokenized and packed as training consumes them, so neither the disk nor the memory holds the whole set. "
         "Needs max_steps (the stream restarts, reshuffled, when it runs out); eval comes from eval_dataset, "
         "eval_split or the stream's first eval_fraction_max_rows rows. Not with epochs, datasets mixtures, "
-        "length_aware_batching, classification or prepared_data (docs/data.md).",
+        "length_aware_batching, classification or prepared_data (docs/data.md). Preference pairs: with orpo or "
+        "simpo, or dpo/ipo with reference: live (docs/preference.md).",
     )
     shuffle_buffer_size: int = _f(
         10_000, "streaming: rows held in the shuffle buffer (larger: closer to a full shuffle, more memory)."
@@ -306,7 +307,7 @@ class TrainArgs:
         "training by the prepared model and kept in output_dir/reference_logps.pt (training holds one model). live: "
         "one more forward per micro batch, without gradients: with an adapter (peft.method lora or dora) the "
         "policy's own base model with the adapter disabled (no second copy), without one a frozen copy of the "
-        "starting model, sharded as the trained one (ZeRO-3, FSDP2). docs/preference.md.",
+        "starting model, sharded as the trained one (ZeRO-3, FSDP2); what streamed pairs need. docs/preference.md.",
     )
     max_steps: int = _f(-1, "Optimizer steps to run; -1 uses num_train_epochs.")
     num_train_epochs: float = _f(1.0, "Epochs to run when max_steps is -1.")
