@@ -181,6 +181,8 @@ def build_data(cfg: RunConfig, acc, topology: parallel.Topology, tokenizer):
         plan.steps_per_epoch,
         plan.warmup_steps,
     )
+    if not t.save_steps:
+        logger.info("checkpoints: none (save_steps null), but where a stop signal asks for one; final/ is written")
     return ds, plan, eval_metrics
 
 
@@ -434,7 +436,8 @@ def train_and_export(
         raise
     training = metrics.peak_memory(acc.device)
     metrics.reset_peak_memory(acc.device)
-    r.checkpointer.save(loop.state_dict_of(state))  # the end-of-run checkpoint (a resume of a finished run)
+    if cfg.train.save_steps:  # the end-of-run checkpoint (a resume of a finished run); save_steps null: none
+        r.checkpointer.save(loop.state_dict_of(state))
     weights_from = None
     dtype = model.save_dtype(cfg.model)  # of final/ and merged/, whatever the layout
     if cfg.train.load_best_model_at_end and state.best_step is not None:

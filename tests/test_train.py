@@ -175,6 +175,7 @@ def test_final_model_reloads_and_reproduces_eval_loss(assets, tmp_path):
     )
     final = res.output_dir / "final"
     assert (final / "run_config.yaml").exists() and (final / "tokenizer.json").exists()
+    assert "checkpoints: none (save_steps null)" in res.output and not (res.output_dir / "checkpoints").exists()
     model = AutoModelForCausalLM.from_pretrained(final)
     tok = AutoTokenizer.from_pretrained(final)
     again = reevaluate(model, tok, assets.instruction, "causal_lm")

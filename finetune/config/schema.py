@@ -326,7 +326,11 @@ class TrainArgs:
     logging_steps: int = _f(10, "Log a metrics.jsonl row every N optimizer steps.")
     eval_steps: int | None = _f(None, "Evaluate every N optimizer steps (always at the end when there is eval data).")
     eval_on_start: bool = _f(False, "Evaluate once before training (shows the starting point).")
-    save_steps: int | None = _f(500, "Checkpoint every N optimizer steps (always at the end).")
+    save_steps: int | None = _f(
+        500,
+        "Checkpoint every N optimizer steps and at the end. null: no checkpoints (only final/), but the one a stop "
+        "signal asks for (preemption_signal, SIGTERM): a crashed run then starts again.",
+    )
     save_total_limit: int | None = _f(None, "Keep only the newest N checkpoints.")
     metric_for_best_model: str | None = _f(
         None,
