@@ -780,7 +780,7 @@ def test_bad_input_exits_2_with_one_clear_message(case: Case, assets, no_chat_mo
 # The refusal as users meet it, through `accelerate launch` with 2 ranks (about 7 s of a 2-core machine each). By
 # default each place a problem can be found once: at the edge (every rank runs the same parse before any distributed
 # start, so the launch path does not depend on the case), with the data (the main process prepares it first and the
-# others wait for its cache: the path a refusal there must release, once per step of the preparation) and with the
+# others wait for its cache: the path a refusal there must release, at the preparation's main steps) and with the
 # model.
 # FINETUNE_BAD_INPUT_GRID=1 launches every case (about 14 minutes of CPU).
 LAUNCHED_CASES = (
@@ -791,14 +791,10 @@ LAUNCHED_CASES = (
     # with the data: each place the main process can stop while the others wait for its cache
     "dataset_not_json",  # reading it
     "format_not_detectable",  # its shape
-    "chat_role_not_assistant",  # rendering it
     "no_supervised_tokens",  # after tokenizing
-    "label_out_of_range_in_eval",  # the eval split
     "streaming_chat_role_not_assistant",  # every rank reads the stream
     "preference_pairs_all_the_same",  # preference pairs
-    "mixture_classification_labels_differ",  # a mixture of sources
     "resume_incomplete_checkpoint",  # the checkpoint to resume
-    "seq2seq_under_fsdp2",  # the layout
     # with the model
     "attn_implementation_unknown",
     "peft_target_modules_not_in_model",
