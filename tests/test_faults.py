@@ -164,10 +164,9 @@ def kill_rank_1(proc: subprocess.Popen) -> None:
     victims[0].kill()
 
 
-def test_killed_rank_stops_everyone_and_resume_finishes_the_run(assets, tmp_path, straight):
-    """Rank 1 killed: the survivors stop within seconds, each says what happened and where to resume; the
-    resume equals the uninterrupted run. (Under ZeRO-3, FSDP2 and TP the kill is tested with the launcher's
-    restarts, below.)"""
+def test_killed_rank_stops_everyone_and_names_where_to_resume(assets, tmp_path):
+    """Rank 1 killed mid-training: the survivors stop within seconds, each says what happened and where to resume.
+    (A resume after a rank killed: the storage faults' under every layout, and --max_restarts', below.)"""
     launcher = "ddp"
     out = tmp_path / "crashed"
     run = launch_until(out, assets, launcher, seeded_step("rank 1 killed"))
@@ -182,7 +181,7 @@ def test_killed_rank_stops_everyone_and_resume_finishes_the_run(assets, tmp_path
     assert "rank 1 exit code -9" in output and "Traceback" not in output, output[-3000:]  # named by the launcher
     named = re.search(r"torchrun's own log lines: (\S+)\)", output)  # and the file it names is there to read
     assert named and "failed (exitcode: -9)" in Path(named[1]).read_text(), output[-3000:]
-    assert_resume_finishes(out, launcher, straight(launcher), assets)
+    assert f"Last complete checkpoint: {out / 'checkpoints' / 'step_'}" in output, output[-3000:]
 
 
 # The restart is torchrun's, its rendezvous ours (base.restart_init_method): one layout; each layout's checkpoint and
