@@ -50,12 +50,19 @@ def checkpoints_dir(output_dir: str) -> str:
     return os.path.join(output_dir, "checkpoints")
 
 
+HALF_WRITTEN = ".tmp_step_"  # a checkpoint being written: checkpoints/.tmp_step_<N>, renamed step_<N> once complete
+
+
 def remove_half_written(output_dir: str) -> list[str]:
     """Remove the checkpoints a stopped run was writing (.tmp_step_N: never complete, never resumed from); the
     paths removed. A resumed run would otherwise leave each one on disk, a whole checkpoint's size, until it saved
     that step again."""
     root = checkpoints_dir(output_dir)
-    names = sorted(n for n in os.listdir(root) if re.fullmatch(r"\.tmp_step_\d+", n)) if os.path.isdir(root) else []
+    names = (
+        sorted(n for n in os.listdir(root) if re.fullmatch(re.escape(HALF_WRITTEN) + r"\d+", n))
+        if os.path.isdir(root)
+        else []
+    )
     for name in names:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     return [os.path.join(root, name) for name in names]
@@ -111,7 +118,7 @@ class Checkpointer:
         acc, step = self.acc, trainer_state["step"]
         root = checkpoints_dir(self.output_dir)
         final = os.path.join(root, f"step_{step}")
-        tmp = os.path.join(root, f".tmp_step_{step}")
+        tmp = os.path.join(root, f"{HALF_WRITTEN}{step}")
         error = None
         if self.writes:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -205,7 +205,7 @@ def report(error: BaseException) -> int | None:
         return _report_child(error)
     if not kind.__module__.startswith("torch.distributed.elastic"):
         return None
-    if kind.__name__ == "SignalException" and any("finetune" in arg for arg in sys.argv):
+    if kind.__name__ == "SignalException" and _argv_names_finetune():
         signame = getattr(error.sigval, "name", str(error.sigval))
         print(
             f"[launcher] stopped by {signame}; every rank was asked to stop (their messages are above)."
@@ -240,7 +240,7 @@ def _report_killed(error, failures: dict) -> int | None:
 
     killed = {rank: -f.exitcode for rank, f in failures.items() if f.exitcode < 0}
     stopped = all(f.exitcode < 0 or f.exitcode == 143 for f in failures.values())
-    if not (killed and stopped and any("finetune" in arg for arg in sys.argv)):
+    if not (killed and stopped and _argv_names_finetune()):
         return None
     how = "; ".join(
         f"rank {rank} exit code -{signum} ({_signal_name(signum)}"
@@ -250,6 +250,11 @@ def _report_killed(error, failures: dict) -> int | None:
     others = "; the others were stopped (their messages are above)" if len(killed) < len(failures) else ""
     print(f"[launcher] {error.name} failed: {how}{others}." + _torchrun_note(), file=sys.stderr)
     return 128 + next(iter(killed.values()))
+
+
+def _argv_names_finetune() -> bool:
+    """Whether this launcher's own arguments name finetune (its ranks are finetune's)."""
+    return any("finetune" in arg for arg in sys.argv)
 
 
 def _signal_name(signum: int) -> str:
