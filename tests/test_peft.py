@@ -45,9 +45,10 @@ def check_adapter(final, r: int, hidden: int = 64) -> dict[str, torch.Tensor]:
 
 
 def test_lora_causal_lm_same_under_every_backend(assets, tmp_path):
-    """single, DDP, ZeRO-2, ZeRO-3, ZeRO-3 with CPU offload, FSDP2 (gradient checkpointing on): same losses, the same
-    non-empty adapters (ZeRO-3 and FSDP2 shard the frozen base and gather the adapter; ZeRO-2 holds the model whole,
-    as DDP does, and partitions the adapter's optimizer states; offload steps the adapter with DeepSpeed's CPU Adam)."""
+    """single, ZeRO-1, ZeRO-2 with CPU offload, ZeRO-3, ZeRO-3 with CPU offload, FSDP2 (gradient checkpointing on):
+    same losses, the same non-empty adapters (ZeRO-3 and FSDP2 shard the frozen base and gather the adapter; ZeRO-1/2
+    hold the model whole, as DDP does, and partition the adapter's optimizer states; offload steps the adapter with
+    DeepSpeed's CPU Adam). DDP's adapter: test_resume_layouts' adapter chain, weights against one process's."""
     run = tmp_path / "lora.yaml"
     run.write_text(
         json.dumps(
@@ -65,7 +66,7 @@ def test_lora_causal_lm_same_under_every_backend(assets, tmp_path):
         )
     )
     out = tmp_path / "parity"
-    layouts = ("single", "ddp", "zero2", "zero3", "zero3_offload", "fsdp2")
+    layouts = ("single", "zero1", "zero2_offload", "zero3", "zero3_offload", "fsdp2")
     proc = subprocess.run(
         [
             sys.executable,
