@@ -111,8 +111,8 @@ def _torchrun_records_to_file() -> None:
         def filter(self, record: logging.LogRecord) -> bool:
             if record.levelno < logging.WARNING:
                 return True
-            try:
-                with open(path, "a") as f:
+            try:  # the first record truncates: a file of an earlier launcher with the same pid is not this one's
+                with open(path, "a" if _torchrun_log else "w") as f:
                     f.write(f"{record.levelname} {record.name}: {record.getMessage()}\n")
             except OSError:
                 return True

@@ -195,3 +195,31 @@ def test_one_process_under_accelerate_launch_still_needs_the_workaround(assets, 
         for c in children:
             if c.is_running():
                 c.kill()
+
+
+def test_torchrun_records_go_to_a_file_of_this_launcher_only(tmp_path, monkeypatch):
+    """torchrun's records about its ranks go to <tmp>/finetune-launcher-<pid>.log, not the screen; a file an
+    earlier launcher with the same pid left there (pids are reused; failed launches keep theirs) is replaced."""
+    import logging
+    import tempfile
+
+    from finetune import launcher_report
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(launcher_report, "_torchrun_log", [])
+    path = tmp_path / f"finetune-launcher-{os.getpid()}.log"
+    path.write_text("ERROR torch.distributed.elastic.multiprocessing.api: failed (exitcode: 2) of an earlier run\n")
+    loggers = [logging.getLogger(name) for name in launcher_report.TORCHRUN_LOGGERS]
+    before = [list(lg.filters) for lg in loggers]
+    try:
+        launcher_report._torchrun_records_to_file()
+        loggers[0].warning("Sending process %d closing signal SIGTERM", 7)
+        loggers[1].error("Received Signals.SIGTERM death signal")
+    finally:
+        for lg, filters in zip(loggers, before, strict=True):
+            lg.filters[:] = filters
+    assert path.read_text().splitlines() == [
+        "WARNING torch.distributed.elastic.multiprocessing.api: Sending process 7 closing signal SIGTERM",
+        "ERROR torch.distributed.elastic.agent.server.api: Received Signals.SIGTERM death signal",
+    ]
+    assert launcher_report._torchrun_note() == f" (torchrun's own log lines: {path})"
