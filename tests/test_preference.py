@@ -166,6 +166,7 @@ def _references_of_the_start(model_dir, tokenizer, ds) -> torch.Tensor:
         ("dpo", "none", ["zero3", "zero3+live", "fsdp2+live", "ddp+live"]),
         ("orpo", "none", ["ddp", "zero3", "fsdp2"]),
         ("dpo", "lora", ["zero3+live"]),  # the references precomputed under ZeRO-3: without the adapter, above
+        ("dpo", "dora", ["fsdp2+live"]),  # DoRA's magnitudes with the adapter disabled; DoRA under ZeRO-3: test_peft
     ],
 )
 def test_every_layout_equals_one_process_with_accumulation(assets, tmp_path, method, peft, layouts):
