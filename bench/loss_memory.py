@@ -10,12 +10,17 @@ peak     a Llama-shaped model of 93M parameters (hidden 512, 8 layers, 8 heads, 
          alive, not what glibc kept). Measured: the
          training-phase peak RSS (each side resets the high-water mark as training starts: finetune.metrics) and
          the median step time. Target: chunked <= 0.6x Trainer's peak.
+eval     one eval batch (--eval_batch rows of --seq tokens) through the run's own evaluation
+         (`Backend.eval_stats`), with the chunked loss (each row's NLL a chunk at a time) and without (the batch's
+         whole logits, as transformers' forward gives them): the peak resident memory above the loaded model, and
+         the two eval losses (equal to 1e-5 relative).
 longest  the longest max_seq_length (a multiple of 256) that `finetune plan`'s estimate puts within --budget_gb,
          with the chunked loss and without (transformers' loss, which Trainer computes the same way); then a run of
          finetune with the chunked loss at its length and one of Trainer at the unchunked length, each of which must
          stay inside the budget (nothing is run that the planner says will not fit). Target: >= 1.8x.
 
-    .venv/bin/python bench/loss_memory.py [--parts peak,longest] [--seq 2048] [--budget_gb 4] [--steps 3]
+    .venv/bin/python bench/loss_memory.py [--parts peak,eval,longest] [--seq 2048] [--eval_batch 4]
+                                          [--budget_gb 4] [--steps 3]
 """
 
 from __future__ import annotations
@@ -39,8 +44,9 @@ LONGEST_TARGET = 1.8  # chunked longest sequence / unchunked
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--parts", default="peak,longest", help="peak, longest, or both (default)")
-    parser.add_argument("--seq", type=int, default=2048, help="peak: tokens per row (default 2048)")
+    parser.add_argument("--parts", default="peak,eval,longest", help="any of peak, eval, longest (default: all)")
+    parser.add_argument("--seq", type=int, default=2048, help="peak, eval: tokens per row (default 2048)")
+    parser.add_argument("--eval_batch", type=int, default=4, help="eval: rows per eval batch (default 4)")
     parser.add_argument("--budget_gb", type=float, default=4.0, help="longest: training peak budget (default 4)")
 
 
@@ -96,6 +102,50 @@ def trainer_side(ctx: harness.Context, model: str, seq: int) -> dict:
     return {"train_peak_gb": r["train_peak_rss_gb"], "step_s": r["step_time_s"]}
 
 
+def eval_worker(spec: dict) -> dict:
+    """One eval batch through Backend.eval_stats (one process), the peak RSS above the loaded model."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from finetune import metrics, model
+    from finetune.config import build_config
+    from finetune.parallel import ddp
+
+    torch.set_num_threads(2)
+    values = {
+        "model": spec["model"],
+        "dataset": "unused.jsonl",
+        "output_dir": "unused",
+        "chunked_loss": spec["chunked"],
+    }
+    cfg = build_config(values, check_filesystem=False)
+    batch, seq = spec["batch"], spec["seq"]
+    net = model.build_model(cfg.model, _Tokenizer(), None, seq, eval_batch_tokens=batch * seq).eval()
+    ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(0))
+    backend = ddp.Backend(SimpleNamespace(unwrap_model=lambda m, **kw: m, mixed_precision="no"), None, None)
+    before = metrics.peak_memory(torch.device("cpu"))["peak_rss_gb"]
+    metrics.reset_peak_memory(torch.device("cpu"))
+    with torch.no_grad():
+        stats = backend.eval_stats(net, {"input_ids": ids}, ids.clone(), "causal_lm")
+    peak = metrics.peak_memory(torch.device("cpu"))["peak_rss_gb"]
+    return {"loss": (stats["nll"].sum() / stats["count"].sum()).item(), "model_gb": before, "peak_gb": peak}
+
+
+class _Tokenizer:
+    """What model.build_model reads of a tokenizer (its length, the pad id) for a model whose vocabulary is VOCAB."""
+
+    pad_token_id = 0
+
+    def __len__(self) -> int:
+        return VOCAB
+
+
+def eval_side(ctx: harness.Context, model: str, chunked: str) -> dict:
+    spec = {"model": model, "chunked": chunked, "batch": ctx.opts.eval_batch, "seq": ctx.opts.seq, "env": RELEASE}
+    return harness.run_worker(ctx, "loss_memory.py", "eval", spec, f"eval_{chunked}", 2)
+
+
 def planned_gb(ctx: harness.Context, model: str, seq: int, chunked: str) -> float:
     from finetune import memory
     from finetune.config import build_config
@@ -129,6 +179,10 @@ def run(ctx: harness.Context) -> dict:
             "unchunked": finetune_side(ctx, model, seq, "false"),
             "trainer": trainer_side(ctx, model, seq),
         }
+    if "eval" in parts:
+        harness.log(f"  eval: {ctx.opts.eval_batch} x {ctx.opts.seq} tokens, chunked / whole logits")
+        out["eval"] = {"batch": ctx.opts.eval_batch, "seq": ctx.opts.seq}
+        out["eval"] |= {side: eval_side(ctx, model, side) for side in ("true", "false")}
     if "longest" in parts:
         budget = ctx.opts.budget_gb
         (seq_on, plan_on), (seq_off, plan_off) = longest(ctx, model, "true"), longest(ctx, model, "false")
@@ -156,6 +210,16 @@ def rows(r: dict) -> list[harness.Row]:
         out.append(harness.Row("loss memory", "chunked / Trainer peak", ratio, "x", "", target, ratio <= PEAK_TARGET))
         speed = p["unchunked"]["step_s"] / p["chunked"]["step_s"]
         out.append(harness.Row("loss memory", "chunked / unchunked speed", speed, "x", "finetune, same run otherwise"))
+    if "eval" in r:
+        e = r["eval"]
+        what = f"{e['batch']} x {e['seq']} tokens"
+        for side, name in (("true", "chunked_loss true"), ("false", "chunked_loss false (whole logits)")):
+            x = e[side]
+            note = f"eval_loss {x['loss']:.6f}, model loaded {x['model_gb']:.2f} GB"
+            out.append(harness.Row("eval memory", f"{name}, {what}", x["peak_gb"] - x["model_gb"], "GB", note))
+        ratio = (e["true"]["peak_gb"] - e["true"]["model_gb"]) / (e["false"]["peak_gb"] - e["false"]["model_gb"])
+        same = abs(e["true"]["loss"] / e["false"]["loss"] - 1) <= 1e-5
+        out.append(harness.Row("eval memory", "chunked / whole, above the model", ratio, "x", f"same loss: {same}"))
     if "longest" in r:
         lg, budget = r["longest"], r["longest"]["budget_gb"]
         on, off = lg["chunked"], lg["unchunked"]
@@ -178,4 +242,5 @@ def rows(r: dict) -> list[harness.Row]:
 
 
 if __name__ == "__main__":
-    harness.main(sys.modules[__name__])
+    if not harness.worker_main({"eval": eval_worker}):
+        harness.main(sys.modules[__name__])

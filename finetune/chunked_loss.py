@@ -9,8 +9,10 @@ Model-agnostic by construction: the head is called as a module (`get_output_embe
 weight, so ZeRO-3 gathers its whole weight for each call (a fused loss that reads `lm_head.weight` directly gets
 the empty local shard: trl#3368), LoRA on the head and `modules_to_save` run their own forward, and DDP and FSDP2
 see the call inside the model's forward. The forward replaced is the model instance's own, so it runs inside
-every wrapper's forward (DDP, FSDP2, DeepSpeed, PEFT) as transformers' did. Used only where labels are given with
-gradients enabled (a training forward); evaluation and generation run transformers' forward, with the logits.
+every wrapper's forward (DDP, FSDP2, DeepSpeed, PEFT) as transformers' did. Used where labels are given with
+gradients enabled (a training forward), and by evaluation, which asks for each row's summed NLL (`ROW_NLL`): its
+logits would otherwise be the eval batch's whole (8 rows of 4,096 tokens at 128k entries: 17 GB in fp32, and the
+loss's copies of them). Generation, and any other forward, runs transformers' own, with the logits.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ AUTO_MAX_COST = 0.10
 # auto chunk size: about this many logits per chunk (128 MB in fp32; the loss keeps three such copies at its
 # peak: the logits, their log-softmax and its gradient), never fewer than 128 tokens.
 CHUNK_LOGITS = 2**25
+ROW_NLL = "finetune_row_nll"  # a forward keyword: (no gradients) each row's summed next-token NLL, chunked
+INSTALLED = "finetune_chunked_loss"  # the model attribute that says it is installed (PEFT passes attributes on)
 
 
 def chunk_tokens(requested: int, vocab_size: int) -> int:
@@ -74,19 +78,22 @@ def extra_cost(vocab_size: int, hidden: int, params: int) -> float:
     return vocab_size * hidden / (3 * max(params, 1))
 
 
-def install(model, chunk: int, micro_batch_tokens: int) -> int:
-    """Replace `model`'s forward (a transformers causal LM, not yet wrapped) by one whose training loss is chunked;
-    the number of chunks each micro batch is cut into.
+def install(model, chunk: int, micro_batch_tokens: int, eval_batch_tokens: int) -> int:
+    """Replace `model`'s forward (a transformers causal LM, not yet wrapped) by one whose training loss, and the
+    eval NLL asked for with ROW_NLL, are chunked; the number of chunks each training micro batch is cut into.
 
     Every micro batch, on every rank, is cut into the same number of chunks, from the largest micro batch the run
-    can have (micro_batch_tokens): under ZeRO-3 each call of the head gathers its weight, a collective that every
-    rank must make as often as the others. A narrower batch has smaller chunks; a length-aware micro batch above
-    that size has larger ones."""
+    can have (micro_batch_tokens; an eval batch: eval_batch_tokens): under ZeRO-3 each call of the head gathers its
+    weight, a collective that every rank must make as often as the others. A narrower batch has smaller chunks; a
+    length-aware micro batch above that size has larger ones."""
     pieces = max(1, -(-micro_batch_tokens // chunk))
+    eval_pieces = max(1, -(-eval_batch_tokens // chunk))
     plain_forward = model.forward
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, **kwargs):
-        if labels is None or not torch.is_grad_enabled() or kwargs.get("past_key_values") is not None:
+        per_row = kwargs.pop(ROW_NLL, False)
+        train = labels is not None and torch.is_grad_enabled() and kwargs.get("past_key_values") is None
+        if not (train or per_row):
             return plain_forward(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, labels=labels, **kwargs
             )
@@ -95,14 +102,21 @@ def install(model, chunk: int, micro_batch_tokens: int) -> int:
         out = self.get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs
         )
+        head, hidden = self.get_output_embeddings(), out.last_hidden_state
+        if per_row:
+            return {"nll": row_nll(head, hidden, labels, eval_pieces)}  # a dict: every wrapper passes it on
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
-        return CausalLMOutputWithPast(
-            loss=chunked_nll(self.get_output_embeddings(), out.last_hidden_state, labels, pieces)
-        )
+        return CausalLMOutputWithPast(loss=chunked_nll(head, hidden, labels, pieces))
 
     model.forward = types.MethodType(forward, model)
+    setattr(model, INSTALLED, True)
     return pieces
+
+
+def installed(model) -> bool:
+    """Whether `model` (a transformers or PEFT model) runs the chunked loss."""
+    return bool(getattr(model, INSTALLED, False))
 
 
 def chunked_nll(head, hidden: torch.Tensor, labels: torch.Tensor, pieces: int) -> torch.Tensor:
@@ -115,6 +129,18 @@ def chunked_nll(head, hidden: torch.Tensor, labels: torch.Tensor, pieces: int) -
     for h, t in zip(torch.tensor_split(flat, pieces), torch.tensor_split(targets, pieces), strict=True):
         total = total + checkpoint(_nll_sum, head, h, t, use_reentrant=False)
     return total / (targets != IGNORE).sum().clamp(min=1)
+
+
+def row_nll(head, hidden: torch.Tensor, labels: torch.Tensor, pieces: int) -> torch.Tensor:
+    """Each row's summed next-token NLL (metrics.per_example_stats' "nll", from the same fp32 logits) over `pieces`
+    chunks of the tokens, with no gradients: one chunk's logits alive at a time."""
+    targets = F.pad(labels, (0, 1), value=IGNORE)[..., 1:].reshape(-1)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    parts = [
+        F.cross_entropy(head(h).float(), t, ignore_index=IGNORE, reduction="none")
+        for h, t in zip(torch.tensor_split(flat, pieces), torch.tensor_split(targets, pieces), strict=True)
+    ]
+    return torch.cat(parts).view(labels.shape).sum(-1)
 
 
 def _nll_sum(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

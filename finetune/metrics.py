@@ -42,13 +42,18 @@ def load_metrics(names: list[str] | None, task: str, key: str = "metrics") -> di
     return out
 
 
-def per_example_stats(logits: torch.Tensor, labels: torch.Tensor, task: str) -> dict[str, torch.Tensor]:
+def per_example_stats(
+    logits: torch.Tensor | None, labels: torch.Tensor, task: str, nll: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """Per-example sums, so that `gather_for_metrics` can drop the duplicates of an uneven last batch.
 
-    causal LM: summed next-token NLL and supervised-token count per row.
+    causal LM: summed next-token NLL and supervised-token count per row (nll: those sums, computed by the chunked
+    loss, in place of the logits).
     seq2seq: the same over the target tokens; decoder logits already align with the labels (no shift).
     classification: NLL, prediction and reference per example.
     """
+    if nll is not None:
+        return {"nll": nll, "count": (labels[:, 1:] != -100).sum(-1).float()}
     logits = logits.float()
     if task == "classification":
         nll = torch.nn.functional.cross_entropy(logits, labels, reduction="none")

@@ -131,11 +131,13 @@ def build_model(
     extra_kwargs: dict | None = None,
     load_weights: bool = True,
     micro_batch_tokens: int = 0,
+    eval_batch_tokens: int = 0,
     numel: Callable[[torch.nn.Parameter], int] = torch.nn.Parameter.numel,
 ):
     """Load the model for the task; a classifier gets a head sized to the labels in the data; adapters on top.
     load_weights False: the architecture only, on the meta device (the backend brings its own weights).
-    micro_batch_tokens: the most tokens a training micro batch holds (the chunked loss cuts every one alike).
+    micro_batch_tokens, eval_batch_tokens: the most tokens a training micro batch and an eval batch hold (the
+    chunked loss cuts every one alike).
     numel: a parameter's full size (the backend's: ZeRO-3 partitions at load)."""
     import transformers
     from transformers import AutoConfig
@@ -168,9 +170,10 @@ def build_model(
     vocab, hidden, params = full_sizes(model, numel)
     if load_weights and chunked_loss.wanted(m.chunked_loss, model.config.model_type, m.task, vocab, hidden, params):
         chunk = chunked_loss.chunk_tokens(m.loss_chunk_tokens, vocab)
-        pieces = chunked_loss.install(model, chunk, micro_batch_tokens)
+        pieces = chunked_loss.install(model, chunk, micro_batch_tokens, eval_batch_tokens)
         logger.info(
-            "chunked loss: up to %d tokens per chunk, %d chunks per micro batch (vocabulary %d; chunked_loss %s)",
+            "chunked loss: up to %d tokens per chunk, %d chunks per micro batch (vocabulary %d; chunked_loss %s; "
+            "eval too)",
             chunk,
             pieces,
             vocab,

@@ -207,6 +207,7 @@ def build_model(cfg: RunConfig, backend, tokenizer, ds: data.Datasets, resume: c
         extra_kwargs=backend.model_kwargs(),
         load_weights=backend.needs_hf_weights,
         micro_batch_tokens=cfg.train.per_device_train_batch_size * cfg.data.max_seq_length,
+        eval_batch_tokens=cfg.train.per_device_eval_batch_size * cfg.data.max_seq_length,
         numel=backend.numel,
     )
     if resume and resume.portable and peft_on:  # the run's own base model; the adapter's weights by name

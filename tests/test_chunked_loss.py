@@ -14,6 +14,7 @@ from conftest import EXPECTED, ROOT, base_args, finetune, max_rel_diff
 
 from finetune import chunked_loss
 from finetune.config import ConfigError, build_config
+from finetune.metrics import per_example_stats
 
 pytestmark = pytest.mark.xdist_group("chunked_loss")  # one worker: the eager reference runs once
 
@@ -48,7 +49,7 @@ def _batch(vocab: int) -> dict:
 @pytest.mark.parametrize("chunk, micro_batch_tokens", [(7, 60), (16, 60), (8, 200)])  # 200: empty chunks too
 def test_same_loss_and_gradients_as_transformers(assets, chunk, micro_batch_tokens):
     plain, chunked = _model(assets.llama), _model(assets.llama)
-    pieces = chunked_loss.install(chunked, chunk, micro_batch_tokens)
+    pieces = chunked_loss.install(chunked, chunk, micro_batch_tokens, micro_batch_tokens)
     assert pieces == -(-micro_batch_tokens // chunk) and pieces > 1
     batch = _batch(plain.config.vocab_size)
     want, want_grads = _loss_and_grads(plain, batch)
@@ -57,8 +58,30 @@ def test_same_loss_and_gradients_as_transformers(assets, chunk, micro_batch_toke
     assert want_grads.keys() == got_grads.keys()
     for name, g in want_grads.items():
         assert torch.allclose(got_grads[name], g, rtol=1e-5, atol=1e-7), name
-    with torch.no_grad():  # evaluation keeps transformers' forward, with its logits
-        assert chunked(**batch).logits.shape[-1] == plain.config.vocab_size
+    with torch.no_grad():
+        # generation (and any forward without ROW_NLL) keeps transformers' forward, with its logits
+        logits = plain(**batch).logits
+        assert torch.equal(chunked(**batch).logits, logits)
+        # evaluation: each row's summed NLL, with one chunk's logits at a time, equal to the sums from whole logits
+        heads = []
+        chunked.lm_head.register_forward_hook(lambda module, args, out: heads.append(tuple(out.shape)))
+        labels = batch["labels"]
+        got = chunked(**batch, **{chunked_loss.ROW_NLL: True})["nll"]
+        want = per_example_stats(logits, labels, "causal_lm")["nll"]
+    assert len(heads) == pieces and max(rows for rows, _ in heads) <= chunk, heads
+    assert got.shape == want.shape == (3,) and torch.allclose(got, want, rtol=1e-6), (got, want)
+    # the run's evaluation asks for it (every backend's eval_stats is this one, Megatron-LM's aside)
+    from types import SimpleNamespace
+
+    from finetune.parallel import ddp
+
+    backend = ddp.Backend(SimpleNamespace(unwrap_model=lambda m, **kw: m, mixed_precision="no"), None, None)
+    heads.clear()
+    with torch.no_grad():
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        stats = backend.eval_stats(chunked, inputs, labels, "causal_lm")
+    assert len(heads) == pieces and max(rows for rows, _ in heads) <= chunk, heads
+    assert torch.equal(stats["nll"], got) and stats["count"].tolist() == [14, 14, 9]
 
 
 @pytest.mark.parametrize("how", ["lora on the head", "modules_to_save"])
@@ -72,7 +95,7 @@ def test_adapters_on_the_head(assets, how):
         config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["lm_head"])
     plain = get_peft_model(_model(assets.llama), config)
     base = _model(assets.llama)
-    chunked_loss.install(base, 9, 60)
+    chunked_loss.install(base, 9, 60, 60)
     chunked = get_peft_model(base, config)
     chunked.load_state_dict(plain.state_dict())  # the same adapter weights
     batch = _batch(plain.config.vocab_size)
@@ -131,7 +154,13 @@ def reference(assets, tmp_path_factory):
 
 
 def _args(assets, *more: str) -> list[str]:
-    return base_args(assets.llama, assets.instruction, "--max_steps", "5", "--eval_fraction", "0", *more)
+    return base_args(assets.llama, assets.instruction, "--max_steps", "5", "--eval_fraction", "0.1", *more)
+
+
+def _assert_same_eval(want, got) -> None:
+    """The final eval loss (the chunked loss computes it too, a chunk at a time) within 1e-5 of the reference's."""
+    assert want.eval_rows and got.eval_rows
+    assert got.eval_rows[-1]["eval_loss"] == pytest.approx(want.eval_rows[-1]["eval_loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize("launcher", ["zero3", "fsdp2", "tp2"])  # DDP: with torch_compile below
@@ -150,6 +179,7 @@ def test_every_layout_equals_one_process_without_it(assets, tmp_path, reference,
     want, got = reference.losses(), res.losses()
     assert len(want) == len(got) == 5
     assert max_rel_diff(want, got) <= 1e-5, (want, got)
+    _assert_same_eval(reference, res)
 
 
 def test_lora_on_the_head_under_zero3_equals_one_process(assets, tmp_path):
@@ -182,29 +212,44 @@ def test_lora_on_the_head_under_zero3_equals_one_process(assets, tmp_path):
     want, got = one.losses(), zero3.losses()
     assert len(want) == len(got) == 5
     assert max_rel_diff(want, got) <= 1e-5, (want, got)
+    _assert_same_eval(one, zero3)
     assert want[-1] < want[0]  # it learned
 
 
 def test_the_planner_counts_one_chunk_of_logits(tmp_path):
-    """`finetune plan` (and the capacity benchmarks) count one chunk's logits under the chunked loss."""
+    """`finetune plan` (and the capacity benchmarks) count one chunk's logits under the chunked loss, in training
+    and in evaluation (without it: the eval batch's whole logits, which at 128k entries outweigh the model); no
+    eval data, no eval part."""
     from finetune import demo, memory
 
     vocab, seq = 128_256, 2048
     shape_config = demo.llama_config(256, 2, vocab=vocab, max_positions=seq)
-    logits = {}
+    logits, evals, totals = {}, {}, {}
     for setting in ("true", "false"):
         values = {"model": "(config given)", "dataset": "d.jsonl", "output_dir": str(tmp_path / setting)}
         values |= {"max_seq_length": seq, "per_device_train_batch_size": 1, "chunked_loss": setting}
+        values |= {"per_device_eval_batch_size": 4, "eval_fraction": 0.05}
         cfg = build_config(values, check_filesystem=False)
         shape = memory.shape_from_config(cfg, config=shape_config)
         assert shape.model_type == "llama" and shape.vocab == vocab
         machines = memory.Machines(cpu_processes=1)
-        est = memory.plan_config(shape, cfg, ROOT / "accelerate_configs" / "single.yaml", machines)
-        logits[setting] = est.by_kind()["logits"] * 1e9
+        single = ROOT / "accelerate_configs" / "single.yaml"
+        est = memory.plan_config(shape, cfg, single, machines)
+        logits[setting], evals[setting] = est.by_kind()["logits"] * 1e9, est.by_kind()["eval"] * 1e9
+        always = sum(p.bytes for p in est.parts if p.phase == "always")
+        phases = {phase: sum(p.bytes for p in est.parts if p.phase == phase) for phase in ("backward", "step", "eval")}
+        assert est.host_gb * 1e9 == pytest.approx(always + max(phases.values()))  # the largest phase on top
+        totals[setting] = est.host_gb
+        values["eval_fraction"] = 0
+        no_eval = memory.plan_config(shape, build_config(values, check_filesystem=False), single, machines)
+        assert "eval" not in no_eval.by_kind()
     chunk = chunked_loss.chunk_tokens(0, vocab)
     assert chunk == 261
     assert logits["false"] == pytest.approx(seq * vocab * 12)  # fp32: 3 copies of the whole logits
     assert logits["true"] == pytest.approx(chunk * vocab * 12)
+    assert evals["false"] == pytest.approx(4 * seq * vocab * 12)  # the eval batch's: 4 rows
+    assert evals["true"] == pytest.approx(chunk * vocab * 12)
+    assert totals["false"] > totals["true"] + 10  # GB: the unchunked eval batch's logits
 
 
 def test_compiled_under_ddp_with_the_chunked_loss_equals_eager(assets, tmp_path, reference):
@@ -221,6 +266,7 @@ def test_compiled_under_ddp_with_the_chunked_loss_equals_eager(assets, tmp_path,
     want, got = reference.losses(), res.losses()
     assert len(want) == len(got) == 5
     assert max_rel_diff(want, got) <= 1e-5, (want, got)
+    _assert_same_eval(reference, res)
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()  # the export found the model in its wrappers
 
 

@@ -173,7 +173,7 @@ def test_estimate_is_within_15_percent_of_the_measured_peak(sized_models, tmp_pa
     assert len(memory_row) == 2
     planned = memory.plan_config(
         memory.shape_from_config(run_config(models[size])),
-        run_config(models[size]),
+        run_config(models[size], eval_fraction=0),
         ROOT / "accelerate_configs" / f"{config}.yaml",
         memory.Machines(cpu_processes=2, mixed_precision=precision),
     )
@@ -305,7 +305,7 @@ def test_nothing_fits_says_what_to_change(tmp_path, capsys):
 def test_gradient_checkpointing_when_activations_are_the_problem(tmp_path):
     """Nothing fits at micro batch 1 without checkpointing; with it, the least sharded config that fits."""
     model = llama_config_dir(tmp_path, "m", 2048, 24, 5632)
-    cfg = run_config(model, max_seq_length=32768, per_device_train_batch_size=1)
+    cfg = run_config(model, max_seq_length=32768, per_device_train_batch_size=1, eval_fraction=0)  # eval: its own
     machines = memory.Machines(2, 2, 80.0, 500.0, mixed_precision="no")  # fp32
     shape = memory.shape_from_config(cfg)
     assert not any(e.fits for e in memory.plan(shape, cfg, machines))

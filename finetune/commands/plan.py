@@ -204,6 +204,7 @@ def render(shape: ModelShape, cfg: RunConfig, machines: Machines, rows: list[Est
     ]
     kinds = ["parameters", "gradients", "optimizer", "master copy", "activations", "logits", "buffers", "overhead"]
     kinds += ["reference"] if any("reference" in e.by_kind() for e in rows) else []  # dpo's live reference copy
+    kinds += ["eval"] if any("eval" in e.by_kind() for e in rows) else []  # evaluation's logits
     short = {"parameters": "params", "gradients": "grads", "optimizer": "optim", "master copy": "master"}
     head = f"{'config':<17} {'procs':>5} " + " ".join(f"{short.get(k, k)[:7]:>7}" for k in kinds)
     head += f" {'device GB' if gpu else '':>9} {'host GB':>8}  {'fits':<4}  notes"
@@ -222,8 +223,9 @@ def render(shape: ModelShape, cfg: RunConfig, machines: Machines, rows: list[Est
         )
     lines.append("")
     lines.append(
-        "(per rank, GB; total = the parts that always exist + the larger of the forward/backward parts (activations,"
-        " logits, gathers) and the optimizer-step parts (gradients freed after each step, their flat copies))"
+        "(per rank, GB; total = the parts that always exist + the largest of the forward/backward parts (activations,"
+        " logits, gathers), the optimizer-step parts (gradients freed after each step, their flat copies) and"
+        " evaluation's logits)"
     )
     if rec.config:
         launch = f"accelerate launch --config_file accelerate_configs/{rec.config}.yaml"

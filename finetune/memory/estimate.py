@@ -260,12 +260,31 @@ def activation_parts(s: ModelShape, topo: Topology, batch: int, seq: int, cfg: R
     ]
 
 
+def eval_parts(s: ModelShape, cfg: RunConfig, half: bool) -> list:
+    """Evaluation's logits, where the run evaluates: an eval batch's whole logits and the loss's copies of them
+    (metrics.per_example_stats: fp32, the shifted copy, the log-softmax; preference pairs: two rows each), or one
+    chunk's under the chunked loss (chunked_loss.row_nll). Evaluation runs between steps, without gradients."""
+    d = cfg.data
+    if not (d.eval_dataset or d.eval_split or d.eval_fraction > 0) or cfg.model.task == "classification":
+        return []
+    pairs = cfg.train.method != "sft"  # preference pairs
+    tokens = cfg.train.per_device_eval_batch_size * d.max_seq_length * (2 if pairs else 1)
+    chunked = not pairs and chunked_loss.wanted(
+        cfg.model.chunked_loss, s.model_type, cfg.model.task, s.vocab, s.hidden, s.total
+    )
+    if chunked:
+        tokens = min(tokens, chunked_loss.chunk_tokens(cfg.model.loss_chunk_tokens, s.vocab))
+    how = f"{tokens}x{s.vocab}, chunked loss" if chunked else f"{tokens} tokens x {s.vocab}, the eval batch's"
+    return [sharding.Part("eval", logit_bytes(s, tokens, half), note=how, phase=sharding.EVAL)]
+
+
 def peak_bytes(parts: list, on_host: bool) -> float:
-    """The peak of the parts in one memory: what always exists, plus the larger of the forward/backward parts and
-    the optimizer-step parts (activations are freed by the time the step runs)."""
+    """The peak of the parts in one memory: what always exists, plus the largest of the forward/backward parts, the
+    optimizer-step parts (activations are freed by the time the step runs) and evaluation's."""
     mine = [p for p in parts if p.on_host == on_host]
     always = sum(p.bytes for p in mine if p.phase == sharding.ALWAYS)
-    return always + max(sum(p.bytes for p in mine if p.phase == phase) for phase in (sharding.BACKWARD, sharding.STEP))
+    phases = (sharding.BACKWARD, sharding.STEP, sharding.EVAL)
+    return always + max(sum(p.bytes for p in mine if p.phase == phase) for phase in phases)
 
 
 @dataclass(frozen=True)
@@ -344,6 +363,7 @@ def estimate(
     if (accumulation or cfg.train.gradient_accumulation_steps) > 1:  # gradients live across micro batches
         parts = [dataclasses.replace(p, phase=sharding.ALWAYS) if p.name == "gradients" else p for p in parts]
     parts += activation_parts(shape, topology, batch, cfg.data.max_seq_length, cfg, half)
+    parts += eval_parts(shape, cfg, half)
     t = cfg.train
     if t.method in REFERENCE_METHODS and t.reference == "live" and cfg.peft.method == "none":
         parts.append(sharding.frozen_copy(topology, shape))

@@ -11,6 +11,7 @@ import os
 
 import torch
 
+from finetune import chunked_loss
 from finetune.config import RunConfig
 from finetune.parallel.base import (
     cast_floating,
@@ -176,9 +177,13 @@ class Backend:
         return scheduler.get_last_lr()[0]
 
     def eval_stats(self, model, batch: dict, labels: torch.Tensor, task: str) -> dict[str, torch.Tensor]:
-        """Per-example eval statistics of one batch (metrics.per_example_stats)."""
+        """Per-example eval statistics of one batch (metrics.per_example_stats); under the chunked loss each row's
+        NLL comes from the model chunk by chunk, never the batch's whole logits."""
         from finetune.metrics import per_example_stats
 
+        if task == "causal_lm" and chunked_loss.installed(self.hf_model(model)):
+            ask = {chunked_loss.ROW_NLL: True, **self.no_kv_cache(model)}
+            return per_example_stats(None, labels, task, nll=model(**batch, labels=labels, **ask)["nll"])
         inputs = {**batch, "labels": labels} if task == "seq2seq" else batch  # the decoder reads the shifted labels
         return per_example_stats(model(**inputs, **self.no_kv_cache(model)).logits, labels, task)
 

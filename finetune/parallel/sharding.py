@@ -53,14 +53,15 @@ from typing import Any
 
 from finetune.parallel.topology import Launcher, Topology
 
-ALWAYS, BACKWARD, STEP = "always", "backward", "step"
+ALWAYS, BACKWARD, STEP, EVAL = "always", "backward", "step", "eval"
 
 
 @dataclass(frozen=True)
 class Part:
     """One component of a rank's memory, and when it exists: always (between steps too), during forward and
-    backward only (activations, gathered parameters), or from the end of backward through the optimizer step
-    (gradients a backend frees after every step, their flat copies for the step)."""
+    backward only (activations, gathered parameters), from the end of backward through the optimizer step
+    (gradients a backend frees after every step, their flat copies for the step), or during evaluation (its
+    logits)."""
 
     name: str
     bytes: float
