@@ -151,7 +151,7 @@ def planned_gb(ctx: harness.Context, model: str, seq: int, chunked: str) -> floa
     from finetune.config import build_config
 
     values = {"model": model, "dataset": "planned.jsonl", "output_dir": str(ctx.runs / "plan")}
-    values |= {"max_seq_length": seq, "per_device_train_batch_size": 1, "chunked_loss": chunked}
+    values |= {"max_seq_length": seq, "per_device_train_batch_size": 1, "chunked_loss": chunked, "eval_fraction": 0}
     cfg = build_config(values, check_filesystem=False)
     shape = memory.shape_from_config(cfg)
     machines = memory.Machines(num_gpus=0, cpu_processes=1)

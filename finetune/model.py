@@ -144,6 +144,7 @@ def build_model(
 
     _check_config(m, max_seq_length)
     masks_without_host_sync()
+    masks_converted_once()
     kwargs = _load_kwargs(m, pe, label_names)
     cls = getattr(transformers, AUTO_CLASSES[m.task])
     try:
@@ -225,6 +226,41 @@ def masks_without_host_sync() -> None:
         _ignore_causal_mask_sdpa,
     )
     mu._finetune_without_host_sync = True
+
+
+def masks_converted_once() -> None:
+    """Workaround (transformers 5.23 with torch 2.13): a training forward converts its attention mask once, not in
+    every layer.
+
+    For a padded or packed batch transformers builds the boolean mask that scaled_dot_product_attention takes, once
+    per forward, and hands that tensor to every layer. torch converts a boolean mask into an additive float one in
+    each call, and autograd keeps each layer's copy for backward: layers x batch x seq^2 x 4 bytes in fp32 (a 93M
+    model's 8 layers at 4,864 packed tokens: 757 MB, a third of its saved activations; bf16 halves it). So with
+    gradients enabled the sdpa mask function returns the float mask itself (0 where attention goes, the dtype's
+    minimum elsewhere, as transformers' eager masks are), in the dtype attention computes in (autocast's where it
+    is on): every layer then uses, and autograd keeps, that one tensor. Evaluation and generation keep
+    transformers' boolean masks (nothing is kept for backward there).
+    tests/test_memory.py::test_torch_still_keeps_a_converted_mask_per_attention_call fails once torch stops keeping
+    a copy per call: then delete this."""
+    from transformers import masking_utils as mu
+
+    if getattr(mu, "_finetune_masks_converted_once", False):
+        return
+    boolean = mu.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+
+    def sdpa_mask(*args, **kwargs):
+        mask = boolean(*args, **kwargs)
+        if mask is None or mask.dtype != torch.bool or not torch.is_grad_enabled():
+            return mask
+        kind = mask.device.type
+        dtype = (
+            torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else kwargs.get("dtype", torch.float32)
+        )
+        return torch.where(mask, torch.zeros((), device=mask.device, dtype=dtype), torch.finfo(dtype).min)
+
+    sdpa_mask.__wrapped__ = boolean
+    mu.AttentionMaskInterface.register("sdpa", sdpa_mask)
+    mu._finetune_masks_converted_once = True
 
 
 def _check_config(m: ModelArgs, max_seq_length: int) -> None:

@@ -78,6 +78,74 @@ def test_meta_count_matches_the_real_model_with_and_without_lora(assets):
     assert shape.trainable == sum(p.numel() for p in peft_model.parameters() if p.requires_grad) < shape.total / 5
 
 
+def _saved_masks(run, seq: int) -> list:
+    """The distinct seq x seq tensors autograd keeps for backward while `run()` runs: (dtype, storage id)."""
+    import torch
+
+    seen = {}
+
+    def pack(t):
+        if t.dim() == 4 and tuple(t.shape[-2:]) == (seq, seq):
+            seen[t.untyped_storage().data_ptr()] = t.dtype
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sorted((str(dtype), ptr) for ptr, dtype in seen.items())
+
+
+def test_torch_still_keeps_a_converted_mask_per_attention_call():
+    """torch converts a boolean attention mask into a float one in every scaled_dot_product_attention call and keeps
+    each copy for backward: model.masks_converted_once works around it; once this fails, delete it."""
+    import torch
+    import torch.nn.functional as F
+
+    seq = 16
+    q, k, v = (torch.randn(1, 2, seq, 8, requires_grad=True) for _ in range(3))
+    mask = torch.ones(seq, seq, dtype=torch.bool).tril().view(1, 1, seq, seq)
+    kept = _saved_masks(lambda: [F.scaled_dot_product_attention(q, k, v, attn_mask=mask) for _ in range(3)], seq)
+    assert len(kept) == 3 and {dtype for dtype, _ in kept} == {"torch.float32"}, kept
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16 autocast"])
+def test_a_training_forward_keeps_one_attention_mask_for_every_layer(assets, precision):
+    """A packed batch's mask: one tensor in the dtype attention computes in, which every layer shares (transformers'
+    boolean mask would be converted, and kept, once per layer), and the same loss as with transformers' mask."""
+    import contextlib
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers import masking_utils as mu
+
+    from finetune.model import masks_converted_once
+
+    masks_converted_once()
+    converted = mu.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    model = AutoModelForCausalLM.from_pretrained(assets.llama, attn_implementation="sdpa")
+    layers, seq = model.config.num_hidden_layers, 12
+    assert layers >= 2
+    ids = torch.randint(5, 100, (2, seq), generator=torch.Generator().manual_seed(0))
+    packed = torch.tensor([list(range(5)) + list(range(7))] * 2)
+    batch = {"input_ids": ids, "labels": ids, "position_ids": packed, "use_cache": False}  # as training calls it
+    cast = torch.autocast("cpu", dtype=torch.bfloat16) if precision != "fp32" else contextlib.nullcontext()
+    want = "torch.bfloat16" if precision != "fp32" else "torch.float32"
+    losses = []
+
+    def forward():
+        with cast:
+            losses.append(model(**batch).loss.float().item())
+
+    once = _saved_masks(forward, seq)
+    mu.AttentionMaskInterface.register("sdpa", converted.__wrapped__)  # transformers' own boolean mask
+    try:
+        per_layer = _saved_masks(forward, seq)
+    finally:
+        mu.AttentionMaskInterface.register("sdpa", converted)
+    assert len(once) == 1 and len(per_layer) == layers, (once, per_layer)
+    assert {dtype for dtype, _ in once + per_layer} == {want}
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6 if precision == "fp32" else 1e-3)
+
+
 def test_plan_builds_an_encoder_decoder_as_one(assets):
     """task seq2seq is planned with the class training builds (AutoModelForSeq2SeqLM: config.AUTO_CLASSES), not as
     a causal LM (no T5 causal-LM class exists: the planner used to fail on it)."""

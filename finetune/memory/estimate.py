@@ -235,16 +235,22 @@ def activation_parts(s: ModelShape, topo: Topology, batch: int, seq: int, cfg: R
     eager = cfg.model.attn_implementation == "eager"
     per_layer = activation_elements(s, batch, seq, tp, eager) * nbytes
     layers = sharding.layers_per_rank(topo, s.layers)
+    # a padded or packed batch's attention mask, batch x seq^2, one tensor all layers share and keep for backward
+    # (model.masks_converted_once)
+    mask = batch * seq * seq * nbytes
     if cfg.model.gradient_checkpointing:
-        saved = layers * seq * batch * s.hidden * nbytes + per_layer
-        how = "layer inputs + one recomputed layer (gradient checkpointing)"
+        saved = layers * seq * batch * s.hidden * nbytes + per_layer + mask
+        how = "layer inputs + one recomputed layer (gradient checkpointing) + the attention mask"
     else:
-        saved = layers * per_layer
-        how = f"{per_layer / 1e6:.0f} MB x {layers:g} layers"
+        saved = layers * per_layer + mask
+        how = f"{per_layer / 1e6:.0f} MB x {layers:g} layers + the attention mask {mask / 1e6:.0f} MB"
     tokens = batch * seq
-    if chunked_loss.wanted(cfg.model.chunked_loss, s.model_type, cfg.model.task, s.vocab, s.hidden, s.total):
+    chunked = chunked_loss.wanted(cfg.model.chunked_loss, s.model_type, cfg.model.task, s.vocab, s.hidden, s.total)
+    if chunked:
         tokens = min(tokens, chunked_loss.chunk_tokens(cfg.model.loss_chunk_tokens, s.vocab))
     logits = logit_bytes(s, tokens, half)
+    if chunked and cfg.peft.method == "none":  # each chunk's head weight gradient, before it is added to .grad
+        logits += s.vocab * s.hidden * s.weight_bytes
     # at the start of backward the logit copies are alive; later one layer's activation gradients: the larger
     peak = saved * in_flight + max(logits, per_layer)
     return [
@@ -254,7 +260,8 @@ def activation_parts(s: ModelShape, topo: Topology, batch: int, seq: int, cfg: R
             logits if logits >= per_layer else 0.0,
             note=f"{batch}x{seq}x{s.vocab}, fp32 loss"
             if tokens == batch * seq
-            else f"{tokens}x{s.vocab}, chunked loss",
+            else f"{tokens}x{s.vocab}, chunked loss"
+            + (" + a chunk's head weight gradient" if cfg.peft.method == "none" else ""),
             phase=sharding.BACKWARD,
         ),
     ]
