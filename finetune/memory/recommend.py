@@ -3,12 +3,14 @@ batch that fits under it."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.config import RunConfig
 from finetune.memory.estimate import Estimate, Machines, ModelShape, one_process, plan_config, shipped_configs
+from finetune.parallel import sharding
 
 
 @dataclass
@@ -34,6 +36,7 @@ def recommend(
     paths = configs or shipped_configs()
     t = cfg.train
     target = global_batch or t.per_device_train_batch_size * t.gradient_accumulation_steps * machines.processes
+    smallest = None  # the last config's estimate at micro batch 1 with gradient checkpointing: what nothing beats
     for checkpointing in sorted({cfg.model.gradient_checkpointing, True}):
         run = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, gradient_checkpointing=checkpointing))
         for path in paths:
@@ -42,6 +45,7 @@ def recommend(
             first = plan_config(shape, run, path, machines, micro_batch=1)
             if first.topology is None:
                 continue
+            smallest = first
             dp = first.topology.dp
             if target % dp:
                 continue
@@ -61,7 +65,22 @@ def recommend(
         True,
         None,
         f"nothing fits on {machines.describe()}, even at micro batch 1 with gradient checkpointing and offload: "
-        "use more or larger devices, a shorter max_seq_length, or LoRA (peft.method: lora)",
+        "use more or larger devices, a shorter max_seq_length, or LoRA (peft.method: lora)" + _eval_hint(smallest),
+    )
+
+
+def _eval_hint(est: Estimate | None) -> str:
+    """Where evaluation's logits are what does not fit (its batch is the user's, not the recommender's to change)."""
+    if est is None:
+        return ""
+    phases = collections.defaultdict(float)
+    for p in est.parts:
+        phases[p.phase] += p.bytes
+    if phases[sharding.EVAL] <= max(phases[sharding.BACKWARD], phases[sharding.STEP]):
+        return ""
+    return (
+        f"; evaluation is the largest part ({phases[sharding.EVAL] / 1e9:.1f} GB of logits per rank): lower "
+        "per_device_eval_batch_size, or for a causal LM set chunked_loss: true (evaluation a chunk at a time)"
     )
 
 
