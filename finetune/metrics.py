@@ -48,21 +48,25 @@ def per_example_stats(
     """Per-example sums, so that `gather_for_metrics` can drop the duplicates of an uneven last batch.
 
     causal LM: summed next-token NLL and supervised-token count per row (nll: those sums, computed by the chunked
-    loss, in place of the logits).
+    loss, in place of the logits), one row's fp32 copy of the logits at a time.
     seq2seq: the same over the target tokens; decoder logits already align with the labels (no shift).
     classification: NLL, prediction and reference per example.
     """
-    if nll is not None:
-        return {"nll": nll, "count": (labels[:, 1:] != -100).sum(-1).float()}
-    logits = logits.float()
     if task == "classification":
+        logits = logits.float()
         nll = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
         return {"nll": nll, "count": torch.ones_like(nll), "pred": logits.argmax(-1), "ref": labels}
-    shift_logits, shift_labels = (logits, labels) if task == "seq2seq" else (logits[:, :-1], labels[:, 1:])
-    nll = torch.nn.functional.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1), ignore_index=-100, reduction="none"
-    ).view(shift_labels.shape)
-    return {"nll": nll.sum(-1), "count": (shift_labels != -100).sum(-1).float()}
+    # causal LM: the logit at position t predicts the label at t + 1 (the last position predicts nothing)
+    targets = labels if task == "seq2seq" else torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    count = (targets != -100).sum(-1).float()
+    if nll is None:  # a row at a time: its fp32 logits and log-softmax, never the batch's
+        nll = torch.stack(
+            [
+                torch.nn.functional.cross_entropy(row.float(), target, ignore_index=-100, reduction="sum")
+                for row, target in zip(logits, targets, strict=True)
+            ]
+        )
+    return {"nll": nll, "count": count}
 
 
 def summarize(stats: dict[str, torch.Tensor], metrics: dict[str, Any], n_labels: int | None) -> dict[str, float]:

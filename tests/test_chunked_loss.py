@@ -247,9 +247,9 @@ def test_the_planner_counts_one_chunk_of_logits(tmp_path):
     assert chunk == 261
     assert logits["false"] == pytest.approx(seq * vocab * 12)  # fp32: 3 copies of the whole logits
     assert logits["true"] == pytest.approx(chunk * vocab * 12 + vocab * 256 * 4)  # and a chunk's head gradient
-    assert evals["false"] == pytest.approx(4 * seq * vocab * 12)  # the eval batch's: 4 rows
+    assert evals["false"] == pytest.approx(4 * seq * vocab * 4 + seq * vocab * 8)  # 4 rows' logits, a row in fp32
     assert evals["true"] == pytest.approx(chunk * vocab * 12)
-    assert totals["false"] > totals["true"] + 10  # GB: the unchunked eval batch's logits
+    assert totals["false"] > totals["true"] + 5  # GB: the unchunked eval batch's logits
 
 
 def test_compiled_under_ddp_with_the_chunked_loss_equals_eager(assets, tmp_path, reference):

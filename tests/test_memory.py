@@ -371,15 +371,15 @@ def test_nothing_fits_says_what_to_change(tmp_path, capsys):
 
 
 def test_evaluation_that_does_not_fit_is_named(tmp_path, capsys):
-    """A 128k vocabulary, 8 eval rows of 16k tokens without the chunked loss: evaluation's logits (8 x 16,384 x
-    128,256 x 14 bytes in bf16: 235 GB) fit nowhere, and the message names the eval batch and the chunked loss;
-    with the chunked loss evaluation takes one chunk's logits and the run fits."""
+    """A 128k vocabulary, 8 eval rows of 32k tokens without the chunked loss: evaluation's logits (8 x 32,768 x
+    128,256 in bf16, 67 GB, and one row's fp32 copy and log-softmax, 34 GB) fit nowhere, and the message names the
+    eval batch and the chunked loss; with the chunked loss evaluation takes one chunk's logits and the run fits."""
     model = llama_config_dir(tmp_path, "1b", 2048, 16, 8192, vocab=128_256)
-    argv = ["plan", "--model", model, "--max_seq_length", "16384", "--per_device_train_batch_size", "1"]
+    argv = ["plan", "--model", model, "--max_seq_length", "32768", "--per_device_train_batch_size", "1"]
     argv += ["--num_gpus", "8", "--gpu_memory", "80GB", "--mixed_precision", "bf16"]
     assert run_cli([*argv, "--chunked_loss", "false"]) == 1
     out = capsys.readouterr().out
-    assert "recommended: none" in out and "evaluation is the largest part (235" in out, out[-600:]
+    assert "recommended: none" in out and "evaluation is the largest part (100.9 GB" in out, out[-600:]
     assert "lower per_device_eval_batch_size, or for a causal LM set chunked_loss: true" in out
     assert run_cli([*argv, "--chunked_loss", "true"]) == 0
     out = capsys.readouterr().out

@@ -268,21 +268,25 @@ def activation_parts(s: ModelShape, topo: Topology, batch: int, seq: int, cfg: R
 
 
 def eval_parts(s: ModelShape, cfg: RunConfig, half: bool) -> list:
-    """Evaluation's logits, where the run evaluates: an eval batch's whole logits and the loss's copies of them
-    (metrics.per_example_stats: fp32, the shifted copy, the log-softmax; preference pairs: two rows each), or one
-    chunk's under the chunked loss (chunked_loss.row_nll). Evaluation runs between steps, without gradients."""
+    """Evaluation's logits, where the run evaluates (without gradients, between steps): an eval batch's logits in
+    the compute dtype, and one row's fp32 copy and log-softmax at a time (metrics.per_example_stats); one chunk's
+    under the chunked loss (chunked_loss.row_nll); preference pairs (two rows each): the batch's logits and the
+    loss's copies of them, as in training."""
     d = cfg.data
     if not (d.eval_dataset or d.eval_split or d.eval_fraction > 0) or cfg.model.task == "classification":
         return []
-    pairs = cfg.train.method != "sft"  # preference pairs
-    tokens = cfg.train.per_device_eval_batch_size * d.max_seq_length * (2 if pairs else 1)
-    chunked = not pairs and chunked_loss.wanted(
-        cfg.model.chunked_loss, s.model_type, cfg.model.task, s.vocab, s.hidden, s.total
-    )
-    if chunked:
-        tokens = min(tokens, chunked_loss.chunk_tokens(cfg.model.loss_chunk_tokens, s.vocab))
-    how = f"{tokens}x{s.vocab}, chunked loss" if chunked else f"{tokens} tokens x {s.vocab}, the eval batch's"
-    return [sharding.Part("eval", logit_bytes(s, tokens, half), note=how, phase=sharding.EVAL)]
+    pairs = cfg.train.method != "sft"
+    rows = cfg.train.per_device_eval_batch_size * (2 if pairs else 1)
+    tokens = rows * d.max_seq_length
+    if pairs:
+        return [sharding.Part("eval", logit_bytes(s, tokens, half), note=f"{tokens}x{s.vocab}", phase=sharding.EVAL)]
+    if chunked_loss.wanted(cfg.model.chunked_loss, s.model_type, cfg.model.task, s.vocab, s.hidden, s.total):
+        chunk = min(tokens, chunked_loss.chunk_tokens(cfg.model.loss_chunk_tokens, s.vocab))
+        note = f"{chunk}x{s.vocab}, chunked loss"
+        return [sharding.Part("eval", logit_bytes(s, chunk, half), note=note, phase=sharding.EVAL)]
+    whole = tokens * s.vocab * (2 if half else s.weight_bytes) + d.max_seq_length * s.vocab * 8
+    note = f"{rows}x{d.max_seq_length}x{s.vocab}, a row at a time in fp32"
+    return [sharding.Part("eval", whole, note=note, phase=sharding.EVAL)]
 
 
 def peak_bytes(parts: list, on_host: bool) -> float:
