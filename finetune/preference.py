@@ -41,7 +41,12 @@ INPUTS = ("input_ids", "attention_mask")  # what the model's forward reads of a 
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: the summed log-prob of its labelled tokens (each predicted from the one before) and their count."""
+    """Per row: the summed log-prob of its labelled tokens (each predicted from the one before) and their count.
+    Without gradients (evaluation, the references' pass) a row at a time: one row's fp32 copy and log-sum-exp, not
+    the batch's."""
+    if not torch.is_grad_enabled() and logits.shape[0] > 1:
+        rows = [sequence_logps(logits[i : i + 1], labels[i : i + 1]) for i in range(logits.shape[0])]
+        return torch.cat([s for s, _ in rows]), torch.cat([n for _, n in rows])
     logits, labels = logits[:, :-1].float(), labels[:, 1:]
     mask = labels != IGNORE
     picked = torch.gather(logits, 2, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)

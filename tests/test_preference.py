@@ -86,10 +86,13 @@ def test_the_losses_are_trls_formulas():
 
     logits, labels = torch.randn(3, 7, 11, generator=g), torch.randint(0, 11, (3, 7), generator=g)
     labels[:, :3] = -100  # the prompt
-    sums, counts = sequence_logps(logits, labels)
-    for row in range(3):  # token by token: log p(label t | tokens before t)
-        want = sum(torch.log_softmax(logits[row, t - 1], -1)[labels[row, t]] for t in range(3, 7))
-        assert abs(sums[row] - want) < 1e-5 and counts[row] == 4
+    for grad in (True, False):  # without gradients (evaluation, the references' pass) it goes a row at a time
+        with torch.set_grad_enabled(grad):
+            sums, counts = sequence_logps(logits, labels)
+        assert sums.shape == counts.shape == (3,)
+        for row in range(3):  # token by token: log p(label t | tokens before t)
+            want = sum(torch.log_softmax(logits[row, t - 1], -1)[labels[row, t]] for t in range(3, 7))
+            assert abs(sums[row] - want) < 1e-5 and counts[row] == 4
 
 
 # ---------------------------------------------------------------- the data

@@ -269,18 +269,17 @@ def activation_parts(s: ModelShape, topo: Topology, batch: int, seq: int, cfg: R
 
 def eval_parts(s: ModelShape, cfg: RunConfig, half: bool) -> list:
     """Evaluation's logits, where the run evaluates (without gradients, between steps): an eval batch's logits in
-    the compute dtype, and one row's fp32 copy and log-softmax at a time (metrics.per_example_stats); one chunk's
-    under the chunked loss (chunked_loss.row_nll); preference pairs (two rows each): the batch's logits and the
-    loss's copies of them, as in training."""
+    the compute dtype, and one row's fp32 copy and log-softmax at a time (metrics.per_example_stats; preference
+    pairs, two rows each: preference.sequence_logps); one chunk's under the chunked loss (chunked_loss.row_nll)."""
     d = cfg.data
     if not (d.eval_dataset or d.eval_split or d.eval_fraction > 0) or cfg.model.task == "classification":
         return []
     pairs = cfg.train.method != "sft"
     rows = cfg.train.per_device_eval_batch_size * (2 if pairs else 1)
     tokens = rows * d.max_seq_length
-    if pairs:
-        return [sharding.Part("eval", logit_bytes(s, tokens, half), note=f"{tokens}x{s.vocab}", phase=sharding.EVAL)]
-    if chunked_loss.wanted(cfg.model.chunked_loss, s.model_type, cfg.model.task, s.vocab, s.hidden, s.total):
+    if not pairs and chunked_loss.wanted(
+        cfg.model.chunked_loss, s.model_type, cfg.model.task, s.vocab, s.hidden, s.total
+    ):
         chunk = min(tokens, chunked_loss.chunk_tokens(cfg.model.loss_chunk_tokens, s.vocab))
         note = f"{chunk}x{s.vocab}, chunked loss"
         return [sharding.Part("eval", logit_bytes(s, chunk, half), note=note, phase=sharding.EVAL)]
