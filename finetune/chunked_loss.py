@@ -123,10 +123,9 @@ def chunked_nll(head, hidden: torch.Tensor, labels: torch.Tensor, pieces: int) -
     """Mean cross-entropy of `head(hidden)` against the labels shifted by one (transformers' ForCausalLMLoss: the
     logits in fp32, -100 ignored), over `pieces` chunks of the tokens; each chunk's logits are rebuilt in backward.
     A batch with nothing to learn gives 0 (transformers' mean gives NaN)."""
-    targets = F.pad(labels, (0, 1), value=IGNORE)[..., 1:].reshape(-1)
-    flat = hidden.reshape(-1, hidden.shape[-1])
+    targets, chunks = _chunks(hidden, labels, pieces)
     total = hidden.new_zeros((), dtype=torch.float32)
-    for h, t in zip(torch.tensor_split(flat, pieces), torch.tensor_split(targets, pieces), strict=True):
+    for h, t in chunks:
         total = total + checkpoint(_nll_sum, head, h, t, use_reentrant=False)
     return total / (targets != IGNORE).sum().clamp(min=1)
 
@@ -134,13 +133,17 @@ def chunked_nll(head, hidden: torch.Tensor, labels: torch.Tensor, pieces: int) -
 def row_nll(head, hidden: torch.Tensor, labels: torch.Tensor, pieces: int) -> torch.Tensor:
     """Each row's summed next-token NLL (metrics.per_example_stats' "nll", from the same fp32 logits) over `pieces`
     chunks of the tokens, with no gradients: one chunk's logits alive at a time."""
+    _, chunks = _chunks(hidden, labels, pieces)
+    parts = [F.cross_entropy(head(h).float(), t, ignore_index=IGNORE, reduction="none") for h, t in chunks]
+    return torch.cat(parts).view(labels.shape).sum(-1)
+
+
+def _chunks(hidden: torch.Tensor, labels: torch.Tensor, pieces: int):
+    """The flat next-token targets (the labels shifted by one, -100 after each row's last token), and `pieces`
+    chunks of (hidden states, their targets)."""
     targets = F.pad(labels, (0, 1), value=IGNORE)[..., 1:].reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
-    parts = [
-        F.cross_entropy(head(h).float(), t, ignore_index=IGNORE, reduction="none")
-        for h, t in zip(torch.tensor_split(flat, pieces), torch.tensor_split(targets, pieces), strict=True)
-    ]
-    return torch.cat(parts).view(labels.shape).sum(-1)
+    return targets, zip(torch.tensor_split(flat, pieces), torch.tensor_split(targets, pieces), strict=True)
 
 
 def _nll_sum(head, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -245,7 +245,7 @@ def activation_parts(s: ModelShape, topo: Topology, batch: int, seq: int, cfg: R
         saved = layers * per_layer + mask
         how = f"{per_layer / 1e6:.0f} MB x {layers:g} layers + the attention mask {mask / 1e6:.0f} MB"
     tokens = batch * seq
-    chunked = chunked_loss.wanted(cfg.model.chunked_loss, s.model_type, cfg.model.task, s.vocab, s.hidden, s.total)
+    chunked = _chunked_loss(s, cfg)
     if chunked:
         tokens = min(tokens, chunked_loss.chunk_tokens(cfg.model.loss_chunk_tokens, s.vocab))
     logits = logit_bytes(s, tokens, half)
@@ -267,6 +267,11 @@ def activation_parts(s: ModelShape, topo: Topology, batch: int, seq: int, cfg: R
     ]
 
 
+def _chunked_loss(s: ModelShape, cfg: RunConfig) -> bool:
+    """Whether the run's loss (training and evaluation) is chunked, as model.build_model decides it."""
+    return chunked_loss.wanted(cfg.model.chunked_loss, s.model_type, cfg.model.task, s.vocab, s.hidden, s.total)
+
+
 def eval_parts(s: ModelShape, cfg: RunConfig, half: bool) -> list:
     """Evaluation's logits, where the run evaluates (without gradients, between steps): an eval batch's logits in
     the compute dtype, and one row's fp32 copy and log-softmax at a time (metrics.per_example_stats; preference
@@ -277,9 +282,7 @@ def eval_parts(s: ModelShape, cfg: RunConfig, half: bool) -> list:
     pairs = cfg.train.method != "sft"
     rows = cfg.train.per_device_eval_batch_size * (2 if pairs else 1)
     tokens = rows * d.max_seq_length
-    if not pairs and chunked_loss.wanted(
-        cfg.model.chunked_loss, s.model_type, cfg.model.task, s.vocab, s.hidden, s.total
-    ):
+    if not pairs and _chunked_loss(s, cfg):
         chunk = min(tokens, chunked_loss.chunk_tokens(cfg.model.loss_chunk_tokens, s.vocab))
         note = f"{chunk}x{s.vocab}, chunked loss"
         return [sharding.Part("eval", logit_bytes(s, chunk, half), note=note, phase=sharding.EVAL)]
@@ -349,9 +352,17 @@ class Estimate:
     note: str = ""
 
     def by_kind(self) -> dict[str, float]:
+        return self._sum_by("name")
+
+    def by_phase(self) -> dict[str, float]:
+        """GB per phase (sharding.ALWAYS, BACKWARD, STEP, EVAL), device and host together."""
+        return self._sum_by("phase")
+
+    def _sum_by(self, field_name: str) -> dict[str, float]:
         out: dict[str, float] = {}
         for p in self.parts:
-            out[p.name] = out.get(p.name, 0.0) + p.bytes / GB
+            key = getattr(p, field_name)
+            out[key] = out.get(key, 0.0) + p.bytes / GB
         return out
 
 

@@ -3,7 +3,6 @@ batch that fits under it."""
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,15 +70,11 @@ def recommend(
 
 def _eval_hint(est: Estimate | None) -> str:
     """Where evaluation's logits are what does not fit (its batch is the user's, not the recommender's to change)."""
-    if est is None:
-        return ""
-    phases = collections.defaultdict(float)
-    for p in est.parts:
-        phases[p.phase] += p.bytes
-    if phases[sharding.EVAL] <= max(phases[sharding.BACKWARD], phases[sharding.STEP]):
+    phases = est.by_phase() if est else {}
+    if phases.get(sharding.EVAL, 0.0) <= max(phases.get(sharding.BACKWARD, 0.0), phases.get(sharding.STEP, 0.0)):
         return ""
     return (
-        f"; evaluation is the largest part ({phases[sharding.EVAL] / 1e9:.1f} GB of logits per rank): lower "
+        f"; evaluation is the largest part ({phases[sharding.EVAL]:.1f} GB of logits per rank): lower "
         "per_device_eval_batch_size, or for a causal LM set chunked_loss: true (evaluation a chunk at a time)"
     )
 
