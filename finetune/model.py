@@ -171,7 +171,7 @@ def build_model(
     vocab, hidden, params = full_sizes(model, numel)
     if load_weights and chunked_loss.wanted(m.chunked_loss, model.config.model_type, m.task, vocab, hidden, params):
         chunk = chunked_loss.chunk_tokens(m.loss_chunk_tokens, vocab)
-        pieces = chunked_loss.install(model, chunk, micro_batch_tokens, eval_batch_tokens)
+        pieces = chunked_loss.install(model, chunk, micro_batch_tokens, eval_batch_tokens, m.torch_compile)
         logger.info(
             "chunked loss: up to %d tokens per chunk, %d chunks per micro batch (vocabulary %d; chunked_loss %s; "
             "eval too)",
@@ -180,6 +180,8 @@ def build_model(
             vocab,
             m.chunked_loss,
         )
+    elif load_weights and m.torch_compile and m.task == "causal_lm":  # transformers' loss, compiled too
+        model.loss_function = chunked_loss.compiled_loss(model.loss_function)
     return apply_peft(model, pe, "classification" if label_names is not None else m.task) if pe else model
 
 

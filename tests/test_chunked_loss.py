@@ -84,6 +84,41 @@ def test_same_loss_and_gradients_as_transformers(assets, chunk, micro_batch_toke
     assert torch.equal(stats["nll"], got) and stats["count"].tolist() == [14, 14, 9]
 
 
+def test_preference_answer_logps_chunked_with_and_without_gradients(assets):
+    """Preference tuning's answer log-probs (backend.answer_logps: each row's summed log-prob of its labelled tokens)
+    under the chunked loss: the head called a chunk at a time, the same sums, counts and gradients as
+    preference.sequence_logps over the whole logits; without gradients (the references) too."""
+    from types import SimpleNamespace
+
+    from finetune.parallel import ddp
+    from finetune.preference import sequence_logps
+
+    plain, chunked = _model(assets.llama), _model(assets.llama)
+    pieces = chunked_loss.install(chunked, 7, 60, 30)
+    backend = ddp.Backend(SimpleNamespace(unwrap_model=lambda m, **kw: m, mixed_precision="no"), None, None)
+    batch = _batch(plain.config.vocab_size)
+    inputs, labels = {k: batch[k] for k in ("input_ids", "attention_mask")}, batch["labels"]
+    heads = []
+    chunked.lm_head.register_forward_hook(lambda module, args, out: heads.append(tuple(out.shape)))
+    for grad in (True, False):
+        plain.zero_grad(set_to_none=True), chunked.zero_grad(set_to_none=True), heads.clear()
+        with torch.set_grad_enabled(grad):
+            want, want_n = sequence_logps(plain(**inputs).logits, labels)
+            got, got_n = backend.answer_logps(chunked, inputs, labels)
+        assert len(heads) == pieces and max(rows for rows, _ in heads) <= 7, heads  # one pass, no recomputation yet
+        assert got_n.tolist() == want_n.tolist() == [14, 14, 9]
+        assert torch.allclose(got, want, rtol=1e-6), (got, want)
+        if grad:
+            (got * torch.tensor([1.0, -2.0, 0.5])).sum().backward()  # rows weighted apart, as a pair loss does
+            (want * torch.tensor([1.0, -2.0, 0.5])).sum().backward()
+            assert len(heads) == 2 * pieces  # each chunk's logits rebuilt in backward
+            grads = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
+            assert grads and grads.keys() == {n for n, p in chunked.named_parameters() if p.grad is not None}
+            for name, p in chunked.named_parameters():  # summed rows: gradients up to ~7, rounding ~1e-6
+                if p.grad is not None:
+                    assert (p.grad - grads[name]).abs().max() <= 1e-6 * grads[name].abs().max(), name
+
+
 @pytest.mark.parametrize("how", ["lora on the head", "modules_to_save"])
 def test_adapters_on_the_head(assets, how):
     """LoRA on lm_head and a fully trained lm_head (modules_to_save) run their own forward inside the chunks."""
@@ -250,6 +285,41 @@ def test_the_planner_counts_one_chunk_of_logits(tmp_path):
     assert evals["false"] == pytest.approx(4 * seq * vocab * 4 + seq * vocab * 8)  # 4 rows' logits, a row in fp32
     assert evals["true"] == pytest.approx(chunk * vocab * 12)
     assert totals["false"] > totals["true"] + 5  # GB: the unchunked eval batch's logits
+
+
+@pytest.mark.parametrize("setting", ["true", "false"])
+def test_torch_compile_compiles_the_loss_with_the_same_loss_and_gradients(assets, monkeypatch, setting):
+    """torch_compile compiles the loss too (regional compilation compiles only the decoder blocks): the chunked
+    loss's per-chunk cross-entropy, or transformers' loss. Inductor compiles what dynamo captured; the graphs
+    captured are recorded here, and must be the cross-entropy."""
+    import torch._dynamo
+    from torch._inductor.compile_fx import compile_fx
+
+    from finetune.config.schema import ModelArgs
+    from finetune.model import build_model, load_tokenizer
+
+    graphs = []
+
+    def recorded(gm, example_inputs):
+        graphs.append({str(node.target) for node in gm.graph.nodes if node.op == "call_function"})
+        return compile_fx(gm, example_inputs)
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend=recorded))
+    torch._dynamo.reset()
+    m = ModelArgs(model=assets.llama, chunked_loss=setting, loss_chunk_tokens=7, torch_compile=True)
+    torch.manual_seed(0)
+    compiled = build_model(m, load_tokenizer(m), None, 64, micro_batch_tokens=60, eval_batch_tokens=60)
+    plain = _model(assets.llama)
+    batch = _batch(plain.config.vocab_size)
+    want, want_grads = _loss_and_grads(plain, batch)
+    got, got_grads = _loss_and_grads(compiled, batch)
+    assert graphs and all(any("cross_entropy" in t for t in g) for g in graphs), graphs
+    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+    assert want_grads.keys() == got_grads.keys()
+    for name, g in want_grads.items():
+        assert torch.allclose(got_grads[name], g, rtol=1e-4, atol=1e-6), name
+    torch._dynamo.reset()
 
 
 def test_compiled_under_ddp_with_the_chunked_loss_equals_eager(assets, tmp_path, reference):
