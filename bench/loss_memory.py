@@ -14,13 +14,17 @@ eval     one eval batch (--eval_batch rows of --seq tokens) through the run's ow
          (`Backend.eval_stats`), with the chunked loss (each row's NLL a chunk at a time) and without (the batch's
          whole logits, as transformers' forward gives them): the peak resident memory above the loaded model, and
          the two eval losses (equal to 1e-5 relative).
+pairs    one preference micro batch (--pairs pairs: twice as many rows of --seq tokens, the first quarter of each
+         a prompt) through training's answer log-probs (`Backend.answer_logps`, as DPO and the other methods take
+         them) and the backward of a DPO loss over them, with the chunked loss and without (the batch's whole
+         logits): the peak resident memory above the loaded model, and the log-probs (equal to 1e-5 relative).
 longest  the longest max_seq_length (a multiple of 256) that `finetune plan`'s estimate puts within --budget_gb,
          with the chunked loss and without (transformers' loss, which Trainer computes the same way); then a run of
          finetune with the chunked loss at its length and one of Trainer at the unchunked length, each of which must
          stay inside the budget (nothing is run that the planner says will not fit). Target: >= 1.8x.
 
-    .venv/bin/python bench/loss_memory.py [--parts peak,eval,longest] [--seq 2048] [--eval_batch 4]
-                                          [--budget_gb 4] [--steps 3]
+    .venv/bin/python bench/loss_memory.py [--parts peak,eval,pairs,longest] [--seq 2048] [--eval_batch 4]
+                                          [--pairs 2] [--budget_gb 4] [--steps 3]
 """
 
 from __future__ import annotations
@@ -44,9 +48,12 @@ LONGEST_TARGET = 1.8  # chunked longest sequence / unchunked
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--parts", default="peak,eval,longest", help="any of peak, eval, longest (default: all)")
+    parser.add_argument(
+        "--parts", default="peak,eval,pairs,longest", help="any of peak, eval, pairs, longest (default: all)"
+    )
     parser.add_argument("--seq", type=int, default=2048, help="peak, eval: tokens per row (default 2048)")
     parser.add_argument("--eval_batch", type=int, default=4, help="eval: rows per eval batch (default 4)")
+    parser.add_argument("--pairs", type=int, default=2, help="pairs: preference pairs per micro batch (default 2)")
     parser.add_argument("--budget_gb", type=float, default=4.0, help="longest: training peak budget (default 4)")
 
 
@@ -104,11 +111,50 @@ def trainer_side(ctx: harness.Context, model: str, seq: int) -> dict:
 
 def eval_worker(spec: dict) -> dict:
     """One eval batch through Backend.eval_stats (one process), the peak RSS above the loaded model."""
+    import torch
+
+    from finetune import metrics
+
+    batch, seq = spec["batch"], spec["seq"]
+    net, backend, ids = _loaded(spec, batch, seq, eval_batch_tokens=batch * seq)
+    net.eval()
+    before = metrics.peak_memory(torch.device("cpu"))["peak_rss_gb"]
+    metrics.reset_peak_memory(torch.device("cpu"))
+    with torch.no_grad():
+        stats = backend.eval_stats(net, {"input_ids": ids}, ids.clone(), "causal_lm")
+    peak = metrics.peak_memory(torch.device("cpu"))["peak_rss_gb"]
+    return {"loss": (stats["nll"].sum() / stats["count"].sum()).item(), "model_gb": before, "peak_gb": peak}
+
+
+def pairs_worker(spec: dict) -> dict:
+    """One preference micro batch: its answers' log-probs through Backend.answer_logps with gradients, and the
+    backward of a DPO loss over them (references at 0), one process; the peak RSS above the loaded model."""
+    import torch
+    import torch.nn.functional as F
+
+    from finetune import metrics
+
+    rows, seq = 2 * spec["pairs"], spec["seq"]
+    net, backend, ids = _loaded(spec, rows, seq, micro_batch_tokens=rows * seq)
+    labels = ids.clone()
+    labels[:, : seq // 4] = -100  # the prompts
+    before = metrics.peak_memory(torch.device("cpu"))["peak_rss_gb"]
+    metrics.reset_peak_memory(torch.device("cpu"))
+    sums, _ = backend.answer_logps(net, {"input_ids": ids}, labels)
+    b = rows // 2
+    (-F.logsigmoid(0.1 * (sums[:b] - sums[b:]))).mean().backward()
+    peak = metrics.peak_memory(torch.device("cpu"))["peak_rss_gb"]
+    return {"logps": sums.tolist(), "model_gb": before, "peak_gb": peak}
+
+
+def _loaded(spec: dict, rows: int, seq: int, **tokens):
+    """The model (chunked_loss as spec says, built as a run builds it), a one-process backend, and rows x seq
+    random token ids."""
     from types import SimpleNamespace
 
     import torch
 
-    from finetune import metrics, model
+    from finetune import model
     from finetune.config import build_config
     from finetune.parallel import ddp
 
@@ -120,16 +166,10 @@ def eval_worker(spec: dict) -> dict:
         "chunked_loss": spec["chunked"],
     }
     cfg = build_config(values, check_filesystem=False)
-    batch, seq = spec["batch"], spec["seq"]
-    net = model.build_model(cfg.model, _Tokenizer(), None, seq, eval_batch_tokens=batch * seq).eval()
-    ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(0))
+    net = model.build_model(cfg.model, _Tokenizer(), None, seq, **tokens)
+    ids = torch.randint(0, VOCAB, (rows, seq), generator=torch.Generator().manual_seed(0))
     backend = ddp.Backend(SimpleNamespace(unwrap_model=lambda m, **kw: m, mixed_precision="no"), None, None)
-    before = metrics.peak_memory(torch.device("cpu"))["peak_rss_gb"]
-    metrics.reset_peak_memory(torch.device("cpu"))
-    with torch.no_grad():
-        stats = backend.eval_stats(net, {"input_ids": ids}, ids.clone(), "causal_lm")
-    peak = metrics.peak_memory(torch.device("cpu"))["peak_rss_gb"]
-    return {"loss": (stats["nll"].sum() / stats["count"].sum()).item(), "model_gb": before, "peak_gb": peak}
+    return net, backend, ids
 
 
 class _Tokenizer:
@@ -144,6 +184,11 @@ class _Tokenizer:
 def eval_side(ctx: harness.Context, model: str, chunked: str) -> dict:
     spec = {"model": model, "chunked": chunked, "batch": ctx.opts.eval_batch, "seq": ctx.opts.seq, "env": RELEASE}
     return harness.run_worker(ctx, "loss_memory.py", "eval", spec, f"eval_{chunked}", 2)
+
+
+def pairs_side(ctx: harness.Context, model: str, chunked: str) -> dict:
+    spec = {"model": model, "chunked": chunked, "pairs": ctx.opts.pairs, "seq": ctx.opts.seq, "env": RELEASE}
+    return harness.run_worker(ctx, "loss_memory.py", "pairs", spec, f"pairs_{chunked}", 2)
 
 
 def planned_gb(ctx: harness.Context, model: str, seq: int, chunked: str) -> float:
@@ -183,6 +228,10 @@ def run(ctx: harness.Context) -> dict:
         harness.log(f"  eval: {ctx.opts.eval_batch} x {ctx.opts.seq} tokens, chunked / whole logits")
         out["eval"] = {"batch": ctx.opts.eval_batch, "seq": ctx.opts.seq}
         out["eval"] |= {side: eval_side(ctx, model, side) for side in ("true", "false")}
+    if "pairs" in parts:
+        harness.log(f"  pairs: {ctx.opts.pairs} pairs x 2 rows x {ctx.opts.seq} tokens, chunked / whole logits")
+        out["pairs"] = {"pairs": ctx.opts.pairs, "seq": ctx.opts.seq}
+        out["pairs"] |= {side: pairs_side(ctx, model, side) for side in ("true", "false")}
     if "longest" in parts:
         budget = ctx.opts.budget_gb
         (seq_on, plan_on), (seq_off, plan_off) = longest(ctx, model, "true"), longest(ctx, model, "false")
@@ -220,6 +269,18 @@ def rows(r: dict) -> list[harness.Row]:
         ratio = (e["true"]["peak_gb"] - e["true"]["model_gb"]) / (e["false"]["peak_gb"] - e["false"]["model_gb"])
         same = abs(e["true"]["loss"] / e["false"]["loss"] - 1) <= 1e-5
         out.append(harness.Row("eval memory", "chunked / whole, above the model", ratio, "x", f"same loss: {same}"))
+    if "pairs" in r:
+        e = r["pairs"]
+        what = f"{e['pairs']} pairs ({2 * e['pairs']} rows) x {e['seq']} tokens"
+        for side, name in (("true", "chunked_loss true"), ("false", "chunked_loss false (whole logits)")):
+            x = e[side]
+            out.append(harness.Row("pairs memory", f"{name}, {what}", x["peak_gb"] - x["model_gb"], "GB", ""))
+        ratio = (e["true"]["peak_gb"] - e["true"]["model_gb"]) / (e["false"]["peak_gb"] - e["false"]["model_gb"])
+        a, b = e["true"]["logps"], e["false"]["logps"]
+        same = len(a) == len(b) > 0 and all(abs(x / y - 1) <= 1e-5 for x, y in zip(a, b))
+        out.append(
+            harness.Row("pairs memory", "chunked / whole, above the model", ratio, "x", f"same log-probs: {same}")
+        )
     if "longest" in r:
         lg, budget = r["longest"], r["longest"]["budget_gb"]
         on, off = lg["chunked"], lg["unchunked"]
@@ -242,5 +303,5 @@ def rows(r: dict) -> list[harness.Row]:
 
 
 if __name__ == "__main__":
-    if not harness.worker_main({"eval": eval_worker}):
+    if not harness.worker_main({"eval": eval_worker, "pairs": pairs_worker}):
         harness.main(sys.modules[__name__])

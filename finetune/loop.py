@@ -113,7 +113,7 @@ def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: i
                 loss = backend.forward_loss(run.model, batch)  # Megatron-LM: the whole step runs in here
             else:  # preference pairs: the method's loss from the answers' log-probs (finetune.preference)
                 batch = run.objective.with_reference(batch)
-                loss = run.objective.loss(backend.forward_logits(run.model, _inputs(batch)), batch)
+                loss = run.objective.loss(backend.answer_logps(run.model, _inputs(batch), batch["labels"]), batch)
             acc.backward(loss * (n * scale))  # Megatron-LM: returns at once (the step already ran)
             if acc.sync_gradients:  # true on the last micro batch only
                 grad_norm = backend.clip_grad_norm(run.model, run.args.max_grad_norm)
@@ -142,7 +142,7 @@ def evaluate(run: Run) -> dict[str, float]:
         source = batch.pop("source", None)  # a mixture's eval rows: which source each comes from
         if run.objective is not None:
             batch = run.objective.with_reference(batch)
-            stats = run.objective.per_pair(backend.forward_logits(run.model, _inputs(batch)), batch)
+            stats = run.objective.per_pair(backend.answer_logps(run.model, _inputs(batch), batch["labels"]), batch)
         else:
             labels = batch.pop("labels")
             stats = backend.eval_stats(run.model, batch, labels, run.task)

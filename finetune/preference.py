@@ -54,6 +54,11 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     return logps.sum(-1), mask.sum(-1)
 
 
+def answer_counts(labels: torch.Tensor) -> torch.Tensor:
+    """Per row: how many labelled tokens sequence_logps sums (each predicted from the one before)."""
+    return (labels[:, 1:] != IGNORE).sum(-1)
+
+
 def pair_losses(
     method: str,
     beta: float,
@@ -127,9 +132,10 @@ class Objective:
     def needs_reference(self) -> bool:
         return self.method in REFERENCE_METHODS
 
-    def per_pair(self, logits: torch.Tensor, batch: dict) -> dict[str, torch.Tensor]:
-        """Loss, rewards and log-probs of each pair of a batch."""
-        sums, counts = sequence_logps(logits, batch["labels"])
+    def per_pair(self, logps: tuple[torch.Tensor, torch.Tensor], batch: dict) -> dict[str, torch.Tensor]:
+        """Loss, rewards and log-probs of each pair of a batch, from its rows' answer log-probs and token counts
+        (backend.answer_logps)."""
+        sums, counts = logps
         b = sums.shape[0] // 2
         reference = None
         if self.needs_reference:
@@ -142,9 +148,9 @@ class Objective:
         return {"loss": loss, "chosen_reward": chosen, "rejected_reward": rejected, "chosen_logps": sums[:b],
                 "rejected_logps": sums[b:]}  # fmt: skip
 
-    def loss(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
+    def loss(self, logps: tuple[torch.Tensor, torch.Tensor], batch: dict) -> torch.Tensor:
         """The micro batch's mean loss over its pairs (the loop weighs it by pairs / global pairs)."""
-        stats = self.per_pair(logits, batch)
+        stats = self.per_pair(logps, batch)
         with torch.no_grad():
             for k, v in _row_sums(stats).items():
                 self.window[k] = self.window.get(k, 0.0) + v
@@ -204,10 +210,9 @@ def live_reference(backend, model, adapter: bool) -> Callable[[dict], torch.Tens
         model.eval()
         try:
             with off():
-                logits = backend.forward_logits(model, {k: batch[k] for k in INPUTS})
+                sums, _ = backend.answer_logps(model, {k: batch[k] for k in INPUTS}, batch["labels"])
         finally:
             model.train(was_training)
-        sums, _ = sequence_logps(logits, batch["labels"])
         b = sums.shape[0] // 2
         return torch.stack([sums[:b], sums[b:]], dim=1)
 
@@ -226,7 +231,7 @@ def compute_references(acc, backend, model, splits: dict, collate, batch_size: i
         )
         table = torch.full((len(ds), 2), float("nan"), dtype=torch.float64)
         for batch in loader:
-            sums, _ = sequence_logps(backend.forward_logits(model, {k: batch[k] for k in INPUTS}), batch["labels"])
+            sums, _ = backend.answer_logps(model, {k: batch[k] for k in INPUTS}, batch["labels"])
             b = sums.shape[0] // 2
             got = backend.gather_for_metrics(
                 {"index": batch[PAIR_INDEX], "chosen": sums[:b].double(), "rejected": sums[b:].double()}

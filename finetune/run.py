@@ -27,6 +27,7 @@ from accelerate.utils import set_seed
 from finetune import (
     best,
     checkpoint,
+    chunked_loss,
     cluster,
     console,
     data,
@@ -197,6 +198,7 @@ def build_model(cfg: RunConfig, backend, tokenizer, ds: data.Datasets, resume: c
         logger.info("chunked loss off (chunked_loss auto): %s", blocker)
         model_args = dataclasses.replace(model_args, chunked_loss="false")
     set_seed(cfg.train.seed)  # same initial weights (e.g. a new classifier head) on every layout
+    rows = cfg.train.rows_per_example
     net = model.build_model(
         model_args,
         tokenizer,
@@ -206,8 +208,8 @@ def build_model(cfg: RunConfig, backend, tokenizer, ds: data.Datasets, resume: c
         reentrant_checkpointing=backend.reentrant_checkpointing(peft_on),
         extra_kwargs=backend.model_kwargs(),
         load_weights=backend.needs_hf_weights,
-        micro_batch_tokens=cfg.train.per_device_train_batch_size * cfg.data.max_seq_length,
-        eval_batch_tokens=cfg.train.per_device_eval_batch_size * cfg.data.max_seq_length,
+        micro_batch_tokens=rows * cfg.train.per_device_train_batch_size * cfg.data.max_seq_length,
+        eval_batch_tokens=rows * cfg.train.per_device_eval_batch_size * cfg.data.max_seq_length,
         numel=backend.numel,
     )
     if resume and resume.portable and peft_on:  # the run's own base model; the adapter's weights by name
@@ -317,9 +319,17 @@ def live_reference(cfg: RunConfig, backend, p: Prepared, tokenizer):
     if cfg.peft.method != "none":
         logger.info("reference log-probs: live, the base model with the adapter disabled, in each micro batch")
         return preference.live_reference(backend, p.model, adapter=True)
-    forward_only = dataclasses.replace(cfg.model, chunked_loss="false", gradient_checkpointing=False)
+    # the policy's chunked loss too: the frozen copy's answer log-probs a chunk at a time, per training micro batch
+    chunked = "true" if chunked_loss.installed(backend.hf_model(p.model)) else "false"
+    forward_only = dataclasses.replace(cfg.model, chunked_loss=chunked, gradient_checkpointing=False)
     frozen = model.build_model(
-        forward_only, tokenizer, None, cfg.data.max_seq_length, extra_kwargs=backend.model_kwargs(), numel=backend.numel
+        forward_only,
+        tokenizer,
+        None,
+        cfg.data.max_seq_length,
+        extra_kwargs=backend.model_kwargs(),
+        eval_batch_tokens=cfg.train.rows_per_example * cfg.train.per_device_train_batch_size * cfg.data.max_seq_length,
+        numel=backend.numel,
     )
     frozen = backend.prepare_frozen(frozen)
     logger.info("reference log-probs: live, a frozen copy of the starting model, in each micro batch")

@@ -166,8 +166,8 @@ def _references_of_the_start(model_dir, tokenizer, ds) -> torch.Tensor:
 @pytest.mark.parametrize(
     "method, peft, layouts",
     [
-        ("dpo", "none", ["zero3", "zero3+live", "fsdp2+live", "ddp+live"]),
-        ("orpo", "none", ["ddp", "zero3", "fsdp2"]),
+        ("dpo", "none", ["zero3", "zero3+live+chunked", "fsdp2+live", "ddp+live"]),
+        ("orpo", "none", ["ddp", "zero3", "fsdp2+chunked"]),
         ("dpo", "lora", ["zero3+live"]),  # the references precomputed under ZeRO-3: without the adapter, above
         ("dpo", "dora", ["fsdp2+live"]),  # DoRA's magnitudes with the adapter disabled; DoRA under ZeRO-3: test_peft
     ],
@@ -177,7 +177,8 @@ def test_every_layout_equals_one_process_with_accumulation(assets, tmp_path, met
     weights (LoRA: the adapter) within 2e-5; dpo's reference log-probs, computed by the prepared model under each layout, equal the
     starting model's own, pair by pair (LoRA: the base model's). +live: `reference: live` (a frozen copy of the
     starting model placed as the layout places the trained one; LoRA: the base with the adapter disabled) in each
-    micro batch, against the one process's precomputed references."""
+    micro batch, against the one process's precomputed references. +chunked: `chunked_loss: true` (the answers'
+    log-probs a chunk of the head's output at a time, the frozen copy's too), against the one process without it."""
     data = pairs(tmp_path / "pairs.jsonl")
     args = base_args(
         assets.llama, data, "--method", method, "--max_steps", "4", "--per_device_train_batch_size", "2",
@@ -188,10 +189,13 @@ def test_every_layout_equals_one_process_with_accumulation(assets, tmp_path, met
     assert len(one.losses()) == 4 and one.eval_rows
     runs = [
         finetune(tmp_path / layout, *args, *(["--reference", "live"] if "+live" in layout else []),
-                 launcher=layout.removesuffix("+live"))
+                 *(["--chunked_loss", "true", "--loss_chunk_tokens", "50"] if "+chunked" in layout else []),
+                 launcher=layout.split("+")[0])
         for layout in layouts
     ]  # fmt: skip
+    assert "chunked loss: up to" not in one.output
     for layout, two in zip(layouts, runs):
+        assert ("chunked loss: up to 50 tokens" in two.output) == ("+chunked" in layout), layout
         assert max_rel_diff(one.losses(), two.losses()) <= 1e-5, layout
         for key in ("rewards_chosen", "reward_accuracy", "logps_rejected"):
             a, b = [r[key] for r in one.train_rows], [r[key] for r in two.train_rows]

@@ -436,6 +436,11 @@ class TrainArgs:
         "No progress bars, training's or the libraries' (loading weights, mapping data): a log line every logging_steps instead.",
     )
 
+    @property
+    def rows_per_example(self) -> int:
+        """Rows of the model's batch per example: a preference pair is two (its chosen and its rejected answer)."""
+        return 1 if self.method == "sft" else 2
+
 
 PEFT_METHODS = ("none", "lora", "dora")
 

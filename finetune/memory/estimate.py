@@ -279,10 +279,9 @@ def eval_parts(s: ModelShape, cfg: RunConfig, half: bool) -> list:
     d = cfg.data
     if not (d.eval_dataset or d.eval_split or d.eval_fraction > 0) or cfg.model.task == "classification":
         return []
-    pairs = cfg.train.method != "sft"
-    rows = cfg.train.per_device_eval_batch_size * (2 if pairs else 1)
+    rows = cfg.train.per_device_eval_batch_size * cfg.train.rows_per_example
     tokens = rows * d.max_seq_length
-    if not pairs and _chunked_loss(s, cfg):
+    if _chunked_loss(s, cfg):
         chunk = min(tokens, chunked_loss.chunk_tokens(cfg.model.loss_chunk_tokens, s.vocab))
         note = f"{chunk}x{s.vocab}, chunked loss"
         return [sharding.Part("eval", logit_bytes(s, chunk, half), note=note, phase=sharding.EVAL)]
@@ -379,7 +378,7 @@ def estimate(
 ) -> Estimate:
     """Per-rank memory of training `shape` with the run config's batch and sequence under this topology."""
     half = mixed_precision in ("bf16", "fp16")
-    batch = micro_batch or cfg.train.per_device_train_batch_size
+    batch = (micro_batch or cfg.train.per_device_train_batch_size) * cfg.train.rows_per_example
     parts = sharding.model_states(topology, shape, mixed_precision, buckets)
     if (accumulation or cfg.train.gradient_accumulation_steps) > 1:  # gradients live across micro batches
         parts = [dataclasses.replace(p, phase=sharding.ALWAYS) if p.name == "gradients" else p for p in parts]

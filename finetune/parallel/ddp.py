@@ -153,9 +153,16 @@ class Backend:
         """Forward passes without a backward are over (reference log-probs, an evaluation with its generation):
         what they left gathered goes back to where training keeps it. Nothing here (see fsdp.Backend)."""
 
-    def forward_logits(self, model, inputs: dict) -> torch.Tensor:
-        """The logits of a forward over `inputs` (no labels: the caller computes its own loss, preference.py)."""
-        return model(**inputs, **self.no_kv_cache(model)).logits
+    def answer_logps(self, model, inputs: dict, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's summed log-prob of its labelled tokens and their count (preference pairs: the answers',
+        preference.sequence_logps), from a forward over `inputs`; under the chunked loss chunk by chunk, never the
+        batch's whole logits, with gradients too."""
+        from finetune.preference import answer_counts, sequence_logps
+
+        if chunked_loss.installed(self.hf_model(model)):
+            ask = {chunked_loss.ROW_NLL: True, **self.no_kv_cache(model)}
+            return -model(**inputs, labels=labels, **ask)["nll"], answer_counts(labels)
+        return sequence_logps(model(**inputs, **self.no_kv_cache(model)).logits, labels)
 
     def no_kv_cache(self, model) -> dict:
         """use_cache=False where the model's forward takes it (as Trainer sets it): a training or eval forward needs
