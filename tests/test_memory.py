@@ -211,6 +211,22 @@ def test_a_live_reference_copy_is_counted_as_the_layout_places_it(assets):
     )
 
 
+def test_a_preference_pair_is_two_rows_of_activations_and_logits(assets):
+    """A micro batch of B pairs is one forward over 2B rows (data.Collator): the planner counts the activations and
+    logits of 2B rows, in training and evaluation (no eval split here, so training alone)."""
+    machines = memory.Machines(cpu_processes=1)
+    shape = memory.shape_from_config(run_config(assets.llama))
+    path = ROOT / "accelerate_configs" / "single.yaml"
+
+    def parts(**more) -> dict:
+        est = memory.plan_config(shape, run_config(assets.llama, eval_fraction=0, **more), path, machines)
+        return {k: v for k, v in est.by_kind().items() if k in ("activations", "logits")}
+
+    pairs, rows = parts(method="dpo", per_device_train_batch_size=4), parts(per_device_train_batch_size=8)
+    assert pairs and pairs == pytest.approx(rows), (pairs, rows)
+    assert parts(per_device_train_batch_size=4)["logits"] == pytest.approx(rows["logits"] / 2)
+
+
 # ---------------------------------------------------------------- the estimate against real runs
 
 
