@@ -223,8 +223,11 @@ class Backend:
 
     def full_state_dict(self, model) -> dict[str, torch.Tensor]:
         """The whole model's weights (main process; a collective on every backend), in full precision: the
-        weights the optimizer updates (fp32 masters under mixed precision), not a 16-bit compute copy."""
-        return self.acc.get_state_dict(model)
+        weights the optimizer updates (fp32 masters under mixed precision), not a 16-bit compute copy. Taken from
+        the model without its wrappers, compiled regions included: accelerate's get_state_dict keeps those
+        (keep_torch_compile), whose names gain `_orig_mod.` (and DDP's `module.`), which from_pretrained cannot
+        load."""
+        return unwrap(self.acc, model).state_dict()
 
     def full_optimizer_state(self, model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
         """{parameter name: {param (fp32 master), exp_avg, exp_avg_sq}} for trainable parameters (main process)."""

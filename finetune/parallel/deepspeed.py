@@ -277,7 +277,7 @@ class Backend(ddp.Backend):
         adapter's base) exist only in 16 bits. A collective."""
         from deepspeed.utils import safe_get_full_fp32_param
 
-        weights = super().full_state_dict(model)
+        weights = self.acc.get_state_dict(model)  # the engine's: ZeRO-3 gathers the partitions
         net = base.unwrap(self.acc, model)
         if all(p.dtype == torch.float32 for p in net.parameters()):
             return weights  # fp32 weights: they are the masters (share_fp32_master_weights)
