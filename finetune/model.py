@@ -168,8 +168,15 @@ def build_model(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant_checkpointing})
         if reentrant_checkpointing:  # reentrant checkpoints need an input that requires grad (frozen embeddings)
             model.enable_input_require_grads()
+    if load_weights:
+        _set_loss(model, m, micro_batch_tokens, eval_batch_tokens, numel)
+    return apply_peft(model, pe, "classification" if label_names is not None else m.task) if pe else model
+
+
+def _set_loss(model, m: ModelArgs, micro_batch_tokens: int, eval_batch_tokens: int, numel) -> None:
+    """The chunked loss where chunked_loss asks for it; under torch_compile the loss compiled (chunked or not)."""
     vocab, hidden, params = full_sizes(model, numel)
-    if load_weights and chunked_loss.wanted(m.chunked_loss, model.config.model_type, m.task, vocab, hidden, params):
+    if chunked_loss.wanted(m.chunked_loss, model.config.model_type, m.task, vocab, hidden, params):
         chunk = chunked_loss.chunk_tokens(m.loss_chunk_tokens, vocab)
         pieces = chunked_loss.install(model, chunk, micro_batch_tokens, eval_batch_tokens, m.torch_compile)
         logger.info(
@@ -180,9 +187,8 @@ def build_model(
             vocab,
             m.chunked_loss,
         )
-    elif load_weights and m.torch_compile and m.task == "causal_lm":  # transformers' loss, compiled too
+    elif m.torch_compile and m.task == "causal_lm":  # transformers' loss, compiled too
         model.loss_function = chunked_loss.compiled_loss(model.loss_function)
-    return apply_peft(model, pe, "classification" if label_names is not None else m.task) if pe else model
 
 
 def full_sizes(model, numel: Callable[[torch.nn.Parameter], int]) -> tuple[int, int, int]:
