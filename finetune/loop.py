@@ -421,7 +421,7 @@ def _log_eval(run: Run, state: TrainState, bar) -> dict[str, float]:
     run.backend.end_inference(run.model)
     runtime = time.perf_counter() - start  # what this evaluation cost (metrics.jsonl, the summary's final eval)
     run.log.write({"step": state.step, **result, "runtime_s": round(runtime, 3)})
-    if run.log.enabled:  # the main process: curves.png so far
+    if run.log.enabled and run.args.curves:  # the main process: curves.png so far
         write_curves(os.path.dirname(run.log.path), min_interval=CURVES_EVERY_S)
     if run.args.report_to:
         run.accelerator.log(result, step=state.step)

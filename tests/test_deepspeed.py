@@ -49,6 +49,7 @@ def test_parity_over_every_single_node_backend(assets, tmp_path):
                 "gradient_accumulation_steps": 2,
                 "learning_rate": 1e-3,
                 "eval_fraction": 0.1,
+                "curves": False,
             }
         )
     )

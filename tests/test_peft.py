@@ -62,6 +62,7 @@ def test_lora_causal_lm_same_under_every_backend(assets, tmp_path):
                 "eval_fraction": 0.1,
                 "gradient_checkpointing": True,
                 "peft": {"method": "lora", "r": 4, "alpha": 8},
+                "curves": False,
             }
         )
     )

@@ -60,6 +60,7 @@ def bf16_runs(assets, tmp_path_factory):
         "per_device_train_batch_size": 4,
         "learning_rate": 1e-3,
         "eval_fraction": 0,
+        "curves": False,
     }
     run.write_text(json.dumps(values))
     out = tmp / "parity"

@@ -201,6 +201,26 @@ def test_curves_during_training_wait_for_their_interval_from_the_start(tmp_path,
     assert report.write_curves(out) == str(tmp_path / "curves.png")  # the end of the run
 
 
+@pytest.mark.parametrize("curves", [True, False])
+def test_the_end_of_a_run_draws_curves_unless_told_not_to(assets, tmp_path, caplog, curves):
+    """curves false: no curves.png (at the end; at evals the loop asks the same key), and the summary says how to
+    draw it later."""
+    from types import SimpleNamespace
+
+    from finetune.report import summary
+
+    out = tmp_path / "run"
+    cfg = build_config({"model": assets.llama, "dataset": assets.instruction, "output_dir": str(out), "curves": curves})
+    (out / "final").mkdir(parents=True)  # the run's outputs, as the end of a run finds them
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_of(4, 2)))
+    with caplog.at_level(logging.INFO, logger="finetune"):
+        summary.finish(SimpleNamespace(is_main_process=True), cfg, str(out / "final"), report.RunFacts())
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("curves")]
+    assert (out / "curves.png").is_file() == curves
+    assert said == ([f"curves       {out / 'curves.png'}"] if curves else [
+        f"curves       not drawn (curves: false); `finetune plot {out}` draws them"])  # fmt: skip
+
+
 def test_finetune_plot_overlays_runs_in_one_png(tmp_path, capsys):
     from finetune.cli import run_cli
 
@@ -333,7 +353,7 @@ def test_ddp_run_tensorboard_curves_card_console(assets, tmp_path):
         *classification_args(assets.llama, assets),
         "--max_steps", "6", "--logging_steps", "1", "--eval_steps", "3", "--save_steps", "3",
         "--max_seq_length", "32", "--per_device_train_batch_size", "4", "--learning_rate", "3e-3",
-        "--report_to", "tensorboard", "--run_name", "ddp-cls",
+        "--report_to", "tensorboard", "--run_name", "ddp-cls", "--curves", "true",
         launcher="ddp",
         extra_env={"HF_TOKEN": TOKEN},
     )  # fmt: skip
@@ -382,7 +402,7 @@ def test_zero2_run_console_and_card(assets, tmp_path):
         tmp_path / "zero2",
         *classification_args(assets.llama, assets),
         "--max_steps", "3", "--logging_steps", "1", "--eval_steps", "3", "--save_steps", "null",
-        "--max_seq_length", "32", "--per_device_train_batch_size", "4",
+        "--max_seq_length", "32", "--per_device_train_batch_size", "4", "--curves", "true",
         launcher="zero2",
     )  # fmt: skip
     out = res.output_dir

@@ -410,7 +410,13 @@ class TrainArgs:
         [],
         "Trackers that get every metrics row and the run config, through accelerate: tensorboard (files in "
         "output_dir/runs), wandb, mlflow, trackio, comet_ml, aim, clearml, dvclive, swanlab, or all (every one "
-        "installed); metrics.jsonl and curves.png are always written.",
+        "installed); metrics.jsonl is always written, curves.png unless curves is false.",
+    )
+    curves: bool = _f(
+        True,
+        "Draw output_dir/curves.png (loss, eval metrics, learning rate, tokens/s) at evals, 30 s apart at most, and at "
+        "the end. false: not drawn, about a second of CPU less per run (sweeps of many short runs); `finetune plot "
+        "OUTPUT_DIR` draws it from metrics.jsonl at any time.",
     )
     run_name: str | None = _f(
         None, "Name of the run in the trackers, the model card and `finetune plot` (default: output_dir's name)."

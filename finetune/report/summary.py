@@ -21,7 +21,7 @@ def finish(accelerator, cfg: RunConfig, final_dir: str, facts: RunFacts) -> None
         return
     out = cfg.train.output_dir
     rows = read_rows(out)
-    curves = write_curves(out, rows=rows)
+    curves = write_curves(out, rows=rows) if cfg.train.curves else None
     card = write_card(final_dir, cfg, rows, dataclasses.replace(facts, final_dir=os.path.abspath(final_dir)))
     url = push(cfg, final_dir) if cfg.train.push_to_hub else None
     for line in summary(cfg, rows, facts, final_dir, card, curves, url):
@@ -39,6 +39,9 @@ def summary(cfg: RunConfig, rows, facts: RunFacts, final_dir: str, card: str, cu
     lines.append(f"model card   {os.path.abspath(card)}")
     if curves:
         lines.append(f"curves       {os.path.abspath(curves)}")
+    elif not cfg.train.curves:
+        out = os.path.abspath(cfg.train.output_dir)
+        lines.append(f"curves       not drawn (curves: false); `finetune plot {out}` draws them")
     if res["final_eval"]:
         took = f"  ({res['final_eval_s']:.1f} s)" if res["final_eval_s"] is not None else ""
         lines.append("final eval   " + "  ".join(f"{k} {v:.4f}" for k, v in res["final_eval"].items()) + took)
