@@ -166,7 +166,7 @@ def _references_of_the_start(model_dir, tokenizer, ds) -> torch.Tensor:
 @pytest.mark.parametrize(
     "method, peft, layouts",
     [
-        ("dpo", "none", ["zero3", "zero3+live+chunked", "fsdp2+live", "ddp+live"]),
+        ("dpo", "none", ["zero3", "zero3+live+chunked", "fsdp2+live", "ddp+live", "zero1", "zero2_offload+live"]),
         ("orpo", "none", ["ddp", "zero3", "fsdp2+chunked"]),
         ("dpo", "lora", ["zero3+live"]),  # the references precomputed under ZeRO-3: without the adapter, above
         ("dpo", "dora", ["fsdp2+live"]),  # DoRA's magnitudes with the adapter disabled; DoRA under ZeRO-3: test_peft
