@@ -261,26 +261,20 @@ def rows(r: dict) -> list[harness.Row]:
         out.append(harness.Row("loss memory", "chunked / unchunked speed", speed, "x", "finetune, same run otherwise"))
     if "eval" in r:
         e = r["eval"]
-        what = f"{e['batch']} x {e['seq']} tokens"
-        for side, name in (("true", "chunked_loss true"), ("false", "chunked_loss false (whole logits)")):
-            x = e[side]
-            note = f"eval_loss {x['loss']:.6f}, model loaded {x['model_gb']:.2f} GB"
-            out.append(harness.Row("eval memory", f"{name}, {what}", x["peak_gb"] - x["model_gb"], "GB", note))
-        ratio = (e["true"]["peak_gb"] - e["true"]["model_gb"]) / (e["false"]["peak_gb"] - e["false"]["model_gb"])
         same = abs(e["true"]["loss"] / e["false"]["loss"] - 1) <= 1e-5
-        out.append(harness.Row("eval memory", "chunked / whole, above the model", ratio, "x", f"same loss: {same}"))
+        out += _above_model_rows(
+            "eval memory",
+            e,
+            f"{e['batch']} x {e['seq']} tokens",
+            lambda x: f"eval_loss {x['loss']:.6f}, model loaded {x['model_gb']:.2f} GB",
+            f"same loss: {same}",
+        )
     if "pairs" in r:
         e = r["pairs"]
-        what = f"{e['pairs']} pairs ({2 * e['pairs']} rows) x {e['seq']} tokens"
-        for side, name in (("true", "chunked_loss true"), ("false", "chunked_loss false (whole logits)")):
-            x = e[side]
-            out.append(harness.Row("pairs memory", f"{name}, {what}", x["peak_gb"] - x["model_gb"], "GB", ""))
-        ratio = (e["true"]["peak_gb"] - e["true"]["model_gb"]) / (e["false"]["peak_gb"] - e["false"]["model_gb"])
         a, b = e["true"]["logps"], e["false"]["logps"]
         same = len(a) == len(b) > 0 and all(abs(x / y - 1) <= 1e-5 for x, y in zip(a, b))
-        out.append(
-            harness.Row("pairs memory", "chunked / whole, above the model", ratio, "x", f"same log-probs: {same}")
-        )
+        what = f"{e['pairs']} pairs ({2 * e['pairs']} rows) x {e['seq']} tokens"
+        out += _above_model_rows("pairs memory", e, what, lambda x: "", f"same log-probs: {same}")
     if "longest" in r:
         lg, budget = r["longest"], r["longest"]["budget_gb"]
         on, off = lg["chunked"], lg["unchunked"]
@@ -300,6 +294,17 @@ def rows(r: dict) -> list[harness.Row]:
                 harness.Row("longest sequence", "chunked / Trainer", ratio, "x", "", f">= {LONGEST_TARGET}", met)
             )
     return out
+
+
+def _above_model_rows(bench: str, e: dict, what: str, note, same: str) -> list[harness.Row]:
+    """Each side's peak above the loaded model (chunked_loss true, and false: the whole logits), then their ratio;
+    note(side's results) annotates a side's row, same the ratio's."""
+    above = {side: e[side]["peak_gb"] - e[side]["model_gb"] for side in ("true", "false")}
+    out = [
+        harness.Row(bench, f"{name}, {what}", above[side], "GB", note(e[side]))
+        for side, name in (("true", "chunked_loss true"), ("false", "chunked_loss false (whole logits)"))
+    ]
+    return [*out, harness.Row(bench, "chunked / whole, above the model", above["true"] / above["false"], "x", same)]
 
 
 if __name__ == "__main__":
