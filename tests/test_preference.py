@@ -239,23 +239,62 @@ def test_method_and_data_that_do_not_fit_are_refused(assets, tmp_path):
         assert "Traceback" not in out.output
 
 
+def _greedy_orders(model_dir, tokenizer, word_sets: list[list[str]]) -> tuple[int, int]:
+    """How many greedy answers (transformers' generate, the prompt as instruction rows show it) start as the sorted
+    list does (the prompt's smallest word first), and how many as the backwards one (its largest word first)."""
+    from transformers import AutoModelForCausalLM
+
+    net = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    template = DataArgs(dataset="x").prompt_template
+    ahead = backwards = 0
+    for ws in word_sets:
+        ids = tokenizer(template.format(prompt="List: " + " ".join(ws)), return_tensors="pt").input_ids
+        out = net.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        said = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).split()[:1]
+        ahead += said == [min(ws)]
+        backwards += said == [max(ws)]
+    return ahead, backwards
+
+
 def test_dpo_learns_a_preference_it_was_not_shown(assets, tmp_path):
-    """Held-out pairs (word sets not trained on): the reward ranks the sorted answer over the backwards one in >= 90%
-    of them after 40 steps; at the start the policy is the reference and ranks none (every margin 0)."""
+    """The SFT start: the tiny model fine-tuned on the pairs' prompts answered half sorted, half backwards (it lists
+    the words, in either order). DPO from it: on held-out pairs (word sets not trained on) the reward ranks the
+    sorted answer over the backwards one in >= 90% of them after 40 steps (at the start the policy is the reference
+    and ranks none: every margin 0), and on unseen word sets the trained model's greedy answers start as the
+    sorted answer does more often than the SFT start's do, and as the backwards one less often (measured: of 60,
+    26 / 30 at the start, 45 / 6 after)."""
+    data = pairs(tmp_path / "pairs.jsonl", n=400, seed=1)
+    sft_rows = [
+        {"prompt": r["prompt"], "response": r["chosen"] if k % 2 else r["rejected"]}
+        for k, r in enumerate(map(json.loads, open(data)))
+    ]
+    sft_data = tmp_path / "sft.jsonl"
+    sft_data.write_text("".join(json.dumps(r) + "\n" for r in sft_rows))
+    sft = finetune(tmp_path / "sft", *base_args(assets.llama, str(sft_data), "--max_steps", "400",
+                   "--per_device_train_batch_size", "16", "--learning_rate", "3e-3", "--eval_fraction", "0",
+                   "--logging_steps", "100"), launcher="python")  # fmt: skip
     args = base_args(
-        assets.llama, pairs(tmp_path / "pairs.jsonl", n=240, seed=1), "--method", "dpo", "--beta", "0.5",
-        "--max_steps", "40", "--per_device_train_batch_size", "8", "--learning_rate", "3e-3", "--eval_fraction", "0.2",
+        str(sft.output_dir / "final"), data, "--method", "dpo", "--beta", "0.5", "--max_steps", "40",
+        "--per_device_train_batch_size", "8", "--learning_rate", "3e-4", "--eval_fraction", "0.2",
         "--eval_on_start", "true", "--logging_steps", "10", "--generation_max_new_tokens", "6",
         "--generation_num_examples", "8",
     )  # fmt: skip
-    r = finetune(tmp_path / "run", *args, launcher="python")
+    r = finetune(tmp_path / "dpo", *args, launcher="python")
     start, end = r.eval_rows[0], r.eval_rows[-1]
     assert start["step"] == 0 and start["eval_reward_margin"] == 0 and start["eval_reward_accuracy"] == 0
-    assert end["step"] == 40 and end["eval_reward_accuracy"] >= 0.9 and end["eval_reward_margin"] > 1
+    assert end["step"] == 40 and end["eval_reward_accuracy"] >= 0.9 and end["eval_reward_margin"] > 1, end
     # generation eval: the prompts continued and scored against the chosen answers, at every eval
     assert all("eval_exact_match" in row for row in (start, end))
     samples = [row["eval_samples"] for row in r.rows if "eval_samples" in row]
     assert len(samples) == len(r.eval_rows) == 2 and all(s and s[0]["reference"] for s in samples), samples[:1]
+    rng, seen = random.Random(7), {frozenset(json.loads(line)["prompt"].split()[1:]) for line in open(data)}
+    unseen = [ws for ws in (rng.sample(WORDS, 4) for _ in range(400)) if frozenset(ws) not in seen][:60]
+    assert len(unseen) == 60
+    before = _greedy_orders(sft.output_dir / "final", assets.tokenizer, unseen)
+    after = _greedy_orders(r.output_dir / "final", assets.tokenizer, unseen)
+    print("greedy answers starting sorted / backwards, SFT start and after DPO:", before, after)
+    assert sum(before) >= 40, before  # the SFT start lists the words, in either order
+    assert after[0] >= before[0] + 10 and after[1] < before[1], (before, after)
 
 
 def test_a_mixture_of_preference_sources_trains_with_one_reference_row_per_pair(assets, tmp_path):
