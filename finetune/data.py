@@ -66,7 +66,12 @@ def _load(spec: str, data: DataArgs, split: str | None, streaming: bool = False)
             return datasets.load_dataset(kind, data_files=files, split="train", streaming=streaming)
         except Exception as e:  # datasets raises many types for malformed files
             raise ConfigError(
-                [(key, f"could not read {spec!r} as {kind}: {_first_line(_cause(e))}; fix the file (or leave it out)")]
+                [
+                    (
+                        key,
+                        f"could not read {spec!r} as {kind}: {formats.first_line(_cause(e))}; fix the file (or leave it out)",
+                    )
+                ]
             ) from None
     try:
         return datasets.load_dataset(spec, data.dataset_config, split=split or data.train_split, streaming=streaming)
@@ -76,7 +81,7 @@ def _load(spec: str, data: DataArgs, split: str | None, streaming: bool = False)
                 (
                     key,
                     f"could not load Hub dataset {spec!r} (split {split or data.train_split!r}): "
-                    f"{_first_line(e)}. Check the id and split, or give local files",
+                    f"{formats.first_line(e)}. Check the id and split, or give local files",
                 )
             ]
         ) from None
@@ -87,11 +92,6 @@ def _cause(e: BaseException) -> BaseException:
     while type(e).__name__ == "DatasetGenerationError" and (e.__cause__ or e.__context__):
         e = e.__cause__ or e.__context__
     return e
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 def load_splits(data: DataArgs, seed: int) -> tuple[Any, Any | None]:
@@ -636,7 +636,7 @@ def _tokenize(ds, split: str, rows: Callable, data: DataArgs, layout: Layout):
             [
                 (
                     "dataset" if split == "train" else "eval_dataset",
-                    f"{layout.format} formatting failed: {_first_line(e)}",
+                    f"{layout.format} formatting failed: {formats.first_line(e)}",
                 )
             ]
         ) from None

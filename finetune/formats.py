@@ -369,6 +369,11 @@ _READERS: dict[str, Callable[..., Layout]] = {
 # ---------------------------------------------------------------- rows -> tokens and labels
 
 
+def first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
 def _blank(value) -> bool:
     return value is None or (isinstance(value, str) and not value.strip())
 
@@ -452,24 +457,35 @@ class Encoder:
         out = []
         wholes = self.located.encode_batch([texts[-1] for texts in renders], add_special_tokens=False)
         for texts, whole, at in zip(renders, wholes, where):
-            starts = [a for a, _ in whole.offsets]
             cut = []
-            for text, following in zip(texts, [*texts[1:], None]):
-                if following is not None and not following.startswith(text):
+            for text, following in zip(texts[:-1], texts[1:]):
+                if not following.startswith(text):
                     raise ValueError(
                         f"{at}: the chat template does not render a conversation prefix as a prefix of the whole "
                         "conversation; set chat_template to one that does"
                     )
-                n = bisect.bisect_left(starts, len(text))  # the tokens that start before the rendering ends
-                if n and whole.offsets[n - 1][1] > len(text):
+                n, inside = _token_at(whole, len(text))  # the tokens that start before the rendering ends
+                if inside:
                     raise ValueError(
                         f"{at}: the chat template's rendering of a conversation prefix ends inside a token "
                         f"({text[-30:]!r} | {texts[-1][len(text) : len(text) + 30]!r}); set chat_template to one "
                         "that ends each turn where a token ends"
                     )
-                cut.append(n if following is not None else len(whole.ids))
-            out.append((whole.ids, cut))
+                cut.append(n)
+            out.append((whole.ids, [*cut, len(whole.ids)]))
         return out
+
+
+def _token_at(whole, end: int) -> tuple[int, bool]:
+    """How many of an encoding's tokens start before character `end`, and whether the last of them runs past it.
+    The first token holding that character, asked of the Rust encoding (no Python list of every token's offsets);
+    past the end, or at a character no token holds (a tokenizer that drops some), by bisecting the offsets."""
+    k = whole.char_to_token(end)
+    if k is not None:
+        return k, whole.token_to_chars(k)[0] < end
+    starts = [a for a, _ in whole.offsets]
+    n = bisect.bisect_left(starts, end)
+    return n, bool(n and whole.offsets[n - 1][1] > end)
 
 
 def _cuts_by_prefix(tokenized: list[list[int]], where: str) -> tuple[list[int], list[int]]:
@@ -600,9 +616,10 @@ def chat_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int, split: st
 
     def fn(batch: dict, idx: list[int]) -> dict:
         wheres = [f"{split} row {i}" for i in idx]
-        plans = [_renders(tokenizer, ex, layout, at) for ex, at in zip(_rows_of(batch), wheres)]
-        kept = [(plan, at) for plan, at in zip(plans, wheres) if isinstance(plan, list)]
-        cuts = iter(encode.cuts([[text for text, _ in plan] for plan, _ in kept], [at for _, at in kept]))
+        plans = [_turns(ex, layout, at) for ex, at in zip(_rows_of(batch), wheres)]
+        kept = [(plan, at) for plan, at in zip(plans, wheres) if isinstance(plan, Turns)]
+        texts = _render_turns(tokenizer, [plan for plan, _ in kept], [at for _, at in kept])
+        cuts = iter(encode.cuts(texts, [at for _, at in kept]))
         rows = []
         for plan in plans:
             if isinstance(plan, str):
@@ -611,7 +628,7 @@ def chat_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int, split: st
             ids, ends = next(cuts)
             labels: list[int] = []
             spans = []
-            for (_, learned), start, end in zip(plan, [0, *ends], ends):
+            for (_, _, learned), start, end in zip(plan.steps, [0, *ends], ends):
                 labels += ids[start:end] if learned else [IGNORE] * (end - start)
                 spans += [(start, end)] if learned else []
             rows.append(_kept(ids, labels, max_len, spans))
@@ -620,30 +637,75 @@ def chat_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int, split: st
     return fn
 
 
-def _renders(tokenizer, ex: dict, layout: Layout, where: str) -> list[tuple[str, bool]] | str:
-    """A chat row as the template's renderings of the growing prefixes where what is learned starts or ends, each
-    with whether the tokens it adds are learned (an assistant turn's; the generation prompt before it is not), the
-    last the whole conversation; or why the row has nothing to learn. Only those prefixes: each rendering costs about
-    what tokenizing the whole conversation does."""
+@dataclass(frozen=True)
+class Turns:
+    """A chat row's messages and tools, and the growing prefixes where what is learned starts or ends: each step
+    (prefix length, with the generation prompt, the tokens it adds are learned), the last the whole conversation."""
+
+    messages: list[dict]
+    tools: list | None
+    steps: list[tuple[int, bool, bool]]
+
+
+def _turns(ex: dict, layout: Layout, where: str) -> Turns | str:
+    """A chat row's Turns, or why the row has nothing to learn. An assistant turn is learned, the generation prompt
+    before it is not. Only those prefixes: each rendering costs about what tokenizing the whole conversation does."""
     messages, first = conversation(ex, layout, where)
     learned = [k for k, m in enumerate(messages) if m["role"] == "assistant" and k >= first]
     if layout.answer and not ex[layout.answer]:
         return f"an empty {layout.answer!r}"
     if not learned:
         return "no assistant turn" + (f" in {layout.answer!r}" if layout.answer else "")
-    tools = _tools(ex, layout)
-    out = []
+    steps = []
     for k in learned:
         if k:  # the turn starts after the template's generation prompt
-            out.append((render(tokenizer, messages[:k], True, tools), False))
-        out.append((render(tokenizer, messages[: k + 1], False, tools), True))
+            steps.append((k, True, False))
+        steps.append((k + 1, False, True))
     if learned[-1] < len(messages) - 1:
-        out.append((render(tokenizer, messages, False, tools), False))
+        steps.append((len(messages), False, False))
+    return Turns(messages, _tools(ex, layout), steps)
+
+
+def _render_turns(tokenizer, plans: list[Turns], wheres: list[str]) -> list[list[str]]:
+    """Each plan's renderings, step by step. The rows without tools in two apply_chat_template calls for the batch
+    (the prefixes with the generation prompt, and those without): its work per call is done once per batch, not
+    once per rendering (a quarter of the chat format's preparation time before). A template that raises renders
+    row by row, to name the row."""
+    out: list[list[str]] = [[""] * len(plan.steps) for plan in plans]
+    for gen in (True, False):
+        slots = [
+            (i, s)
+            for i, plan in enumerate(plans)
+            if plan.tools is None
+            for s, (_, g, _) in enumerate(plan.steps)
+            if g == gen
+        ]
+        if not slots:
+            continue
+        prefixes = [plans[i].messages[: plans[i].steps[s][0]] for i, s in slots]
+        try:
+            texts = tokenizer.apply_chat_template(prefixes, tokenize=False, add_generation_prompt=gen)
+        except Exception:  # noqa: BLE001 (rendered again below, one row at a time, to say which)
+            texts = [render(tokenizer, m, gen, None, wheres[i]) for m, (i, _) in zip(prefixes, slots)]
+        for (i, s), text in zip(slots, texts):
+            out[i][s] = text
+    for i, plan in enumerate(plans):
+        if plan.tools is not None:
+            out[i] = [render(tokenizer, plan.messages[:k], g, plan.tools, wheres[i]) for k, g, _ in plan.steps]
     return out
 
 
-def render(tokenizer, messages: list[dict], gen: bool, tools: list | None) -> str:
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen)
+def render(tokenizer, messages: list[dict], gen: bool, tools: list | None, where: str) -> str:
+    """The chat template's rendering; a template that raises (jinja's raise_exception: roles that must alternate, a
+    system message it does not take ...) is a bad row, named."""
+    try:
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen)
+    except Exception as e:  # noqa: BLE001 (jinja's TemplateError, or what the template's code raised)
+        raise BadExample(
+            "chat_template",
+            f"{where}: the chat template cannot render this conversation ({first_line(e)}); fix "
+            "the row, or set chat_template to one that renders it",
+        ) from None
 
 
 def _tools(ex: dict, layout: Layout) -> list | None:
@@ -714,10 +776,10 @@ def _pair_texts(tokenizer, ex: dict, layout: Layout, template: str, where: str) 
         prompt, c, r = c[:k], c[k:], r[k:]
         if not prompt or not c or not r:
             return f"no shared prompt before different answers in {chosen!r} and {rejected!r}"
-    start = render(tokenizer, prompt, True, None)
+    start = render(tokenizer, prompt, True, None, where)
     answers = []
     for messages in (c, r):
-        whole = render(tokenizer, prompt + messages, False, None)
+        whole = render(tokenizer, prompt + messages, False, None, where)
         if not whole.startswith(start):
             raise ValueError(
                 "the chat template does not render the prompt as the start of the whole conversation; set "

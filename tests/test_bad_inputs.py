@@ -407,6 +407,20 @@ CASES = [
         stage=DATA,
     ),
     Case(
+        "chat_template_refuses_a_conversation",  # jinja's raise_exception, as Llama-2's and Gemma's templates do
+        lambda c: c.yaml(
+            dataset=c.jsonl(
+                "sys.jsonl",
+                [{"messages": [{"role": "system", "content": "Be brief."}, *r["messages"]]} for r in rows_chat(20)],
+            ),
+            chat_template="{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('System role not "
+            "supported') }}{% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}",
+        ),  # fmt: skip
+        "chat_template",
+        "row 0: the chat template cannot render this conversation (TemplateError: System role not supported)",
+        stage=DATA,
+    ),
+    Case(
         "chat_messages_not_a_list",
         lambda c: c.yaml(dataset=c.jsonl("chat.jsonl", [{"messages": "hello there"}] * 20)),
         "messages_column",

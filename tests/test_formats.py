@@ -224,7 +224,7 @@ def test_ambiguous_and_unknown_shapes_are_refused_with_the_columns_seen(assets, 
 
 
 def test_bad_rows_are_named_as_such(assets, tmp_path, caplog):
-    """An unknown role stops the run naming the row; an empty completion and a conversation with no assistant
+    """An unknown role, or a conversation the chat template raises on, stops the run naming the row; an empty completion and a conversation with no assistant
     turn are dropped, counted by why, with an example row, never blamed on truncation."""
     tok = assets.tokenizer
     convs = conversations(9, seed=5)
@@ -238,6 +238,23 @@ def test_bad_rows_are_named_as_such(assets, tmp_path, caplog):
     assert "dropped 2 of 9 training rows with nothing to learn" in said and "truncated" not in said
     assert "1 with an empty 'completion' (e.g. train row 2:" in said
     assert "1 with no assistant turn in 'completion' (e.g. train row 5:" in said
+
+    # a template that raises (jinja's raise_exception) for one conversation of the batch: that row is named
+    from transformers import AutoTokenizer
+
+    refusing = AutoTokenizer.from_pretrained(assets.root / "tokenizer")
+    refusing.chat_template = (
+        "{% for m in messages %}{% if 'FORBIDDEN' in m.content %}{{ raise_exception('no forbidden words') }}"
+        "{% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    marked = json.loads(json.dumps(as_messages(convs)))  # (its own messages)
+    marked[6]["messages"][-1]["content"] += " FORBIDDEN"
+    with pytest.raises(ConfigError) as info:
+        build(write_jsonl(marked, tmp_path / "refused.jsonl"), refusing)
+    [(key, message)] = info.value.problems
+    assert key == "chat_template" and message.startswith(
+        "train row 6: the chat template cannot render this conversation (TemplateError: no forbidden words)"
+    ), message
 
     unknown = as_messages(convs)
     unknown[4]["messages"][-1]["role"] = "bot"
