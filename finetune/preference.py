@@ -47,11 +47,11 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     if not torch.is_grad_enabled() and logits.shape[0] > 1:
         rows = [sequence_logps(logits[i : i + 1], labels[i : i + 1]) for i in range(logits.shape[0])]
         return torch.cat([s for s, _ in rows]), torch.cat([n for _, n in rows])
+    counts = answer_counts(labels)
     logits, labels = logits[:, :-1].float(), labels[:, 1:]
-    mask = labels != IGNORE
     picked = torch.gather(logits, 2, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    logps = (picked - torch.logsumexp(logits, dim=-1)) * mask
-    return logps.sum(-1), mask.sum(-1)
+    logps = (picked - torch.logsumexp(logits, dim=-1)) * (labels != IGNORE)
+    return logps.sum(-1), counts
 
 
 def answer_counts(labels: torch.Tensor) -> torch.Tensor:

@@ -198,7 +198,6 @@ def build_model(cfg: RunConfig, backend, tokenizer, ds: data.Datasets, resume: c
         logger.info("chunked loss off (chunked_loss auto): %s", blocker)
         model_args = dataclasses.replace(model_args, chunked_loss="false")
     set_seed(cfg.train.seed)  # same initial weights (e.g. a new classifier head) on every layout
-    rows = cfg.train.rows_per_example
     net = model.build_model(
         model_args,
         tokenizer,
@@ -208,8 +207,8 @@ def build_model(cfg: RunConfig, backend, tokenizer, ds: data.Datasets, resume: c
         reentrant_checkpointing=backend.reentrant_checkpointing(peft_on),
         extra_kwargs=backend.model_kwargs(),
         load_weights=backend.needs_hf_weights,
-        micro_batch_tokens=rows * cfg.train.per_device_train_batch_size * cfg.data.max_seq_length,
-        eval_batch_tokens=rows * cfg.train.per_device_eval_batch_size * cfg.data.max_seq_length,
+        micro_batch_tokens=_batch_tokens(cfg, cfg.train.per_device_train_batch_size),
+        eval_batch_tokens=_batch_tokens(cfg, cfg.train.per_device_eval_batch_size),
         numel=backend.numel,
     )
     if resume and resume.portable and peft_on:  # the run's own base model; the adapter's weights by name
@@ -328,12 +327,17 @@ def live_reference(cfg: RunConfig, backend, p: Prepared, tokenizer):
         None,
         cfg.data.max_seq_length,
         extra_kwargs=backend.model_kwargs(),
-        eval_batch_tokens=cfg.train.rows_per_example * cfg.train.per_device_train_batch_size * cfg.data.max_seq_length,
+        eval_batch_tokens=_batch_tokens(cfg, cfg.train.per_device_train_batch_size),
         numel=backend.numel,
     )
     frozen = backend.prepare_frozen(frozen)
     logger.info("reference log-probs: live, a frozen copy of the starting model, in each micro batch")
     return preference.live_reference(backend, frozen, adapter=False)
+
+
+def _batch_tokens(cfg: RunConfig, batch_size: int) -> int:
+    """The most tokens a batch of `batch_size` examples holds (a preference pair is two rows: chosen, rejected)."""
+    return cfg.train.rows_per_example * batch_size * cfg.data.max_seq_length
 
 
 def _length_aware_batches(train, sampler, plan: parallel.Plan, net) -> data.LengthAwareBatchSampler:
