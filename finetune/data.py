@@ -65,14 +65,8 @@ def _load(spec: str, data: DataArgs, split: str | None, streaming: bool = False)
         try:
             return datasets.load_dataset(kind, data_files=files, split="train", streaming=streaming)
         except Exception as e:  # datasets raises many types for malformed files
-            raise ConfigError(
-                [
-                    (
-                        key,
-                        f"could not read {spec!r} as {kind}: {formats.first_line(_cause(e))}; fix the file (or leave it out)",
-                    )
-                ]
-            ) from None
+            why = f"could not read {spec!r} as {kind}: {formats.first_line(_cause(e))}"
+            raise ConfigError([(key, f"{why}; fix the file (or leave it out)")]) from None
     try:
         return datasets.load_dataset(spec, data.dataset_config, split=split or data.train_split, streaming=streaming)
     except Exception as e:
