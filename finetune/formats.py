@@ -618,7 +618,9 @@ def chat_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int, split: st
         wheres = [f"{split} row {i}" for i in idx]
         plans = [_turns(ex, layout, at) for ex, at in zip(_rows_of(batch), wheres)]
         kept = [(plan, at) for plan, at in zip(plans, wheres) if isinstance(plan, Turns)]
-        texts = _render_turns(tokenizer, [plan for plan, _ in kept], [at for _, at in kept])
+        jobs = [((plan.messages[:k], gen, plan.tools), at) for plan, at in kept for k, gen, _ in plan.steps]
+        flat = iter(render_all(tokenizer, [job for job, _ in jobs], [at for _, at in jobs]))
+        texts = [[next(flat) for _ in plan.steps] for plan, _ in kept]
         cuts = iter(encode.cuts(texts, [at for _, at in kept]))
         rows = []
         for plan in plans:
@@ -666,32 +668,27 @@ def _turns(ex: dict, layout: Layout, where: str) -> Turns | str:
     return Turns(messages, _tools(ex, layout), steps)
 
 
-def _render_turns(tokenizer, plans: list[Turns], wheres: list[str]) -> list[list[str]]:
-    """Each plan's renderings, step by step. The rows without tools in two apply_chat_template calls for the batch
-    (the prefixes with the generation prompt, and those without): its work per call is done once per batch, not
-    once per rendering (a quarter of the chat format's preparation time before). A template that raises renders
-    row by row, to name the row."""
-    out: list[list[str]] = [[""] * len(plan.steps) for plan in plans]
+def render_all(tokenizer, jobs: list[tuple[list[dict], bool, list | None]], wheres: list[str]) -> list[str]:
+    """The chat template's renderings of (messages, with the generation prompt, tools), each from the row wheres[i].
+    Those without tools in one apply_chat_template call per setting of the generation prompt: its work per call done
+    once per batch, not once per rendering (a quarter of the chat format's preparation time before). A template
+    that raises renders them one at a time, to name the row."""
+    out = [""] * len(jobs)
     for gen in (True, False):
-        slots = [
-            (i, s)
-            for i, plan in enumerate(plans)
-            if plan.tools is None
-            for s, (_, g, _) in enumerate(plan.steps)
-            if g == gen
-        ]
-        if not slots:
+        batch = [i for i, (_, g, tools) in enumerate(jobs) if g == gen and tools is None]
+        if not batch:
             continue
-        prefixes = [plans[i].messages[: plans[i].steps[s][0]] for i, s in slots]
         try:
-            texts = tokenizer.apply_chat_template(prefixes, tokenize=False, add_generation_prompt=gen)
-        except Exception:  # noqa: BLE001 (rendered again below, one row at a time, to say which)
-            texts = [render(tokenizer, m, gen, None, wheres[i]) for m, (i, _) in zip(prefixes, slots)]
-        for (i, s), text in zip(slots, texts):
-            out[i][s] = text
-    for i, plan in enumerate(plans):
-        if plan.tools is not None:
-            out[i] = [render(tokenizer, plan.messages[:k], g, plan.tools, wheres[i]) for k, g, _ in plan.steps]
+            texts = tokenizer.apply_chat_template(
+                [jobs[i][0] for i in batch], tokenize=False, add_generation_prompt=gen
+            )
+        except Exception:  # noqa: BLE001 (rendered again, one at a time, to say which row)
+            texts = [render(tokenizer, jobs[i][0], gen, None, wheres[i]) for i in batch]
+        for i, text in zip(batch, texts):
+            out[i] = text
+    for i, (messages, gen, tools) in enumerate(jobs):
+        if tools is not None:
+            out[i] = render(tokenizer, messages, gen, tools, wheres[i])
     return out
 
 
@@ -731,9 +728,9 @@ def preference_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int, spl
     chosen, rejected = layout.pair
 
     def fn(batch: dict, idx: list[int]) -> dict:
-        texts = [
-            _pair_texts(tokenizer, ex, layout, template, f"{split} row {i}") for ex, i in zip(_rows_of(batch), idx)
-        ]
+        wheres = [f"{split} row {i}" for i in idx]
+        parts = [_pair_parts(ex, layout, template, at) for ex, at in zip(_rows_of(batch), wheres)]
+        texts = _pair_texts(tokenizer, parts, wheres)
         kept = [t for t in texts if isinstance(t, tuple)]
         prompts = iter(encode([t[0] for t in kept], not layout.conversational))
         answers = iter(encode([a for t in kept for a in t[1:]], False))
@@ -758,8 +755,9 @@ def preference_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int, spl
     return fn
 
 
-def _pair_texts(tokenizer, ex: dict, layout: Layout, template: str, where: str) -> tuple[str, str, str] | str:
-    """(prompt, chosen answer, rejected answer) as text, or why the row has nothing to compare."""
+def _pair_parts(ex: dict, layout: Layout, template: str, where: str) -> tuple | str:
+    """(prompt, chosen answer, rejected answer): text, or message lists (conversational); or why the row has nothing
+    to compare."""
     chosen, rejected = layout.pair
     for col in layout.pair:
         if _blank(ex[col]) or ex[col] == []:
@@ -776,17 +774,25 @@ def _pair_texts(tokenizer, ex: dict, layout: Layout, template: str, where: str) 
         prompt, c, r = c[:k], c[k:], r[k:]
         if not prompt or not c or not r:
             return f"no shared prompt before different answers in {chosen!r} and {rejected!r}"
-    start = render(tokenizer, prompt, True, None, where)
-    answers = []
-    for messages in (c, r):
-        whole = render(tokenizer, prompt + messages, False, None, where)
-        if not whole.startswith(start):
+    return prompt, c, r
+
+
+def _pair_texts(tokenizer, parts: list[tuple | str], wheres: list[str]) -> list[tuple[str, str, str] | str]:
+    """Each pair's (prompt, chosen answer, rejected answer) as text: message lists rendered with the chat template
+    (the prompt with its generation prompt; each answer what the whole conversation adds to it), all at once."""
+    convs = [(p, at) for p, at in zip(parts, wheres) if isinstance(p, tuple) and isinstance(p[0], list)]
+    jobs = [((prompt + more, not more, None), at) for (prompt, c, r), at in convs for more in ([], c, r)]
+    flat = iter(render_all(tokenizer, [job for job, _ in jobs], [at for _, at in jobs]))
+    rendered = {}
+    for _, at in convs:
+        start, *wholes = next(flat), next(flat), next(flat)
+        if not all(whole.startswith(start) for whole in wholes):
             raise ValueError(
-                "the chat template does not render the prompt as the start of the whole conversation; set "
+                f"{at}: the chat template does not render the prompt as the start of the whole conversation; set "
                 "chat_template to one that does"
             )
-        answers.append(whole[len(start) :])
-    return start, answers[0], answers[1]
+        rendered[at] = (start, *(whole[len(start) :] for whole in wholes))
+    return [rendered.get(at, p) for p, at in zip(parts, wheres)]
 
 
 def _fit_pair(p: list[int], c: list[int], r: list[int], max_len: int) -> tuple[list[int], list[int], list[int]]:

@@ -143,6 +143,34 @@ def test_pairs_with_nothing_to_compare_are_refused_or_dropped(assets, tmp_path):
     assert len(ds.train) == 1 and ds.supervised_tokens == 1
 
 
+def test_conversational_pairs_a_template_cannot_render_are_refused_naming_the_row(assets, tmp_path):
+    """A template whose generation prompt is not the start of the answered conversation, and one that raises on a
+    pair (jinja's raise_exception): refused at the first such pair, by row, with the fix."""
+    from transformers import AutoTokenizer
+
+    from finetune.data import build_datasets
+
+    rows = [json.loads(line) for line in open(pairs(tmp_path / "c.jsonl", n=12, conversational=True))]
+    rows[7]["chosen"][-1]["content"] += " FORBIDDEN"
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    turns = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    refusing = "{% for m in messages %}{% if 'FORBIDDEN' in m.content %}{{ raise_exception('no forbidden words') }}"
+    for template, key, says in (
+        (turns + "{% if add_generation_prompt %}ASSISTANT>{% endif %}", "dataset",
+         "train row 0: the chat template does not render the prompt as the start of the whole conversation"),
+        (refusing + "{% endif %}" + turns[len("{% for m in messages %}"):] + "{% if add_generation_prompt %}assistant: "
+         "{% endif %}", "chat_template", "train row 7: the chat template cannot render this conversation "
+         "(TemplateError: no forbidden words)"),
+    ):  # fmt: skip
+        tok = AutoTokenizer.from_pretrained(assets.root / "tokenizer")
+        tok.chat_template = template
+        with pytest.raises(ConfigError) as refused:
+            build_datasets(DataArgs(dataset=str(tmp_path / "c.jsonl"), eval_fraction=0), "causal_lm", tok, 1,
+                           contextlib.nullcontext)  # fmt: skip
+        [(k, message)] = refused.value.problems
+        assert k == key and says in message and "chat_template" in message, message
+
+
 # ---------------------------------------------------------------- runs
 
 
