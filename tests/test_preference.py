@@ -8,6 +8,7 @@ import contextlib
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,9 +151,10 @@ def test_conversational_pairs_a_template_cannot_render_are_refused_naming_the_ro
 
     from finetune.data import build_datasets
 
-    rows = [json.loads(line) for line in open(pairs(tmp_path / "c.jsonl", n=12, conversational=True))]
+    path = Path(pairs(tmp_path / "c.jsonl", n=12, conversational=True))
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
     rows[7]["chosen"][-1]["content"] += " FORBIDDEN"
-    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     turns = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
     refusing = "{% for m in messages %}{% if 'FORBIDDEN' in m.content %}{{ raise_exception('no forbidden words') }}"
     for template, key, says in (
@@ -165,7 +167,7 @@ def test_conversational_pairs_a_template_cannot_render_are_refused_naming_the_ro
         tok = AutoTokenizer.from_pretrained(assets.root / "tokenizer")
         tok.chat_template = template
         with pytest.raises(ConfigError) as refused:
-            build_datasets(DataArgs(dataset=str(tmp_path / "c.jsonl"), eval_fraction=0), "causal_lm", tok, 1,
+            build_datasets(DataArgs(dataset=str(path), eval_fraction=0), "causal_lm", tok, 1,
                            contextlib.nullcontext)  # fmt: skip
         [(k, message)] = refused.value.problems
         assert k == key and says in message and "chat_template" in message, message
@@ -294,7 +296,7 @@ def test_dpo_learns_a_preference_it_was_not_shown(assets, tmp_path):
     data = pairs(tmp_path / "pairs.jsonl", n=400, seed=1)
     sft_rows = [
         {"prompt": r["prompt"], "response": r["chosen"] if k % 2 else r["rejected"]}
-        for k, r in enumerate(map(json.loads, open(data)))
+        for k, r in enumerate(map(json.loads, Path(data).read_text().splitlines()))
     ]
     sft_data = tmp_path / "sft.jsonl"
     sft_data.write_text("".join(json.dumps(r) + "\n" for r in sft_rows))
@@ -315,7 +317,8 @@ def test_dpo_learns_a_preference_it_was_not_shown(assets, tmp_path):
     assert all("eval_exact_match" in row for row in (start, end))
     samples = [row["eval_samples"] for row in r.rows if "eval_samples" in row]
     assert len(samples) == len(r.eval_rows) == 2 and all(s and s[0]["reference"] for s in samples), samples[:1]
-    rng, seen = random.Random(7), {frozenset(json.loads(line)["prompt"].split()[1:]) for line in open(data)}
+    seen = {frozenset(json.loads(line)["prompt"].split()[1:]) for line in Path(data).read_text().splitlines()}
+    rng = random.Random(7)
     unseen = [ws for ws in (rng.sample(WORDS, 4) for _ in range(400)) if frozenset(ws) not in seen][:60]
     assert len(unseen) == 60
     before = _greedy_orders(sft.output_dir / "final", assets.tokenizer, unseen)
