@@ -339,6 +339,35 @@ def test_a_template_whose_prefixes_are_not_the_conversations_is_refused(
         assert "assistant: ' | '" in message
 
 
+def test_a_rendering_end_is_placed_among_the_tokens_as_the_offsets_place_it(assets):
+    """formats._token_at (the Rust encoding's char_to_token, where Encoder.cuts finds a turn's end) against the plain
+    definition computed here from every token's offsets: how many tokens start before character L, and whether the
+    last of them runs past L. At every L of texts with multi-byte characters and runs of spaces, for the byte-level
+    BPE tokenizer (every character in a token) and a WordPiece one (spaces in none: the offsets' path)."""
+    import bisect
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from finetune.formats import _token_at
+
+    texts = ["user: héllo  wörld 😀\n\nassistant: ok  fine\n", "  leading\tand trailing  ", "日本語 です。 ok"]
+    wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
+    wordpiece.train_from_iterator(texts * 20, trainers.WordPieceTrainer(vocab_size=200, special_tokens=["[UNK]"]))
+    unheld = 0
+    for tokenizer in (assets.tokenizer.backend_tokenizer, wordpiece):
+        for text, enc in zip(texts, tokenizer.encode_batch(texts, add_special_tokens=False)):
+            starts = [a for a, _ in enc.offsets]
+            assert starts
+            for end in range(len(text) + 1):
+                n = bisect.bisect_left(starts, end)
+                want = n, bool(n and enc.offsets[n - 1][1] > end)
+                got = _token_at(enc, end)
+                assert got[1] == want[1] and (got[1] or got[0] == want[0]), (text, end, got, want)
+                unheld += end < len(text) and enc.char_to_token(end) is None
+    assert unheld  # the offsets' path was taken too
+
+
 def test_chat_tokens_are_the_whole_conversations_and_labels_the_turns_prefixes_add(assets, tmp_path):
     """Several assistant turns, also with a tokenizer whose ByteLevel post-processor trims offsets: the tokens are the
     whole rendering's, and the labels are what each assistant turn's rendering adds to the one before it, each
