@@ -780,19 +780,19 @@ def _pair_parts(ex: dict, layout: Layout, template: str, where: str) -> tuple | 
 def _pair_texts(tokenizer, parts: list[tuple | str], wheres: list[str]) -> list[tuple[str, str, str] | str]:
     """Each pair's (prompt, chosen answer, rejected answer) as text: message lists rendered with the chat template
     (the prompt with its generation prompt; each answer what the whole conversation adds to it), all at once."""
-    convs = [(p, at) for p, at in zip(parts, wheres) if isinstance(p, tuple) and isinstance(p[0], list)]
-    jobs = [((prompt + more, not more, None), at) for (prompt, c, r), at in convs for more in ([], c, r)]
-    flat = iter(render_all(tokenizer, [job for job, _ in jobs], [at for _, at in jobs]))
-    rendered = {}
-    for _, at in convs:
+    convs = [i for i, p in enumerate(parts) if isinstance(p, tuple) and isinstance(p[0], list)]
+    jobs = [(parts[i][0] + more, not more, None) for i in convs for more in ([], *parts[i][1:])]
+    flat = iter(render_all(tokenizer, jobs, [wheres[i] for i in convs for _ in range(3)]))
+    texts = list(parts)
+    for i in convs:
         start, *wholes = next(flat), next(flat), next(flat)
         if not all(whole.startswith(start) for whole in wholes):
             raise ValueError(
-                f"{at}: the chat template does not render the prompt as the start of the whole conversation; set "
-                "chat_template to one that does"
+                f"{wheres[i]}: the chat template does not render the prompt as the start of the whole conversation; "
+                "set chat_template to one that does"
             )
-        rendered[at] = (start, *(whole[len(start) :] for whole in wholes))
-    return [rendered.get(at, p) for p, at in zip(parts, wheres)]
+        texts[i] = (start, *(whole[len(start) :] for whole in wholes))
+    return texts
 
 
 def _fit_pair(p: list[int], c: list[int], r: list[int], max_len: int) -> tuple[list[int], list[int], list[int]]:
