@@ -26,9 +26,12 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from finetune.config import TASK_FORMATS, ConfigError, DataArgs
 
@@ -416,6 +419,11 @@ class Encoder:
     # The Rust tokenizer without its post-processor, for character offsets (a ByteLevel post-processor trims
     # whitespace off them); None where the fast path is off or offsets were not asked for.
     located: Any = None
+    # Per token id, the bytes of text it stands for, where every token is exactly its bytes of the text (byte-level
+    # BPE: GPT-2, Llama-3, Qwen): where a rendering ends in the tokens then follows from the ids alone, without
+    # offsets (a quarter less tokenizing). None elsewhere (SentencePiece's normalizer, tokens that take in
+    # whitespace around them).
+    widths: Any = None
 
     @classmethod
     def of(cls, tokenizer, offsets: bool = False) -> Encoder:
@@ -432,7 +440,9 @@ class Encoder:
         located = type(backend).from_str(backend.to_str())
         located.post_processor = None
         plain = [e.ids for e in located.encode_batch(_PROBES, add_special_tokens=False)]
-        return cls(tokenizer, True, located if plain == want[False] else None)
+        if plain != want[False]:
+            return cls(tokenizer, True)
+        return cls(tokenizer, True, located, _byte_widths(backend, located))
 
     def __call__(self, texts: list[str], special: bool) -> list[list[int]]:
         if not texts:
@@ -446,34 +456,91 @@ class Encoder:
     def cuts(self, renders: list[list[str]], where: list[str]) -> list[tuple[list[int], list[int]]]:
         """Per conversation, given its growing renderings (the last is the whole conversation): the whole one's tokens
         (no special tokens added) and the token count at which each rendering ends in them. The whole is tokenized
-        once; each rendering's end is found from the tokens' character offsets. Raises ValueError where a rendering
-        is not a prefix of the next, or ends inside a token (where the tokens of the parts would not be the whole's),
-        naming the conversation (where: each one's place in the data).
+        once; each rendering's end is found from the tokens' byte widths or character offsets. Raises ValueError
+        where a rendering is not a prefix of the next, or ends inside a token (where the tokens of the parts would
+        not be the whole's), naming the conversation (where: each one's place in the data).
         """
         if self.located is None:
             flat = self([text for texts in renders for text in texts], False)
             ends = list(itertools.accumulate(len(texts) for texts in renders))
             return [_cuts_by_prefix(flat[a:b], at) for a, b, at in zip([0, *ends], ends, where)]
-        out = []
-        wholes = self.located.encode_batch([texts[-1] for texts in renders], add_special_tokens=False)
-        for texts, whole, at in zip(renders, wholes, where):
-            cut = []
-            for text, following in zip(texts[:-1], texts[1:]):
-                if not following.startswith(text):
-                    raise ValueError(
-                        f"{at}: the chat template does not render a conversation prefix as a prefix of the whole "
-                        "conversation; set chat_template to one that does"
-                    )
-                n, inside = _token_at(whole, len(text))  # the tokens that start before the rendering ends
+        found = (self.widths is not None and self._ends_by_width(renders)) or self._ends_by_offsets(renders)
+        for texts, (_, ends), at in zip(renders, found, where):
+            if not all(following.startswith(text) for text, following in zip(texts[:-1], texts[1:])):
+                raise ValueError(
+                    f"{at}: the chat template does not render a conversation prefix as a prefix of the whole "
+                    "conversation; set chat_template to one that does"
+                )
+            for text, (_, inside) in zip(texts, ends):
                 if inside:
                     raise ValueError(
                         f"{at}: the chat template's rendering of a conversation prefix ends inside a token "
                         f"({text[-30:]!r} | {texts[-1][len(text) : len(text) + 30]!r}); set chat_template to one "
                         "that ends each turn where a token ends"
                     )
-                cut.append(n)
-            out.append((whole.ids, [*cut, len(whole.ids)]))
-        return out
+        return [(ids, [n for n, _ in ends]) for ids, ends in found]
+
+    def _ends_by_offsets(self, renders: list[list[str]]) -> list[tuple[list[int], list[tuple[int, bool]]]]:
+        """Per conversation, the whole rendering's ids and, for each rendering, (the tokens that start before it
+        ends, whether the last of them runs past its end): from the tokens' character offsets."""
+        wholes = self.located.encode_batch([texts[-1] for texts in renders], add_special_tokens=False)
+        return [
+            (whole.ids, [*(_token_at(whole, len(text)) for text in texts[:-1]), (len(whole.ids), False)])
+            for texts, whole in zip(renders, wholes)
+        ]
+
+    def _ends_by_width(self, renders: list[list[str]]) -> list[tuple[list[int], list[tuple[int, bool]]]] | None:
+        """_ends_by_offsets for a batch, from the ids' byte widths: every conversation's tokens laid end to end, each
+        rendering's end in bytes looked up among the tokens' ends. None (offsets are used) where a text is not in NFC
+        or a conversation's tokens do not add up to its text."""
+        wholes = [texts[-1] for texts in renders]
+        if not all(unicodedata.is_normalized("NFC", text) for text in wholes):  # a normalizer may change the text
+            return None
+        ids = [e.ids for e in self.tokenizer.backend_tokenizer.encode_batch_fast(wholes, add_special_tokens=False)]
+        counts = np.fromiter(map(len, ids), np.int64, len(ids))
+        flat = np.fromiter(itertools.chain.from_iterable(ids), np.int64, int(counts.sum()))
+        token_ends = np.concatenate([[0], np.cumsum(self.widths[flat])])  # [0, where token 0 ends, ...] in bytes
+        sizes = np.fromiter((len(text.encode()) for text in wholes), np.int64, len(wholes))
+        starts = np.cumsum(sizes) - sizes  # where each conversation starts in bytes
+        firsts = np.cumsum(counts) - counts  # and in tokens
+        if not np.array_equal(token_ends[firsts + counts], starts + sizes):
+            return None
+        per = [len(texts) for texts in renders]
+        at = np.fromiter((len(t.encode()) for texts in renders for t in texts), np.int64, sum(per))
+        at += np.repeat(starts, per)
+        k = np.searchsorted(token_ends, at)  # the tokens that start before each rendering ends (all conversations')
+        n = (k - np.repeat(firsts, per)).tolist()
+        inside = (token_ends[k] != at).tolist()
+        bounds = list(itertools.accumulate(per, initial=0))
+        return [(x, list(zip(n[a:b], inside[a:b]))) for x, a, b in zip(ids, bounds, bounds[1:])]
+
+
+def _byte_widths(backend, located) -> np.ndarray | None:
+    """Encoder.widths: each token's length in bytes (a byte-level vocabulary's token has one character per byte; an
+    added token is its content), where the tokenizer decodes byte-level, normalizes nothing or only to NFC (Qwen's:
+    a text already in NFC stays as it is) and has no added token that takes in the whitespace around it. Checked
+    against the offsets at every character of the probe texts."""
+    spec = json.loads(backend.to_str())
+    added = spec.get("added_tokens") or []
+    normalizer = (spec.get("normalizer") or {}).get("type", "NFC")
+    decoder = (spec.get("decoder") or {}).get("type")
+    if normalizer != "NFC" or decoder != "ByteLevel" or any(t.get("lstrip") or t.get("rstrip") for t in added):
+        return None
+    vocab = backend.get_vocab(with_added_tokens=False)
+    widths = np.zeros(1 + max([*vocab.values(), *(t["id"] for t in added)]), np.int64)
+    for token, i in vocab.items():
+        widths[i] = len(token)
+    for t in added:
+        widths[t["id"]] = len(t["content"].encode())
+    for text, enc in zip(_PROBES, located.encode_batch(_PROBES, add_special_tokens=False)):
+        token_ends = np.concatenate([[0], np.cumsum(widths[enc.ids])])
+        for end in range(len(text) + 1):
+            at = len(text[:end].encode())
+            k = int(np.searchsorted(token_ends, at))
+            n, inside = _token_at(enc, end)  # the count only matters where the end is not inside a token
+            if bool(token_ends[k] != at) != inside or not inside and k != n:
+                return None
+    return widths
 
 
 def _token_at(whole, end: int) -> tuple[int, bool]:
@@ -670,12 +737,19 @@ def _turns(ex: dict, layout: Layout, where: str) -> Turns | str:
 
 def render_all(tokenizer, jobs: list[tuple[list[dict], bool, list | None]], wheres: list[str]) -> list[str]:
     """The chat template's renderings of (messages, with the generation prompt, tools), each from the row wheres[i].
-    Those without tools in one apply_chat_template call per setting of the generation prompt: its work per call done
-    once per batch, not once per rendering (a quarter of the chat format's preparation time before). A template
-    that raises renders them one at a time, to name the row."""
-    out = [""] * len(jobs)
+    Plain conversations straight through the template (_renderer); others without tools in one apply_chat_template
+    call per setting of the generation prompt (its work per call done once per batch, not once per rendering); those
+    with tools one call each. A template that raises renders them one at a time, to name the row."""
+    out: list[str | None] = [None] * len(jobs)
+    direct = _renderer(tokenizer)
+    for i, (messages, gen, tools) in enumerate(jobs):
+        if direct and tools is None and all(len(m) == 2 and type(m["content"]) is str for m in messages):
+            try:
+                out[i] = direct(messages, gen)
+            except Exception:  # noqa: BLE001 (rendered again as apply_chat_template does, to name the row)
+                out[i] = render(tokenizer, messages, gen, None, wheres[i])
     for gen in (True, False):
-        batch = [i for i, (_, g, tools) in enumerate(jobs) if g == gen and tools is None]
+        batch = [i for i, (_, g, tools) in enumerate(jobs) if out[i] is None and g == gen and tools is None]
         if not batch:
             continue
         try:
@@ -689,7 +763,45 @@ def render_all(tokenizer, jobs: list[tuple[list[dict], bool, list | None]], wher
     for i, (messages, gen, tools) in enumerate(jobs):
         if tools is not None:
             out[i] = render(tokenizer, messages, gen, tools, wheres[i])
-    return out
+    return out  # type: ignore[return-value]
+
+
+_PROBE_CHAT = [
+    {"role": "user", "content": "Hi there."},
+    {"role": "assistant", "content": "Hello! How can I help?"},
+    {"role": "user", "content": " two  spaces\tand ünïcode\n"},
+    {"role": "assistant", "content": "Noted.\n\n"},
+]
+
+
+def _renderer(tokenizer) -> Callable[[list[dict], bool], str] | None:
+    """Plain conversations (messages of a role and a text only) rendered by the chat template as transformers compiles
+    it, with what apply_chat_template gives it besides (the special tokens, no tools or documents): the same text
+    at a quarter of the cost. apply_chat_template rebuilds each message as plain data and renames reasoning fields,
+    and jinja's render merges the template's globals into a new context, on every rendering; here the globals and
+    special tokens are merged once, and each rendering is one shared context (jinja's Template.new_context). None,
+    and apply_chat_template is used, where this transformers has no such compiled template or renders the probe
+    conversation's prefixes otherwise."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        template = _compile_jinja_template(tokenizer.get_chat_template())
+    except Exception:  # noqa: BLE001 (another transformers, or no template: apply_chat_template says which)
+        return None
+    context = {**template.globals, **tokenizer.special_tokens_map, "tools": None, "documents": None}
+
+    def fn(messages: list[dict], gen: bool) -> str:
+        variables = {**context, "messages": messages, "add_generation_prompt": gen}
+        return template.environment.concat(template.root_render_func(template.new_context(variables, shared=True)))
+
+    probes = [(_PROBE_CHAT[:k], gen) for k in range(1, len(_PROBE_CHAT) + 1) for gen in (False, True)]
+    try:
+        same = all(
+            fn(m, g) == tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=g) for m, g in probes
+        )
+    except Exception:  # noqa: BLE001 (a template that refuses the probe: apply_chat_template for every row)
+        return None
+    return fn if same else None
 
 
 def render(tokenizer, messages: list[dict], gen: bool, tools: list | None, where: str) -> str:

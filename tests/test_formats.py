@@ -368,6 +368,74 @@ def test_a_rendering_end_is_placed_among_the_tokens_as_the_offsets_place_it(asse
     assert unheld  # the offsets' path was taken too
 
 
+@pytest.mark.parametrize("name", ["demo", "llama3_1", "qwen2_5", "gemma3"])
+def test_a_rendering_end_found_from_byte_widths_is_where_the_offsets_place_it(assets, real_tokenizer, name):
+    """Encoder's byte widths (a byte-level tokenizer's ids alone tell where a rendering ends: the chat format's fast
+    path) against the definition computed here from the tokens' offsets, at every character of several texts laid
+    end to end in one batch (multi-byte characters, emoji, special tokens, runs of spaces). Byte-level tokenizers
+    (the demo's, Llama-3.1's, Qwen2.5's with its NFC normalizer) take the path; Gemma-3's (SentencePiece) does not,
+    and a text not in NFC falls back to the offsets."""
+    import bisect
+    import unicodedata
+
+    from finetune.formats import Encoder
+
+    tok = assets.tokenizer if name == "demo" else real_tokenizer(name)
+    encode = Encoder.of(tok, offsets=True)
+    assert encode.located is not None
+    if name == "gemma3":
+        assert encode.widths is None
+        return
+    assert encode.widths is not None
+    special = tok.all_special_tokens[-1]
+    texts = [
+        f"user: héllo  wörld 😀\n\n{special}assistant: ok  fine\n",
+        "  leading\tand trailing  ",
+        f"日本語 です。{special}{special} ok",
+    ]
+    found = encode._ends_by_width([[text[:end] for end in range(len(text) + 1)] for text in texts])
+    assert found is not None and len(found) == len(texts)
+    inside = 0
+    for text, enc, (ids, ends) in zip(texts, encode.located.encode_batch(texts, add_special_tokens=False), found):
+        assert ids == enc.ids and len(ends) == len(text) + 1
+        starts = [a for a, _ in enc.offsets]
+        for end, got in enumerate(ends):
+            n = bisect.bisect_left(starts, end)
+            want = n, bool(n and enc.offsets[n - 1][1] > end)
+            assert got[1] == want[1] and (got[1] or got[0] == want[0]), (text, end, got, want)
+            inside += got[1]
+    assert inside  # ends inside a token were found too
+    decomposed = unicodedata.normalize("NFD", texts[0])
+    assert decomposed != texts[0] and encode._ends_by_width([[decomposed]]) is None
+
+
+@pytest.mark.parametrize("name", ["demo", "llama3_1", "qwen2_5", "gemma3"])
+def test_plain_conversations_render_as_apply_chat_template_renders_them(assets, real_tokenizer, name):
+    """The chat format renders plain conversations through the compiled template directly (formats._renderer, a
+    quarter of apply_chat_template's cost): the same text as apply_chat_template, with and without the generation
+    prompt, for the demo's and three released templates."""
+    from finetune.formats import _renderer
+
+    tok = assets.tokenizer if name == "demo" else real_tokenizer(name)
+    direct = _renderer(tok)
+    assert direct is not None
+    rng = random.Random(5)
+    words = "match rain code  bread ünïcode 😀 日本 \n\t".split(" ")
+    checked = 0
+    for i in range(20):
+        c = [{"role": "system", "content": "Be brief."}] if i % 2 else []
+        for _ in range(1 + i % 3):
+            c += [
+                {"role": role, "content": " ".join(rng.choices(words, k=rng.randint(1, 8)))}
+                for role in ("user", "assistant")
+            ]
+        for k in range(1, len(c) + 1):
+            for gen in (False, True):
+                assert direct(c[:k], gen) == tok.apply_chat_template(c[:k], tokenize=False, add_generation_prompt=gen)
+                checked += 1
+    assert checked > 100
+
+
 def test_chat_tokens_are_the_whole_conversations_and_labels_the_turns_prefixes_add(assets, tmp_path):
     """Several assistant turns, also with a tokenizer whose ByteLevel post-processor trims offsets: the tokens are the
     whole rendering's, and the labels are what each assistant turn's rendering adds to the one before it, each
