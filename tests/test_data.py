@@ -542,13 +542,13 @@ def test_a_second_build_reads_the_datasets_cache(assets, tmp_path):
 
 
 def test_several_preparing_processes_make_the_same_rows(assets, tmp_path):
-    """preparing_processes: the default from 4 cores and 50,000 rows (capped at 8), one process below that, the
+    """preparing_processes: the default from 2 cores and 50,000 rows (capped at 8), one process below that, the
     configured number always; and rows tokenized by 2 processes are the rows one process makes, in order."""
     from finetune.data import build_datasets, preparing_processes
 
-    assert preparing_processes(None, 1_000_000, 2) is None and preparing_processes(None, 49_999, 16) is None
-    assert preparing_processes(None, 50_000, 4) == 4 and preparing_processes(None, 10**6, 64) == 8
-    assert preparing_processes(3, 10, 2) == 3
+    assert preparing_processes(None, 1_000_000, 1) is None and preparing_processes(None, 49_999, 16) is None
+    assert preparing_processes(None, 50_000, 2) == 2 and preparing_processes(None, 10**6, 64) == 8
+    assert preparing_processes(3, 10, 2) == 3 and preparing_processes(1, 10**6, 8) is None
     built = {}
     environ = os.environ
     for workers in (None, 2):  # each from its own copy of the file: neither reads the other's cache

@@ -265,7 +265,7 @@ class DataArgs:
     )
     preprocessing_num_workers: int | None = _f(
         None,
-        "Processes that tokenize (datasets.map num_proc); null: one per core (up to 8) on machines with 4 or more "
+        "Processes that tokenize (datasets.map num_proc); null: one per core (up to 8) on machines with 2 or more "
         "cores and sets of 50,000 rows or more, else one.",
     )
     streaming: bool = _f(
