@@ -98,19 +98,7 @@ def run(ctx: harness.Context) -> dict:
         "simulated_packing": simulate_balance(packing.tokenized_lengths(packed), 2, 8, quad),
     }
     spec = {"config": config, "steps": ctx.option("balance_steps", 6, 2), "micro": 8, "quad": quad, "warmup": 1}
-    torchrun = [
-        harness.PY,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--local_addr",
-        "127.0.0.1",
-        "--rdzv_backend",
-        "c10d",
-        "--rdzv_endpoint",
-        "127.0.0.1:0",  # the agent binds a port the OS picks and tells its ranks: no port to race for
-    ]
+    torchrun = harness.torchrun(2)
     m = out["measured"] = harness.run_worker(ctx, "balance.py", "balance", spec, "balance", 1, launcher=torchrun)
     out["measured_step_x"] = m["round_robin"]["step_time_s"] / m["balanced"]["step_time_s"]
     # The app itself: DDP on 2 ranks, with and without length_aware_batching, interleaved.

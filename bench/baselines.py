@@ -6,8 +6,10 @@ from the same saved model, on finetune's own tokenized rows in finetune's epoch 
 
 spec: {"config": run config path, "steps": N, "warmup": W, "threads": T, "collator": "default"|"seq2seq",
        "mode": "train" (default) | "eval" | "first_step", "env": {...} (the process's extra environment: the
-       harness sets it), "compile": false (default) | true (Trainer: torch_compile=True; bare: torch.compile)}
+       harness sets it), "compile": false (default) | true (Trainer: torch_compile=True; bare: torch.compile),
+       "deepspeed": a DeepSpeed JSON path (Trainer only, under torchrun: gloo on CPU processes)}
   train       tokens/s per optimizer step (the first W steps dropped); Trainer: also its training-phase peak RSS
+              (the largest rank's), the ranks and DeepSpeed's ZeRO stage as the engine reports it
   eval        Trainer only: `Trainer.evaluate()` twice on finetune's eval rows; prints "[baseline] eval N done"
               after each (the harness times the second from those lines)
   first_step  Trainer only: prints "[baseline] step 1 done" at the end of optimizer step 1 (the harness
@@ -119,10 +121,16 @@ def worker_trainer(spec: dict) -> dict:
             report_to="none",
             disable_tqdm=True,
             seed=42,
-            use_cpu=True,
+            use_cpu=not spec.get("deepspeed"),  # with it, accelerate would not start DeepSpeed's process group
             train_sampling_strategy="sequential",
             torch_compile=bool(spec.get("compile")),
+            deepspeed=_deepspeed_config(spec.get("deepspeed")),
+            ddp_backend="gloo" if spec.get("deepspeed") else None,  # DeepSpeed would pick nccl on CPU processes
         )
+        # The process group before the model, as transformers' example scripts have it (they log args.device
+        # first): under DeepSpeed ZeRO-3, from_pretrained partitions the weights as they load (zero.Init), which
+        # needs the group's world size.
+        args.device  # noqa: B018
         model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32)
         # "default": Trainer's own default collator (DataCollatorWithPadding; equal-length rows only).
         # "seq2seq": the usual choice for variable-length causal LM data (labels padded with -100);
@@ -143,14 +151,34 @@ def worker_trainer(spec: dict) -> dict:
                 print(EVAL_DONE.format(i), flush=True)
             return {"eval_tokens": sum(len(x) for x in evalset["input_ids"]), "eval_rows": len(evalset)}
         trainer.train()
-        train_peak_gb = peak_memory(torch.device("cpu"))["peak_rss_gb"]
+        peaks = [peak_memory(torch.device("cpu"))["peak_rss_gb"]]
+        engine = getattr(trainer, "deepspeed", None)
+        stage = engine.zero_optimization_stage() if engine is not None else None
+    if torch.distributed.is_initialized():
+        peaks *= torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(peaks, peaks[torch.distributed.get_rank()])
+        if torch.distributed.get_rank():
+            return {}  # rank 0 writes the result
     times = [b - a for a, b in zip(marks, marks[1:])]
     tokens = [sum(lengths[i * micro : (i + 1) * micro]) for i in range(len(times))]
     return {
         **harness.steady(list(zip(tokens, times)), spec["warmup"]),
         "optim": str(args.optim),
-        "train_peak_rss_gb": train_peak_gb,
+        "train_peak_rss_gb": max(peaks),
+        "ranks": len(peaks),
+        "zero_stage": stage,
     }
+
+
+def _deepspeed_config(path: str | None) -> dict | None:
+    """A DeepSpeed JSON for Trainer on CPU processes, without train_batch_size: Trainer fills that "auto" with the
+    world size it sees before the process group exists (1 or 2, as use_cpu goes), and DeepSpeed then refuses the
+    batch; left out, DeepSpeed computes it from the micro batch, accumulation and the group's size."""
+    if path is None:
+        return None
+    config = json.loads(Path(path).read_text())
+    config.pop("train_batch_size", None)
+    return config
 
 
 WORKERS = {"bare": worker_bare, "trainer": worker_trainer}

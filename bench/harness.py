@@ -286,6 +286,23 @@ def read_rows(out: Path) -> list[dict]:
     return read_metrics(str(out))
 
 
+def torchrun(ranks: int) -> list[str]:
+    """A launcher for run_worker: `ranks` processes on this machine under torchrun, on 127.0.0.1 only."""
+    return [
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(ranks),
+        "--local_addr",
+        "127.0.0.1",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        "127.0.0.1:0",  # the agent binds a port the OS picks and tells its ranks: no port to race for
+    ]
+
+
 def run_worker(
     ctx: Context,
     script: str,

@@ -18,12 +18,16 @@ pairs    one preference micro batch (--pairs pairs: twice as many rows of --seq 
          a prompt) through training's answer log-probs (`Backend.answer_logps`, as DPO and the other methods take
          them) and the backward of a DPO loss over them, with the chunked loss and without (the batch's whole
          logits): the peak resident memory above the loaded model, and the log-probs (equal to 1e-5 relative).
+zero3    the peak part's chunked finetune and Trainer under DeepSpeed ZeRO-3 on 2 ranks (1 thread each): finetune
+         with accelerate_configs/zero3.yaml, Trainer under torchrun with the same DeepSpeed JSON
+         (ds_configs/zero3.json, its "auto" values filled by each from the same run config) and gloo; the larger
+         of the 2 ranks' training-phase peaks. Target: chunked <= 0.6x Trainer's peak.
 longest  the longest max_seq_length (a multiple of 256) that `finetune plan`'s estimate puts within --budget_gb,
          with the chunked loss and without (transformers' loss, which Trainer computes the same way); then a run of
          finetune with the chunked loss at its length and one of Trainer at the unchunked length, each of which must
          stay inside the budget (nothing is run that the planner says will not fit). Target: >= 1.8x.
 
-    .venv/bin/python bench/loss_memory.py [--parts peak,eval,pairs,longest] [--seq 2048] [--eval_batch 4]
+    .venv/bin/python bench/loss_memory.py [--parts peak,eval,pairs,longest,zero3] [--seq 2048] [--eval_batch 4]
                                           [--pairs 2] [--budget_gb 4] [--steps 3]
 """
 
@@ -49,7 +53,9 @@ LONGEST_TARGET = 1.8  # chunked longest sequence / unchunked
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--parts", default="peak,eval,pairs,longest", help="any of peak, eval, pairs, longest (default: all)"
+        "--parts",
+        default="peak,eval,pairs,longest,zero3",
+        help="any of peak, eval, pairs, longest, zero3 (default: all)",
     )
     parser.add_argument("--seq", type=int, default=2048, help="peak, eval: tokens per row (default 2048)")
     parser.add_argument("--eval_batch", type=int, default=4, help="eval: rows per eval batch (default 4)")
@@ -83,15 +89,19 @@ def run_config(ctx: harness.Context, model: str, seq: int, chunked: str) -> str:
     )
 
 
-def finetune_side(ctx: harness.Context, model: str, seq: int, chunked: str) -> dict:
-    tag = f"finetune_{chunked}_{seq}"
+def finetune_side(ctx: harness.Context, model: str, seq: int, chunked: str, layout: str | None = None) -> dict:
+    """One process with 2 threads, or `layout` (a shipped Accelerate config of 2 ranks) with 1 thread per rank;
+    the largest rank's training-phase peak."""
+    tag = f"finetune_{chunked}_{seq}" + (f"_{layout}" if layout else "")
     out = ctx.runs / tag
     steps = str(ctx.opts.steps_given or 3)
-    cmd = harness.finetune_cmd(run_config(ctx, model, seq, chunked), out, None, "--max_steps", steps)
-    r = harness.launch(ctx, tag, cmd, 2, **RELEASE)
+    cmd = harness.finetune_cmd(run_config(ctx, model, seq, chunked), out, layout, "--max_steps", steps)
+    r = harness.launch(ctx, tag, cmd, 1 if layout else 2, **RELEASE)
     rows = harness.read_rows(out)
     shutil.rmtree(out)
-    peak = next(row["peak_memory"] for row in rows if "peak_memory" in row)[0]
+    ranks = next(row["peak_memory"] for row in rows if "peak_memory" in row)
+    assert len(ranks) == (2 if layout else 1), ranks
+    peak = max(ranks, key=lambda m: m["train_peak_rss_gb"])
     times = sorted(row["step_time_s"] for row in rows if "loss" in row)[1:] or [0.0]
     return {
         "train_peak_gb": peak["train_peak_rss_gb"],
@@ -102,11 +112,19 @@ def finetune_side(ctx: harness.Context, model: str, seq: int, chunked: str) -> d
     }
 
 
-def trainer_side(ctx: harness.Context, model: str, seq: int) -> dict:
+def trainer_side(ctx: harness.Context, model: str, seq: int, zero3: bool = False) -> dict:
+    """One process with 2 threads, or DeepSpeed ZeRO-3 (finetune's ds_configs/zero3.json) on 2 ranks under torchrun
+    with 1 thread each; the largest rank's training-phase peak."""
     spec = {"config": run_config(ctx, model, seq, "false"), "steps": ctx.opts.steps_given or 3, "warmup": 1}
-    spec |= {"threads": 2, "collator": "seq2seq", "env": RELEASE}
-    r = harness.run_worker(ctx, "baselines.py", "trainer", spec, f"trainer_{seq}", 2)
-    return {"train_peak_gb": r["train_peak_rss_gb"], "step_s": r["step_time_s"]}
+    spec |= {"threads": 1 if zero3 else 2, "collator": "seq2seq", "env": RELEASE}
+    launcher = None
+    if zero3:
+        spec["deepspeed"] = str(harness.ROOT / "ds_configs" / "zero3.json")
+        launcher = harness.torchrun(2)
+    tag = f"trainer_{seq}" + ("_zero3" if zero3 else "")
+    r = harness.run_worker(ctx, "baselines.py", "trainer", spec, tag, spec["threads"], launcher=launcher)
+    assert r.get("ranks") == (2 if zero3 else 1), r
+    return {"train_peak_gb": r["train_peak_rss_gb"], "step_s": r["step_time_s"], "zero_stage": r.get("zero_stage")}
 
 
 def eval_worker(spec: dict) -> dict:
@@ -232,6 +250,14 @@ def run(ctx: harness.Context) -> dict:
         harness.log(f"  pairs: {ctx.opts.pairs} pairs x 2 rows x {ctx.opts.seq} tokens, chunked / whole logits")
         out["pairs"] = {"pairs": ctx.opts.pairs, "seq": ctx.opts.seq}
         out["pairs"] |= {side: pairs_side(ctx, model, side) for side in ("true", "false")}
+    if "zero3" in parts:
+        seq = ctx.opts.seq
+        harness.log(f"  zero3: seq {seq}, 2 ranks, finetune chunked / Trainer")
+        out["zero3"] = {
+            "seq": seq,
+            "chunked": finetune_side(ctx, model, seq, "true", "zero3"),
+            "trainer": trainer_side(ctx, model, seq, zero3=True),
+        }
     if "longest" in parts:
         budget = ctx.opts.budget_gb
         (seq_on, plan_on), (seq_off, plan_off) = longest(ctx, model, "true"), longest(ctx, model, "false")
@@ -259,6 +285,19 @@ def rows(r: dict) -> list[harness.Row]:
         out.append(harness.Row("loss memory", "chunked / Trainer peak", ratio, "x", "", target, ratio <= PEAK_TARGET))
         speed = p["unchunked"]["step_s"] / p["chunked"]["step_s"]
         out.append(harness.Row("loss memory", "chunked / unchunked speed", speed, "x", "finetune, same run otherwise"))
+    if "zero3" in r:
+        z = r["zero3"]
+        for side, name in (("chunked", "finetune chunked_loss true"), ("trainer", "Trainer")):
+            x = z[side]
+            note = f"step {x['step_s']:.1f} s, largest of 2 ranks" + (
+                f", DeepSpeed stage {x['zero_stage']}" if x.get("zero_stage") else ""
+            )
+            out.append(harness.Row("loss memory ZeRO-3", f"{name}, seq {z['seq']}", x["train_peak_gb"], "GB", note))
+        ratio = z["chunked"]["train_peak_gb"] / z["trainer"]["train_peak_gb"]
+        met = ratio <= PEAK_TARGET
+        out.append(
+            harness.Row("loss memory ZeRO-3", "chunked / Trainer peak", ratio, "x", "", f"<= {PEAK_TARGET}", met)
+        )
     if "eval" in r:
         e = r["eval"]
         same = abs(e["true"]["loss"] / e["false"]["loss"] - 1) <= 1e-5
