@@ -26,8 +26,9 @@ longest  the longest max_seq_length (a multiple of 256) that `finetune plan`'s e
          with the chunked loss and without (transformers' loss, which Trainer computes the same way); then a run of
          finetune with the chunked loss at its length and one of Trainer at the unchunked length, each of which must
          stay inside the budget (nothing is run that the planner says will not fit). Target: >= 1.8x.
+zero3_longest  the same under ZeRO-3 on 2 ranks (a rank's peak within --budget_gb), as the zero3 part runs them.
 
-    .venv/bin/python bench/loss_memory.py [--parts peak,eval,pairs,longest,zero3] [--seq 2048] [--eval_batch 4]
+    .venv/bin/python bench/loss_memory.py [--parts peak,eval,pairs,longest,zero3,zero3_longest] [--seq 2048] [--eval_batch 4]
                                           [--pairs 2] [--budget_gb 4] [--steps 3]
 """
 
@@ -54,8 +55,8 @@ LONGEST_TARGET = 1.8  # chunked longest sequence / unchunked
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--parts",
-        default="peak,eval,pairs,longest,zero3",
-        help="any of peak, eval, pairs, longest, zero3 (default: all)",
+        default="peak,eval,pairs,longest,zero3,zero3_longest",
+        help="any of peak, eval, pairs, longest, zero3, zero3_longest (default: all)",
     )
     parser.add_argument("--seq", type=int, default=2048, help="peak, eval: tokens per row (default 2048)")
     parser.add_argument("--eval_batch", type=int, default=4, help="eval: rows per eval batch (default 4)")
@@ -209,7 +210,9 @@ def pairs_side(ctx: harness.Context, model: str, chunked: str) -> dict:
     return harness.run_worker(ctx, "loss_memory.py", "pairs", spec, f"pairs_{chunked}", 2)
 
 
-def planned_gb(ctx: harness.Context, model: str, seq: int, chunked: str) -> float:
+def planned_gb(ctx: harness.Context, model: str, seq: int, chunked: str, layout: str = "single") -> float:
+    """finetune plan's estimate of a rank's training peak (a shipped Accelerate config on CPU processes: 2 where
+    the config is not `single`)."""
     from finetune import memory
     from finetune.config import build_config
 
@@ -217,17 +220,18 @@ def planned_gb(ctx: harness.Context, model: str, seq: int, chunked: str) -> floa
     values |= {"max_seq_length": seq, "per_device_train_batch_size": 1, "chunked_loss": chunked, "eval_fraction": 0}
     cfg = build_config(values, check_filesystem=False)
     shape = memory.shape_from_config(cfg)
-    machines = memory.Machines(num_gpus=0, cpu_processes=1)
-    return memory.plan_config(shape, cfg, harness.ROOT / "accelerate_configs" / "single.yaml", machines).host_gb
+    machines = memory.Machines(num_gpus=0, cpu_processes=1 if layout == "single" else 2)
+    return memory.plan_config(shape, cfg, harness.ROOT / "accelerate_configs" / f"{layout}.yaml", machines).host_gb
 
 
-def longest(ctx: harness.Context, model: str, chunked: str) -> tuple[int, float]:
+def longest(ctx: harness.Context, model: str, chunked: str, layout: str = "single") -> tuple[int, float]:
     """The longest multiple of 256 whose planned peak is within the budget (and that planned peak)."""
     lo, hi = 0, 64  # in units of 256 tokens: within(lo) holds (0: nothing), within(hi) does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if planned_gb(ctx, model, 256 * mid, chunked) <= ctx.opts.budget_gb else (lo, mid)
-    return 256 * lo, planned_gb(ctx, model, 256 * lo, chunked) if lo else 0.0
+        fits = planned_gb(ctx, model, 256 * mid, chunked, layout) <= ctx.opts.budget_gb
+        lo, hi = (mid, hi) if fits else (lo, mid)
+    return 256 * lo, planned_gb(ctx, model, 256 * lo, chunked, layout) if lo else 0.0
 
 
 def run(ctx: harness.Context) -> dict:
@@ -258,16 +262,24 @@ def run(ctx: harness.Context) -> dict:
             "chunked": finetune_side(ctx, model, seq, "true", "zero3"),
             "trainer": trainer_side(ctx, model, seq, zero3=True),
         }
-    if "longest" in parts:
-        budget = ctx.opts.budget_gb
-        (seq_on, plan_on), (seq_off, plan_off) = longest(ctx, model, "true"), longest(ctx, model, "false")
-        harness.log(f"  longest within {budget} GB (planned): chunked {seq_on}, unchunked {seq_off}")
-        out["longest"] = {"budget_gb": budget, "chunked": {"seq": seq_on, "planned_gb": plan_on}}
-        out["longest"]["unchunked"] = {"seq": seq_off, "planned_gb": plan_off}
-        if seq_on:
-            out["longest"]["chunked"] |= finetune_side(ctx, model, seq_on, "true")
-        if seq_off:
-            out["longest"]["unchunked"] |= {"trainer": trainer_side(ctx, model, seq_off)}
+    for part, layout in (("longest", "single"), ("zero3_longest", "zero3")):
+        if part in parts:
+            out[part] = longest_part(ctx, model, layout)
+    return out
+
+
+def longest_part(ctx: harness.Context, model: str, layout: str) -> dict:
+    """The planner's longest sequences within the budget, chunked and not (Trainer's loss), under `layout`; then a
+    run of finetune chunked and one of Trainer at those lengths, which must stay within it."""
+    budget, ranks = ctx.opts.budget_gb, layout != "single"
+    (seq_on, plan_on), (seq_off, plan_off) = longest(ctx, model, "true", layout), longest(ctx, model, "false", layout)
+    harness.log(f"  longest within {budget} GB ({layout}, planned): chunked {seq_on}, unchunked {seq_off}")
+    out = {"budget_gb": budget, "layout": layout, "chunked": {"seq": seq_on, "planned_gb": plan_on}}
+    out["unchunked"] = {"seq": seq_off, "planned_gb": plan_off}
+    if seq_on:
+        out["chunked"] |= finetune_side(ctx, model, seq_on, "true", layout if ranks else None)
+    if seq_off:
+        out["unchunked"] |= {"trainer": trainer_side(ctx, model, seq_off, zero3=ranks)}
     return out
 
 
@@ -314,8 +326,8 @@ def rows(r: dict) -> list[harness.Row]:
         same = len(a) == len(b) > 0 and all(abs(x / y - 1) <= 1e-5 for x, y in zip(a, b))
         what = f"{e['pairs']} pairs ({2 * e['pairs']} rows) x {e['seq']} tokens"
         out += _above_model_rows("pairs memory", e, what, lambda x: "", f"same log-probs: {same}")
-    if "longest" in r:
-        lg, budget = r["longest"], r["longest"]["budget_gb"]
+    for lg in (r[part] for part in ("longest", "zero3_longest") if part in r):
+        budget, bench = lg["budget_gb"], "longest sequence" + (" ZeRO-3" if lg.get("layout") == "zero3" else "")
         on, off = lg["chunked"], lg["unchunked"]
         measured_on, measured_off = on.get("train_peak_gb"), off.get("trainer", {}).get("train_peak_gb")
         for name, x, measured in (("finetune chunked", on, measured_on), ("Trainer (unchunked)", off, measured_off)):
@@ -324,14 +336,12 @@ def rows(r: dict) -> list[harness.Row]:
                 if measured
                 else ""
             )
-            out.append(harness.Row("longest sequence", f"{name} in {budget} GB", x["seq"], "tokens", note))
+            out.append(harness.Row(bench, f"{name} in {budget} GB", x["seq"], "tokens", note))
         if off["seq"]:
             ratio = on["seq"] / off["seq"]
             confirmed = all(m is not None and m <= budget for m in (measured_on, measured_off))
             met = ratio >= LONGEST_TARGET and confirmed
-            out.append(
-                harness.Row("longest sequence", "chunked / Trainer", ratio, "x", "", f">= {LONGEST_TARGET}", met)
-            )
+            out.append(harness.Row(bench, "chunked / Trainer", ratio, "x", "", f">= {LONGEST_TARGET}", met))
     return out
 
 
