@@ -743,7 +743,7 @@ def render_all(tokenizer, jobs: list[tuple[list[dict], bool, list | None]], wher
     out: list[str | None] = [None] * len(jobs)
     direct = _renderer(tokenizer)
     for i, (messages, gen, tools) in enumerate(jobs):
-        if direct and tools is None and all(len(m) == 2 and type(m["content"]) is str for m in messages):
+        if direct and tools is None and all(len(m) == 2 and type(m.get("content")) is str for m in messages):
             try:
                 out[i] = direct(messages, gen)
             except Exception:  # noqa: BLE001 (rendered again as apply_chat_template does, to name the row)
