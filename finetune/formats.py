@@ -442,7 +442,8 @@ class Encoder:
         plain = [e.ids for e in located.encode_batch(_PROBES, add_special_tokens=False)]
         if plain != want[False]:
             return cls(tokenizer, True)
-        return cls(tokenizer, True, located, _byte_widths(backend, located))
+        encoder = cls(tokenizer, True, located, _byte_widths(backend))
+        return encoder if encoder.widths is None or encoder._widths_agree() else cls(tokenizer, True, located)
 
     def __call__(self, texts: list[str], special: bool) -> list[list[int]]:
         if not texts:
@@ -480,6 +481,17 @@ class Encoder:
                     )
         return [(ids, [n for n, _ in ends]) for ids, ends in found]
 
+    def _widths_agree(self) -> bool:
+        """_ends_by_width places the end of every prefix of the probe texts where _ends_by_offsets does (the token
+        count only matters where the end is not inside a token)."""
+        renders = [[text[:end] for end in range(len(text) + 1)] for text in _PROBES]
+        found = self._ends_by_width(renders)
+
+        def placed(conversations: list) -> list:
+            return [(ids, [(None if inside else n, inside) for n, inside in ends]) for ids, ends in conversations]
+
+        return found is not None and placed(found) == placed(self._ends_by_offsets(renders))
+
     def _ends_by_offsets(self, renders: list[list[str]]) -> list[tuple[list[int], list[tuple[int, bool]]]]:
         """Per conversation, the whole rendering's ids and, for each rendering, (the tokens that start before it
         ends, whether the last of them runs past its end): from the tokens' character offsets."""
@@ -515,11 +527,11 @@ class Encoder:
         return [(x, list(zip(n[a:b], inside[a:b]))) for x, a, b in zip(ids, bounds, bounds[1:])]
 
 
-def _byte_widths(backend, located) -> np.ndarray | None:
+def _byte_widths(backend) -> np.ndarray | None:
     """Encoder.widths: each token's length in bytes (a byte-level vocabulary's token has one character per byte; an
     added token is its content), where the tokenizer decodes byte-level, normalizes nothing or only to NFC (Qwen's:
-    a text already in NFC stays as it is) and has no added token that takes in the whitespace around it. Checked
-    against the offsets at every character of the probe texts."""
+    a text already in NFC stays as it is) and has no added token that takes in the whitespace around it (Encoder.of
+    then checks it against the offsets: _widths_agree)."""
     spec = json.loads(backend.to_str())
     added = spec.get("added_tokens") or []
     normalizer = (spec.get("normalizer") or {}).get("type", "NFC")
@@ -532,14 +544,6 @@ def _byte_widths(backend, located) -> np.ndarray | None:
         widths[i] = len(token)
     for t in added:
         widths[t["id"]] = len(t["content"].encode())
-    for text, enc in zip(_PROBES, located.encode_batch(_PROBES, add_special_tokens=False)):
-        token_ends = np.concatenate([[0], np.cumsum(widths[enc.ids])])
-        for end in range(len(text) + 1):
-            at = len(text[:end].encode())
-            k = int(np.searchsorted(token_ends, at))
-            n, inside = _token_at(enc, end)  # the count only matters where the end is not inside a token
-            if bool(token_ends[k] != at) != inside or not inside and k != n:
-                return None
     return widths
 
 
