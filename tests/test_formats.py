@@ -6,6 +6,7 @@ Tokens and labels are checked against the chat template's own rendering here, no
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import random
@@ -339,13 +340,21 @@ def test_a_template_whose_prefixes_are_not_the_conversations_is_refused(
         assert "assistant: ' | '" in message
 
 
+def assert_placed_as_the_offsets_place_it(enc, end: int, got: tuple[int, bool], text: str) -> None:
+    """got: (how many tokens start before character `end`, whether the last of them runs past it), against that
+    definition computed from every token's offsets (the count only matters where the end is not inside a token)."""
+    starts = [a for a, _ in enc.offsets]
+    assert starts
+    n = bisect.bisect_left(starts, end)
+    want = n, bool(n and enc.offsets[n - 1][1] > end)
+    assert got[1] == want[1] and (got[1] or got[0] == want[0]), (text, end, got, want)
+
+
 def test_a_rendering_end_is_placed_among_the_tokens_as_the_offsets_place_it(assets):
     """formats._token_at (the Rust encoding's char_to_token, where Encoder.cuts finds a turn's end) against the plain
     definition computed here from every token's offsets: how many tokens start before character L, and whether the
     last of them runs past L. At every L of texts with multi-byte characters and runs of spaces, for the byte-level
     BPE tokenizer (every character in a token) and a WordPiece one (spaces in none: the offsets' path)."""
-    import bisect
-
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     from finetune.formats import _token_at
@@ -357,13 +366,8 @@ def test_a_rendering_end_is_placed_among_the_tokens_as_the_offsets_place_it(asse
     unheld = 0
     for tokenizer in (assets.tokenizer.backend_tokenizer, wordpiece):
         for text, enc in zip(texts, tokenizer.encode_batch(texts, add_special_tokens=False)):
-            starts = [a for a, _ in enc.offsets]
-            assert starts
             for end in range(len(text) + 1):
-                n = bisect.bisect_left(starts, end)
-                want = n, bool(n and enc.offsets[n - 1][1] > end)
-                got = _token_at(enc, end)
-                assert got[1] == want[1] and (got[1] or got[0] == want[0]), (text, end, got, want)
+                assert_placed_as_the_offsets_place_it(enc, end, _token_at(enc, end), text)
                 unheld += end < len(text) and enc.char_to_token(end) is None
     assert unheld  # the offsets' path was taken too
 
@@ -375,7 +379,6 @@ def test_a_rendering_end_found_from_byte_widths_is_where_the_offsets_place_it(as
     end to end in one batch (multi-byte characters, emoji, special tokens, runs of spaces). Byte-level tokenizers
     (the demo's, Llama-3.1's, Qwen2.5's with its NFC normalizer) take the path; Gemma-3's (SentencePiece) does not,
     and a text not in NFC falls back to the offsets."""
-    import bisect
     import unicodedata
 
     from finetune.formats import Encoder
@@ -398,11 +401,8 @@ def test_a_rendering_end_found_from_byte_widths_is_where_the_offsets_place_it(as
     inside = 0
     for text, enc, (ids, ends) in zip(texts, encode.located.encode_batch(texts, add_special_tokens=False), found):
         assert ids == enc.ids and len(ends) == len(text) + 1
-        starts = [a for a, _ in enc.offsets]
         for end, got in enumerate(ends):
-            n = bisect.bisect_left(starts, end)
-            want = n, bool(n and enc.offsets[n - 1][1] > end)
-            assert got[1] == want[1] and (got[1] or got[0] == want[0]), (text, end, got, want)
+            assert_placed_as_the_offsets_place_it(enc, end, got, text)
             inside += got[1]
     assert inside  # ends inside a token were found too
     decomposed = unicodedata.normalize("NFD", texts[0])
