@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from finetune import formats
+from finetune import chunked_loss, formats
 from finetune.config import DATA_EXTENSIONS, ConfigError, DataArgs, data_files, looks_local
 from finetune.formats import IGNORE, Layout
 
@@ -223,6 +223,8 @@ class Collator:
     instead (padding becomes one more, unsupervised, segment); a batch of unpadded single sequences gets
     neither. Encoder-decoder batches pad the encoder
     input and the labels each to their own longest (the model builds the decoder input from the labels).
+    positions: causal LM batches also carry the flat indices of their supervised positions (chunked_loss.POSITIONS,
+    for a model that runs finetune's loss forward: its LM head runs on those only), found here on the host.
     """
 
     def __init__(
@@ -231,8 +233,10 @@ class Collator:
         multiple_of: int = 8,
         encoder_decoder: bool = False,
         references: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+        positions: bool = False,
     ):
         self.pad = pad_token_id
+        self.positions = positions
         self.multiple_of = multiple_of
         self.encoder_decoder = encoder_decoder
         self.references = references  # preference pairs: pair index -> the reference log-probs (preference.py)
@@ -242,10 +246,15 @@ class Collator:
 
     def __call__(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         if "chosen_ids" in examples[0]:
-            return self._pairs(examples)
+            return self._with_positions(self._pairs(examples))
         batch = self._encoder_decoder(examples) if self.encoder_decoder else self._padded(examples)
         if "source" in examples[0]:  # a mixture's eval rows name their source (finetune.mixture): eval per source
             batch["source"] = torch.tensor([e["source"] for e in examples])
+        return batch if self.encoder_decoder else self._with_positions(batch)
+
+    def _with_positions(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.positions and batch["labels"].dim() == 2:  # per-token labels (a causal LM's), not a class each
+            batch[chunked_loss.POSITIONS] = chunked_loss.supervised_positions(batch["labels"])
         return batch
 
     def _padded(self, examples: list[dict]) -> dict[str, torch.Tensor]:

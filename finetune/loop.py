@@ -29,7 +29,7 @@ from finetune.metrics import MetricsLog, PrecisionProbe
 from finetune.mixture import MixtureSampler, summarize_by_source
 from finetune.parallel import Plan, global_batch_index
 from finetune.parallel.surface import Backend
-from finetune.preference import INPUTS, Objective
+from finetune.preference import Objective, model_inputs
 from finetune.report import CURVES_EVERY_S, write_curves
 from finetune.stop import STOP, Diverged, Preempted, StopVote
 from finetune.watchdog import Watchdog
@@ -113,7 +113,7 @@ def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: i
                 loss = backend.forward_loss(run.model, batch)  # Megatron-LM: the whole step runs in here
             else:  # preference pairs: the method's loss from the answers' log-probs (finetune.preference)
                 batch = run.objective.with_reference(batch)
-                loss = run.objective.loss(backend.answer_logps(run.model, _inputs(batch), batch["labels"]), batch)
+                loss = run.objective.loss(backend.answer_logps(run.model, model_inputs(batch), batch["labels"]), batch)
             acc.backward(loss * (n * scale))  # Megatron-LM: returns at once (the step already ran)
             if acc.sync_gradients:  # true on the last micro batch only
                 grad_norm = backend.clip_grad_norm(run.model, run.args.max_grad_norm)
@@ -142,7 +142,7 @@ def evaluate(run: Run) -> dict[str, float]:
         source = batch.pop("source", None)  # a mixture's eval rows: which source each comes from
         if run.objective is not None:
             batch = run.objective.with_reference(batch)
-            stats = run.objective.per_pair(backend.answer_logps(run.model, _inputs(batch), batch["labels"]), batch)
+            stats = run.objective.per_pair(backend.answer_logps(run.model, model_inputs(batch), batch["labels"]), batch)
         else:
             labels = batch.pop("labels")
             stats = backend.eval_stats(run.model, batch, labels, run.task)
@@ -159,11 +159,6 @@ def evaluate(run: Run) -> dict[str, float]:
     if run.objective is not None:
         return run.objective.summarize(stats)
     return summarize_by_source(stats, run.metrics, run.n_labels, run.sources)
-
-
-def _inputs(batch: dict) -> dict:
-    """What the model's forward reads of a preference batch (the rest is for the loss)."""
-    return {k: batch[k] for k in INPUTS}
 
 
 class _Window:

@@ -174,19 +174,24 @@ def build_model(
 
 
 def _set_loss(model, m: ModelArgs, micro_batch_tokens: int, eval_batch_tokens: int, numel) -> None:
-    """The chunked loss where chunked_loss asks for it; under torch_compile the loss compiled (chunked or not)."""
+    """finetune's loss forward for a plain-head causal LM (the head on the supervised positions only), chunked where
+    chunked_loss asks for it; under torch_compile the loss compiled (chunked or not)."""
     vocab, hidden, params = full_sizes(model, numel)
-    if chunked_loss.wanted(m.chunked_loss, model.config.model_type, m.task, vocab, hidden, params):
+    chunked = chunked_loss.wanted(m.chunked_loss, model.config.model_type, m.task, vocab, hidden, params)
+    if chunked_loss.supported(model.config.model_type, m.task):
         chunk = chunked_loss.chunk_tokens(m.loss_chunk_tokens, vocab)
-        pieces = chunked_loss.install(model, chunk, micro_batch_tokens, eval_batch_tokens, m.torch_compile)
-        logger.info(
-            "chunked loss: up to %d tokens per chunk, %d chunks per micro batch (vocabulary %d; chunked_loss %s; "
-            "eval too)",
-            chunk,
-            pieces,
-            vocab,
-            m.chunked_loss,
-        )
+        pieces = chunked_loss.install(model, chunk, micro_batch_tokens, eval_batch_tokens, m.torch_compile, chunked)
+        if chunked:
+            logger.info(
+                "chunked loss: up to %d tokens per chunk, %d chunks per micro batch (vocabulary %d; chunked_loss %s; "
+                "eval too); the LM head on the supervised positions only",
+                chunk,
+                pieces,
+                vocab,
+                m.chunked_loss,
+            )
+        else:
+            logger.info("loss: the LM head on the supervised positions only (chunked_loss %s)", m.chunked_loss)
     elif m.torch_compile and m.task == "causal_lm":  # transformers' loss, compiled too
         model.loss_function = chunked_loss.compiled_loss(model.loss_function)
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from finetune import chunked_loss
 from finetune.config import REFERENCE_METHODS
 from finetune.config.schema import REFERENCE_FILE
 from finetune.data import PAIR_INDEX
@@ -37,7 +38,13 @@ from finetune.formats import IGNORE
 
 logger = logging.getLogger("finetune")
 
-INPUTS = ("input_ids", "attention_mask")  # what the model's forward reads of a pair batch
+INPUTS = ("input_ids", "attention_mask", chunked_loss.POSITIONS)  # what the model's forward reads of a pair batch
+
+
+def model_inputs(batch: dict) -> dict:
+    """What the model's forward reads of a pair batch (the rest is for the loss); the supervised positions where
+    the collator gives them (chunked_loss.POSITIONS)."""
+    return {k: batch[k] for k in INPUTS if k in batch}
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,7 +217,7 @@ def live_reference(backend, model, adapter: bool) -> Callable[[dict], torch.Tens
         model.eval()
         try:
             with off():
-                sums, _ = backend.answer_logps(model, {k: batch[k] for k in INPUTS}, batch["labels"])
+                sums, _ = backend.answer_logps(model, model_inputs(batch), batch["labels"])
         finally:
             model.train(was_training)
         b = sums.shape[0] // 2
@@ -231,7 +238,7 @@ def compute_references(acc, backend, model, splits: dict, collate, batch_size: i
         )
         table = torch.full((len(ds), 2), float("nan"), dtype=torch.float64)
         for batch in loader:
-            sums, _ = backend.answer_logps(model, {k: batch[k] for k in INPUTS}, batch["labels"])
+            sums, _ = backend.answer_logps(model, model_inputs(batch), batch["labels"])
             b = sums.shape[0] // 2
             got = backend.gather_for_metrics(
                 {"index": batch[PAIR_INDEX], "chosen": sums[:b].double(), "rejected": sums[b:].double()}

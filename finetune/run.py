@@ -258,10 +258,13 @@ def build_optimization(cfg: RunConfig, acc, backend, net, ds: data.Datasets, pla
     warmup, length = plan.scheduler_steps
     scheduler = optim.build_scheduler(optimizer, t.lr_scheduler_type, warmup, length)
     references = preference.References()  # preference pairs: filled before training (with_references)
+    positions = chunked_loss.installed(backend.hf_model(net))  # its LM head runs on the supervised positions only
 
     def collate(split: str) -> data.Collator:
         lookup = functools.partial(references.lookup, split) if ds.format == "preference" else None
-        return data.Collator(tokenizer.pad_token_id, encoder_decoder=cfg.model.task == "seq2seq", references=lookup)
+        return data.Collator(
+            tokenizer.pad_token_id, encoder_decoder=cfg.model.task == "seq2seq", references=lookup, positions=positions
+        )
 
     # The epoch's order: the stream's own seeded one (accelerate keeps each rank's micro batches: StreamedRows), or
     # the sources' (one source: EpochSampler's).
@@ -303,10 +306,10 @@ def with_references(cfg: RunConfig, acc, backend, p: Prepared, ds: data.Datasets
     if cfg.train.reference == "live":
         p.live_reference = live_reference(cfg, backend, p, tokenizer)
         return
+    collate = data.Collator(tokenizer.pad_token_id, positions=chunked_loss.installed(backend.hf_model(p.model)))
     fingerprint = f"{ds.train._fingerprint}/{ds.eval._fingerprint if ds.eval is not None else ''}/{cfg.model.model}"
     tables = preference.load_or_compute_references(
-        acc, backend, p.model, ds, data.Collator(tokenizer.pad_token_id), cfg.train.per_device_eval_batch_size,
-        cfg.train.output_dir, step, storage.writes, fingerprint,
+        acc, backend, p.model, ds, collate, cfg.train.per_device_eval_batch_size, cfg.train.output_dir, step, storage.writes, fingerprint,
     )  # fmt: skip
     p.references.train, p.references.eval = tables["train"], tables.get("eval")
 
@@ -319,7 +322,7 @@ def live_reference(cfg: RunConfig, backend, p: Prepared, tokenizer):
         logger.info("reference log-probs: live, the base model with the adapter disabled, in each micro batch")
         return preference.live_reference(backend, p.model, adapter=True)
     # the policy's chunked loss too: the frozen copy's answer log-probs a chunk at a time, per training micro batch
-    chunked = "true" if chunked_loss.installed(backend.hf_model(p.model)) else "false"
+    chunked = "true" if chunked_loss.chunks(backend.hf_model(p.model)) else "false"
     forward_only = dataclasses.replace(cfg.model, chunked_loss=chunked, gradient_checkpointing=False)
     frozen = model.build_model(
         forward_only,

@@ -119,6 +119,76 @@ def test_preference_answer_logps_chunked_with_and_without_gradients(assets):
                     assert (p.grad - grads[name]).abs().max() <= 1e-6 * grads[name].abs().max(), name
 
 
+def _collated(vocab: int, positions: bool = True) -> dict:
+    """_batch's rows through the run's collator (padding to a multiple of 8, its batch facts popped as the loop
+    pops them): a prompt of 6 tokens and padding are not learned."""
+    from finetune.data import Collator
+
+    raw = _batch(vocab)
+    rows = [
+        {"input_ids": ids[mask.bool()].tolist(), "labels": lab[mask.bool()].tolist()}
+        for ids, lab, mask in zip(raw["input_ids"], raw["labels"], raw["attention_mask"])
+    ]
+    batch = Collator(0, positions=positions)(rows)
+    for fact in ("num_tokens", "num_positions", "num_supervised"):
+        batch.pop(fact)
+    return batch
+
+
+def test_the_collator_gives_the_supervised_positions_of_a_causal_lm_batch(assets):
+    """The flat indices of the positions whose next token is learned, found here from the labels, row by row."""
+    from finetune.data import Collator
+
+    batch = _collated(100)
+    labels = batch["labels"]
+    rows, width = labels.shape
+    assert width == 24  # padded to a multiple of 8
+    want = [r * width + t for r in range(rows) for t in range(width - 1) if labels[r, t + 1] != -100]
+    assert want and len(want) == 14 + 14 + 9
+    assert batch[chunked_loss.POSITIONS].tolist() == want
+    assert chunked_loss.POSITIONS not in _collated(100, positions=False)  # a model without finetune's loss forward
+    seq2seq = Collator(0, encoder_decoder=True, positions=True)([{"input_ids": [5, 6], "labels": [7, 8]}])
+    classes = Collator(0, positions=True)([{"input_ids": [5, 6], "labels": 1}])
+    assert chunked_loss.POSITIONS not in seq2seq and chunked_loss.POSITIONS not in classes
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_the_head_runs_on_the_supervised_positions_only(assets, chunked):
+    """With the collator's positions the LM head's forward sees exactly the learned positions (chunked or not), and
+    the loss, every gradient and each row's eval NLL are transformers' own from the whole logits; a micro batch
+    with nothing to learn gives 0 and still calls the head as often (under ZeRO-3 each call is a collective)."""
+    plain, ours = _model(assets.llama), _model(assets.llama)
+    pieces = chunked_loss.install(ours, 7, 60, 60, chunked=chunked)
+    assert pieces == (9 if chunked else 1)
+    batch = _collated(plain.config.vocab_size)
+    n_learned = batch[chunked_loss.POSITIONS].numel()
+    rows = []
+    ours.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
+    inputs = {k: v for k, v in batch.items() if k != chunked_loss.POSITIONS}
+    want, want_grads = _loss_and_grads(plain, inputs)
+    ours.zero_grad(set_to_none=True)
+    loss = ours(**batch).loss
+    assert len(rows) == pieces and sum(rows) == n_learned == 37, rows  # the forward: the learned rows only
+    loss.backward()
+    got_grads = {n: p.grad for n, p in ours.named_parameters() if p.grad is not None}
+    assert abs(loss.item() - want) <= 1e-6 * abs(want), (loss.item(), want)
+    assert want_grads and want_grads.keys() == got_grads.keys()
+    for name, g in want_grads.items():
+        assert torch.allclose(got_grads[name], g, rtol=1e-5, atol=1e-7), name
+    with torch.no_grad():
+        rows.clear()
+        got = ours(**batch, **{chunked_loss.ROW_NLL: True})["nll"]
+        assert sum(rows) == n_learned, rows
+        want_nll = per_example_stats(plain(**inputs).logits, batch["labels"], "causal_lm")["nll"]
+    assert got.shape == want_nll.shape == (3,) and torch.allclose(got, want_nll, rtol=1e-6), (got, want_nll)
+    nothing = torch.full_like(batch["labels"], -100)
+    rows.clear()
+    positions = chunked_loss.supervised_positions(nothing)
+    loss = ours(**{**batch, "labels": nothing, chunked_loss.POSITIONS: positions}).loss
+    assert positions.numel() == 0 and loss.item() == 0.0 and len(rows) == pieces and sum(rows) == 0
+    loss.backward()  # the head took part: its gradient is zero, not missing
+
+
 @pytest.mark.parametrize("how", ["lora on the head", "modules_to_save"])
 def test_adapters_on_the_head(assets, how):
     """LoRA on lm_head and a fully trained lm_head (modules_to_save) run their own forward inside the chunks."""
@@ -400,6 +470,7 @@ def test_a_layout_that_cannot_run_it_leaves_auto_off(assets, tmp_path, monkeypat
         caplog.clear()
         with caplog.at_level("INFO", logger="finetune"):
             net, _ = run.build_model(cfg, Backend(blocker), tokenizer, types.SimpleNamespace(label_names=None), None)
-        installed[blocker] = "forward" in vars(net)  # chunked_loss.install replaces the instance's forward
+        assert "forward" in vars(net)  # chunked_loss.install replaced the instance's forward: the supervised positions
+        installed[blocker] = chunked_loss.chunks(net)  # and chunked, or not
         assert ("chunked loss off (chunked_loss auto): a reason" in caplog.text) == bool(blocker), caplog.text
     assert installed == {None: True, "a reason": False}

@@ -163,7 +163,8 @@ class ModelArgs:
         "A causal LM's training loss computed loss_chunk_tokens tokens at a time, its logits never whole (each "
         "chunk's rebuilt in backward: one more LM-head forward per step): true, false, or auto = on for a vocabulary "
         "of 32k entries or more. Refused where the logits are more than the head's output (soft-capped, scaled, "
-        "MoE router losses) or under Megatron-LM. docs/performance.md.",
+        "MoE router losses) or under Megatron-LM. Chunked or not, the LM head of such a plain-head causal LM runs on "
+        "the learned positions only (not the prompts or padding). docs/performance.md.",
     )
     torch_compile: bool = _f(
         False,
