@@ -167,8 +167,10 @@ def pairs_worker(spec: dict) -> dict:
 
 
 def _loaded(spec: dict, rows: int, seq: int, **tokens):
-    """The model (chunked_loss as spec says, built as a run builds it), a one-process backend, and rows x seq
-    random token ids."""
+    """The model (chunked "true": built as a run builds it, finetune's chunked loss; "false": transformers' own
+    forward, the whole logits, as before finetune's loss forward ran the head on the learned positions with
+    chunked_loss false too and evaluated a chunk at a time), a one-process backend, and rows x seq random token
+    ids."""
     from types import SimpleNamespace
 
     import torch
@@ -184,8 +186,12 @@ def _loaded(spec: dict, rows: int, seq: int, **tokens):
         "output_dir": "unused",
         "chunked_loss": spec["chunked"],
     }
-    cfg = build_config(values, check_filesystem=False)
-    net = model.build_model(cfg.model, _Tokenizer(), None, seq, **tokens)
+    if spec["chunked"] == "true":
+        net = model.build_model(build_config(values, check_filesystem=False).model, _Tokenizer(), None, seq, **tokens)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        net = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
     ids = torch.randint(0, VOCAB, (rows, seq), generator=torch.Generator().manual_seed(0))
     backend = ddp.Backend(SimpleNamespace(unwrap_model=lambda m, **kw: m, mixed_precision="no"), None, None)
     return net, backend, ids
@@ -351,7 +357,7 @@ def _above_model_rows(bench: str, e: dict, what: str, note, same: str) -> list[h
     above = {side: e[side]["peak_gb"] - e[side]["model_gb"] for side in ("true", "false")}
     out = [
         harness.Row(bench, f"{name}, {what}", above[side], "GB", note(e[side]))
-        for side, name in (("true", "chunked_loss true"), ("false", "chunked_loss false (whole logits)"))
+        for side, name in (("true", "chunked_loss true"), ("false", "transformers' forward (whole logits)"))
     ]
     return [*out, harness.Row(bench, "chunked / whole, above the model", above["true"] / above["false"], "x", same)]
 

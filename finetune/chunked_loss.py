@@ -111,15 +111,17 @@ def install(
     """Replace `model`'s forward (a transformers causal LM, not yet wrapped) by one whose training loss, and the
     eval NLL asked for with ROW_NLL, run the head on the supervised positions (POSITIONS, where the batch has them)
     and, chunked, a chunk at a time; the number of chunks each training micro batch is cut into (1: not chunked,
-    the head called once and nothing recomputed). compiled (torch_compile): the cross-entropy runs through
-    torch.compile (`compiled_loss`).
+    the head called once and nothing recomputed; without gradients it is chunked either way). compiled
+    (torch_compile): the cross-entropy runs through torch.compile (`compiled_loss`).
 
     Every micro batch, on every rank, is cut into the same number of chunks, from the largest micro batch the run
     can have (micro_batch_tokens; without gradients, enough for an eval batch of eval_batch_tokens too): under
     ZeRO-3 each call of the head gathers its weight, a collective that every rank must make as often as the others.
     A narrower batch has smaller chunks; a length-aware micro batch above that size has larger ones."""
     pieces = max(1, -(-micro_batch_tokens // chunk)) if chunked else 1
-    no_grad_pieces = max(pieces, -(-eval_batch_tokens // chunk)) if chunked else 1
+    # Without gradients chunks cost nothing more (nothing to recompute): evaluation and reference log-probs are
+    # always chunked, never the eval batch's whole logits.
+    no_grad_pieces = max(pieces, -(-eval_batch_tokens // chunk))
     plain_forward = model.forward
     nll_sum = compiled_loss(token_nll_sum) if compiled else token_nll_sum
 
@@ -169,8 +171,10 @@ def compiled_loss(fn):
     compiles the decoder blocks, and this compiles the loss, where a large vocabulary spends a step's time (at 128k
     entries the cast to fp32, log-softmax and NLL, forward and backward, fused: 0.157 s against 0.268 eager for
     512 tokens on this CPU). Only tensors go in, never the head: the LM head stays the module every wrapper hooks
-    (ZeRO-3's gather, FSDP2's unshard). The first call compiles for its shapes; a second width makes them dynamic."""
-    return torch.compile(fn)
+    (ZeRO-3's gather, FSDP2's unshard). Compiled for any number of tokens at the first call (dynamic): the learned
+    positions differ from batch to batch, and a static first compilation would be followed by a dynamic one at the
+    second batch, inside the run's timed steps."""
+    return torch.compile(fn, dynamic=True)
 
 
 def chunked_nll(

@@ -387,17 +387,23 @@ def test_nothing_fits_says_what_to_change(tmp_path, capsys):
 
 
 def test_evaluation_that_does_not_fit_is_named(tmp_path, capsys):
-    """A 128k vocabulary, 8 eval rows of 32k tokens without the chunked loss: evaluation's logits (8 x 32,768 x
-    128,256 in bf16, 67 GB, and one row's fp32 copy and log-softmax, 34 GB) fit nowhere, and the message names the
-    eval batch and the chunked loss; with the chunked loss evaluation takes one chunk's logits and the run fits."""
+    """A 128k vocabulary, 8 eval rows of 32k tokens. A model whose logits are more than its head's output (Granite
+    scales them: transformers' forward): evaluation's logits (8 x 32,768 x 128,256 in bf16, 67 GB, and one row's
+    fp32 copy and log-softmax, 34 GB) fit nowhere, and the message names the eval batch. A Llama of the same shape
+    evaluates a chunk at a time through finetune's loss forward, with chunked_loss false too, and fits."""
     model = llama_config_dir(tmp_path, "1b", 2048, 16, 8192, vocab=128_256)
-    argv = ["plan", "--model", model, "--max_seq_length", "32768", "--per_device_train_batch_size", "1"]
+    granite = tmp_path / "granite"
+    granite.mkdir()
+    config = json.loads((Path(model) / "config.json").read_text())
+    config.update(model_type="granite", architectures=["GraniteForCausalLM"], logits_scaling=8.0)
+    (granite / "config.json").write_text(json.dumps(config))
+    argv = ["--max_seq_length", "32768", "--per_device_train_batch_size", "1", "--chunked_loss", "false"]
     argv += ["--num_gpus", "8", "--gpu_memory", "80GB", "--mixed_precision", "bf16"]
-    assert run_cli([*argv, "--chunked_loss", "false"]) == 1
+    assert run_cli(["plan", "--model", str(granite), *argv]) == 1
     out = capsys.readouterr().out
     assert "recommended: none" in out and "evaluation is the largest part (100.9 GB" in out, out[-600:]
-    assert "lower per_device_eval_batch_size, or for a causal LM set chunked_loss: true" in out
-    assert run_cli([*argv, "--chunked_loss", "true"]) == 0
+    assert "lower per_device_eval_batch_size" in out
+    assert run_cli(["plan", "--model", model, *argv]) == 0
     out = capsys.readouterr().out
     assert "recommended: none" not in out and "evaluation is the largest part" not in out
 

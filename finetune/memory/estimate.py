@@ -272,18 +272,20 @@ def _chunked_loss(s: ModelShape, cfg: RunConfig) -> bool:
     return chunked_loss.wanted(cfg.model.chunked_loss, s.model_type, cfg.model.task, s.vocab, s.hidden, s.total)
 
 
-def eval_parts(s: ModelShape, cfg: RunConfig, half: bool) -> list:
-    """Evaluation's logits, where the run evaluates (without gradients, between steps): an eval batch's logits in
-    the compute dtype, and one row's fp32 copy and log-softmax at a time (metrics.per_example_stats; preference
-    pairs, two rows each: preference.sequence_logps); one chunk's under the chunked loss (chunked_loss.row_nll)."""
+def eval_parts(s: ModelShape, cfg: RunConfig, half: bool, topology: Topology) -> list:
+    """Evaluation's logits, where the run evaluates (without gradients, between steps): one chunk's where finetune's
+    loss forward runs (a plain-head causal LM, not under Megatron-LM: chunked_loss.row_nll, chunked without
+    gradients whatever chunked_loss says); else an eval batch's logits in the compute dtype, and one row's fp32
+    copy and log-softmax at a time (metrics.per_example_stats; preference pairs, two rows each:
+    preference.sequence_logps)."""
     d = cfg.data
     if not (d.eval_dataset or d.eval_split or d.eval_fraction > 0) or cfg.model.task == "classification":
         return []
     rows = cfg.train.per_device_eval_batch_size * cfg.train.rows_per_example
     tokens = rows * d.max_seq_length
-    if _chunked_loss(s, cfg):
+    if topology.family != "megatron" and chunked_loss.supported(s.model_type, cfg.model.task):
         chunk = min(tokens, chunked_loss.chunk_tokens(cfg.model.loss_chunk_tokens, s.vocab))
-        note = f"{chunk}x{s.vocab}, chunked loss"
+        note = f"{chunk}x{s.vocab}, a chunk at a time"
         return [sharding.Part("eval", logit_bytes(s, chunk, half), note=note, phase=sharding.EVAL)]
     whole = tokens * s.vocab * (2 if half else s.weight_bytes) + d.max_seq_length * s.vocab * 8
     note = f"{rows}x{d.max_seq_length}x{s.vocab}, a row at a time in fp32"
@@ -383,7 +385,7 @@ def estimate(
     if (accumulation or cfg.train.gradient_accumulation_steps) > 1:  # gradients live across micro batches
         parts = [dataclasses.replace(p, phase=sharding.ALWAYS) if p.name == "gradients" else p for p in parts]
     parts += activation_parts(shape, topology, batch, cfg.data.max_seq_length, cfg, half)
-    parts += eval_parts(shape, cfg, half)
+    parts += eval_parts(shape, cfg, half, topology)
     t = cfg.train
     if t.method in REFERENCE_METHODS and t.reference == "live" and cfg.peft.method == "none":
         parts.append(sharding.frozen_copy(topology, shape))

@@ -75,7 +75,7 @@ def _eval_hint(est: Estimate | None) -> str:
         return ""
     return (
         f"; evaluation is the largest part ({phases[sharding.EVAL]:.1f} GB of logits per rank): lower "
-        "per_device_eval_batch_size, or for a causal LM set chunked_loss: true (evaluation a chunk at a time)"
+        "per_device_eval_batch_size (this model's evaluation holds an eval batch's whole logits)"
     )
 
 
