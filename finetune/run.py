@@ -309,7 +309,8 @@ def with_references(cfg: RunConfig, acc, backend, p: Prepared, ds: data.Datasets
     collate = data.Collator(tokenizer.pad_token_id, positions=chunked_loss.installed(backend.hf_model(p.model)))
     fingerprint = f"{ds.train._fingerprint}/{ds.eval._fingerprint if ds.eval is not None else ''}/{cfg.model.model}"
     tables = preference.load_or_compute_references(
-        acc, backend, p.model, ds, collate, cfg.train.per_device_eval_batch_size, cfg.train.output_dir, step, storage.writes, fingerprint,
+        acc, backend, p.model, ds, collate, cfg.train.per_device_eval_batch_size,
+        cfg.train.output_dir, step, storage.writes, fingerprint,
     )  # fmt: skip
     p.references.train, p.references.eval = tables["train"], tables.get("eval")
 

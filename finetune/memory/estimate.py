@@ -283,7 +283,7 @@ def eval_parts(s: ModelShape, cfg: RunConfig, half: bool, topology: Topology) ->
         return []
     rows = cfg.train.per_device_eval_batch_size * cfg.train.rows_per_example
     tokens = rows * d.max_seq_length
-    if topology.family != "megatron" and chunked_loss.supported(s.model_type, cfg.model.task):
+    if topology.transformers_forward and chunked_loss.supported(s.model_type, cfg.model.task):
         chunk = min(tokens, chunked_loss.chunk_tokens(cfg.model.loss_chunk_tokens, s.vocab))
         note = f"{chunk}x{s.vocab}, a chunk at a time"
         return [sharding.Part("eval", logit_bytes(s, chunk, half), note=note, phase=sharding.EVAL)]

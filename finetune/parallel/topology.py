@@ -186,6 +186,12 @@ class Topology:
         """Parameters are split over ranks (ZeRO-3, FSDP, TP, Megatron)."""
         return self.zero_stage == 3 or self.fsdp_version > 0 or self.tp > 1 or self.pp > 1
 
+    @property
+    def transformers_forward(self) -> bool:
+        """The model trains and evaluates through its transformers forward (finetune's loss forward where it is a
+        plain-head causal LM: chunked_loss); Megatron-LM runs its own GPT and loss."""
+        return self.family != "megatron"
+
     def rows_per_micro_batch(self, per_device_train_batch_size: int) -> int:
         """Rows a data-parallel rank's loader yields per micro batch (Megatron: x num_micro_batches)."""
         return per_device_train_batch_size * self.num_micro_batches
