@@ -184,14 +184,14 @@ def _set_loss(model, m: ModelArgs, micro_batch_tokens: int, eval_batch_tokens: i
         if chunked:
             logger.info(
                 "chunked loss: up to %d tokens per chunk, %d chunks per micro batch (vocabulary %d; chunked_loss %s; "
-                "eval too); the LM head on the supervised positions only",
+                "eval too); the LM head on the learned positions only",
                 chunk,
                 pieces,
                 vocab,
                 m.chunked_loss,
             )
         else:
-            logger.info("loss: the LM head on the supervised positions only (chunked_loss %s)", m.chunked_loss)
+            logger.info("loss: the LM head on the learned positions only (chunked_loss %s)", m.chunked_loss)
     elif m.torch_compile and m.task == "causal_lm":  # transformers' loss, compiled too
         model.loss_function = chunked_loss.compiled_loss(model.loss_function)
 
