@@ -136,7 +136,7 @@ def build_assets(ctx: harness.Context, sizes: dict) -> dict:
             demo.build_model("llama", path, tok, **shape)
         out["models"][name], out["params"][name], out["vocab"][name] = str(path), parameter_count(path), vocab
         words = [w for w in tok.get_vocab() if w.startswith("w")]
-        out["words"][name] = (vocab, sorted(words))
+        out["words"][name] = sorted(words)
         for split, n_rows, seed in (("train", 240, 1), ("eval", 8, 2)):
             data = root / f"{split}{suffix}.jsonl"
             if not data.exists():
@@ -150,17 +150,17 @@ def build_assets(ctx: harness.Context, sizes: dict) -> dict:
 SFT_PROMPT_SHARE = (0.2, 0.6)  # --data sft: each row's prompt share, uniformly drawn (40% on average)
 
 
-def sft_rows(ctx: harness.Context, words: tuple[int, list[str]], seq: int, n_rows: int = 240) -> str:
+def sft_rows(ctx: harness.Context, words: list[str], vocab: int, seq: int, n_rows: int = 240) -> str:
     """--data sft: instruction rows of exactly `seq` tokens (prompt + answer + EOS under `prompt_template:
-    "{prompt}"` with the word-level tokenizer, which adds no other token), the prompt SFT_PROMPT_SHARE of it."""
-    vocab, names = words
+    "{prompt}"` with the word-level tokenizer of `vocab` entries, which adds no other token), the prompt
+    SFT_PROMPT_SHARE of it."""
     path = ctx.work / "grid" / f"sft_s{seq}_{vocab}.jsonl"
     if not path.exists():
         rng = random.Random(seq)
         rows = []
         for _ in range(n_rows):
             prompt = round(seq * rng.uniform(*SFT_PROMPT_SHARE))
-            text = [rng.choice(names) for _ in range(seq - 1)]
+            text = [rng.choice(words) for _ in range(seq - 1)]
             rows.append({"prompt": " ".join(text[:prompt]), "response": " ".join(text[prompt:])})
         from finetune import demo
 
@@ -220,7 +220,7 @@ def run(ctx: harness.Context) -> dict:
             for seq in seqs:
                 point = f"{name}_s{seq}"
                 harness.log(f"  grid {point}: micro {tokens // seq} x {seq} tokens, {steps} steps, {o.data} rows")
-                data = a["train"][name] if o.data == "text" else sft_rows(ctx, a["words"][name], seq)
+                data = a["train"][name] if o.data == "text" else sft_rows(ctx, a["words"][name], a["vocab"][name], seq)
                 out["grid"][point] = grid_point(
                     ctx, point, a["models"][name], data, seq, tokens // seq, steps, repeats, settings
                 )

@@ -180,13 +180,8 @@ def _loaded(spec: dict, rows: int, seq: int, **tokens):
     from finetune.parallel import ddp
 
     torch.set_num_threads(2)
-    values = {
-        "model": spec["model"],
-        "dataset": "unused.jsonl",
-        "output_dir": "unused",
-        "chunked_loss": spec["chunked"],
-    }
     if spec["chunked"] == "true":
+        values = {"model": spec["model"], "dataset": "unused.jsonl", "output_dir": "unused", "chunked_loss": "true"}
         net = model.build_model(build_config(values, check_filesystem=False).model, _Tokenizer(), None, seq, **tokens)
     else:
         from transformers import AutoModelForCausalLM

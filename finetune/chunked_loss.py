@@ -22,7 +22,8 @@ found on the host: no host sync on the device), and the forward selects those ro
 head: the same loss and gradients, with the head's matmul, the logits and the cross-entropy cut to the supervised
 share of the tokens (at 128k entries, where the head is most of a small model's step, a prompt of 40% of the tokens
 makes the step about 1.35x as fast). For that share alone the forward is installed with chunking off too
-(`chunked_loss: false`): one call of the head, nothing recomputed.
+(`chunked_loss: false`): in training one call of the head, nothing recomputed; without gradients a chunk at a time
+either way (nothing to recompute there).
 """
 
 from __future__ import annotations
