@@ -10,7 +10,9 @@ spent; the JSON is rewritten after every part, so a run cut short keeps what it 
             the demo tokenizer, packed text
   mfu       one process, bf16, packing, 2048 tokens x micro 4: MFU (model FLOPs / 989 TFLOP/s dense bf16, and
             against the bf16 matmul rate measured here) eager with the whole logits, with the chunked loss,
-            and with torch_compile + chunked loss; host syncs observed per step (CUDA sync debug mode, by place)
+            and with torch_compile + chunked loss; host syncs observed per step (CUDA sync debug mode, by place);
+            then two more steps under the app's profiler (profile_steps): where the time goes (GPU busy and idle,
+            time by kind of work, top operators), outside the steps MFU is read from
   layouts   the shipped configs with ONE process each, bf16 (accelerate launch --mixed_precision bf16), nccl:
             single, ddp, zero2, zero3, fsdp2, zero3_offload: per-step losses against single within
             docs/precision.md's bf16 tolerance (3e-3 relative; the training update within 6% in L2), exported
@@ -41,7 +43,7 @@ from pathlib import Path
 import harness
 import yaml
 
-from finetune import launching
+from finetune import launching, profiling
 from finetune.commands import parity
 
 ROOT = harness.ROOT
@@ -245,6 +247,7 @@ def part_mfu(work: Path, run: dict, base_args: list[str], result: dict, budget: 
         "compile+chunked_loss": ["--chunked_loss", "true", "--torch_compile", "true"],
     }
     every = max(steps // 3, 1)
+    profiled = f"{steps + 1}-{steps + 2}"  # after the measured steps: the profiler slows what it watches
     for name, extra in variants.items():
         if budget.left() < 60:
             result["mfu"][name] = {"status": "SKIPPED: out of time"}
@@ -256,13 +259,18 @@ def part_mfu(work: Path, run: dict, base_args: list[str], result: dict, budget: 
             "--per_device_train_batch_size",
             str(micro),
             "--max_steps",
-            str(steps),
+            str(steps + 2),
             "--logging_steps",
             str(every),
+            "--profile_steps",
+            profiled,
             *extra,
         ]
         rows, output, error, wall = launch(f"mfu_{name}", "single", work, args, ("--mixed_precision", "bf16"), env)
-        tr = train_rows(rows)[1:]  # the first window holds the warm-up (and the compilation)
+        measured = [r for r in train_rows(rows) if r["step"] <= steps]
+        tr = measured[1:]  # the first window holds the warm-up (and the compilation)
+        summary = work / "runs" / f"mfu_{name}" / "profile" / "summary_0.json"
+        profile = json.loads(summary.read_text()) if summary.exists() else None
         syncs, places = syncs_per_step(output, every, steps)
         peak = peak_row(rows)
         compile_s = re.search(r"torch_compile: the first step took ([\d.]+) s", output)
@@ -278,13 +286,16 @@ def part_mfu(work: Path, run: dict, base_args: list[str], result: dict, budget: 
             "compile_first_step_s": float(compile_s.group(1)) if compile_s else None,
             "host_syncs_per_step": syncs,
             "host_sync_places": places,
-            "losses": [r["loss"] for r in train_rows(rows)],
+            "losses": [r["loss"] for r in measured],
+            "profile": profile,
         }
         shutil.rmtree(work / "runs" / f"mfu_{name}", ignore_errors=True)
         m = result["mfu"][name]
         if m["mfu_vs_989"] and rate:
             m["mfu_vs_matmul"] = m["mfu_vs_989"] * PEAK_BF16 / rate
         print(f"[gpu_verify] mfu {name}: {json.dumps({k: v for k, v in m.items() if k != 'losses'})}", flush=True)
+        if profile:
+            print(f"[gpu_verify] {profiling.describe(profile)}", flush=True)
 
 
 def part_layouts(
@@ -441,6 +452,9 @@ def print_table(result: dict) -> None:
             f"{name:<22} {g('tokens_per_s', '.0f'):>9} {g('mfu_vs_989', '.1%'):>8} {g('mfu_vs_matmul', '.1%'):>10} "
             f"{g('peak_gpu_allocated_gb', '.1f'):>8} {g('host_syncs_per_step', '.1f'):>10}  {m['status']}"
         )
+    for name, m in result["mfu"].items():
+        if m.get("profile"):
+            print(f"profile {name}: {profiling.describe(m['profile'])}")
     for part in ("fp16", "qlora"):
         if part in result:
             print(f"\n{part}: {json.dumps(result[part])}")

@@ -30,6 +30,7 @@ from finetune.mixture import MixtureSampler, summarize_by_source
 from finetune.parallel import Plan, global_batch_index
 from finetune.parallel.surface import Backend
 from finetune.preference import Objective, model_inputs
+from finetune.profiling import StepProfiler
 from finetune.report import CURVES_EVERY_S, write_curves
 from finetune.stop import STOP, Diverged, Preempted, StopVote
 from finetune.watchdog import Watchdog
@@ -197,7 +198,8 @@ def _train(run: Run, state: TrainState) -> dict[str, float]:
         epoch, start = divmod(state.step, plan.steps_per_epoch)
         batches = _epoch_batches(run, epoch, start)
         for step_in_epoch in range(start, plan.steps_per_epoch):
-            grad_norm = _optimizer_step(run, state, p, batches, epoch, step_in_epoch)
+            with p.profiler.step(state.step + 1):  # profile_steps (nothing otherwise)
+                grad_norm = _optimizer_step(run, state, p, batches, epoch, step_in_epoch)
             done = state.step == plan.total_steps
             p.bar.update(1)
             preempted = p.stop.agreed() and not done  # every rank reads the same vote
@@ -221,13 +223,14 @@ def _train(run: Run, state: TrainState) -> dict[str, float]:
                 run.checkpointer.save(state_dict_of(state))  # the last step's checkpoint is run.py's
             if done or stopped:
                 break
+    p.profiler.stop()  # early stopping inside profile_steps: the steps profiled so far
     p.bar.close()
     return last_eval
 
 
 class _Progress:
     """What the loop carries from step to step: the progress bar, the window of the next log row, the health
-    checks, and whether the observed precision was logged yet."""
+    checks, the profiler of profile_steps, and whether the observed precision was logged yet."""
 
     def __init__(self, run: Run, state: TrainState) -> None:
         self.bar = tqdm(
@@ -242,6 +245,7 @@ class _Progress:
         self.stop = StopVote(run.accelerator.num_processes)
         self.precision_logged = False
         self.compiling = run.compiled  # until the first step of this process has run
+        self.profiler = StepProfiler(run.accelerator, run.args.profile_window, run.checkpointer.output_dir, state.step)
 
 
 def _epoch_batches(run: Run, epoch: int, start: int):

@@ -240,6 +240,14 @@ CASES = [
     Case("epochs_zero", lambda c: c.yaml(max_steps=-1, num_train_epochs=0), "num_train_epochs", "> 0"),
     Case("learning_rate_negative", lambda c: c.yaml(learning_rate=-1e-4), "learning_rate", "> 0"),
     Case("save_steps_zero", lambda c: c.yaml(save_steps=0), "save_steps", "null"),
+    Case("profile_steps_backwards", lambda c: c.yaml(profile_steps="3-2"), "profile_steps", "like 5-7"),
+    Case(
+        "profile_steps_after_the_run",
+        lambda c: c.yaml(profile_steps="2-3"),  # the base config runs max_steps 2
+        "profile_steps",
+        "takes 2 optimizer steps",
+        stage=DATA,
+    ),
     Case("warmup_ratio_above_one", lambda c: c.yaml(warmup_ratio=1.5), "warmup_ratio", "[0, 1)"),
     Case("eval_fraction_one", lambda c: c.yaml(eval_fraction=1.0), "eval_fraction", "[0, 1)"),
     Case("peft_rank_zero", lambda c: c.yaml(peft={"method": "lora", "r": 0}), "peft.r", ">= 1"),

@@ -224,6 +224,9 @@ def number_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     for key in ("adam_beta1", "adam_beta2", "warmup_ratio", "eval_fraction"):
         if not 0 <= values[key] < 1:
             p.append((key, f"must be in [0, 1), got {values[key]}"))
+    if t.profile_steps is not None and t.profile_window is None:
+        p.append(("profile_steps", f"expected FIRST-LAST optimizer steps from 1, like 5-7, or one step like 5; got "
+                                   f"{t.profile_steps!r}"))  # fmt: skip
     return p
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -442,11 +443,27 @@ class TrainArgs:
         False,
         "No progress bars, training's or the libraries' (loading weights, mapping data): a log line every logging_steps instead.",
     )
+    profile_steps: str | None = _f(
+        None,
+        "Profile optimizer steps FIRST-LAST (e.g. 5-7; or one step, 5) with torch's profiler on every rank: a "
+        "Chrome trace, an operator table and a summary (device busy and idle, time by kind of work) per rank in "
+        "output_dir/profile/, the main process's summary in the log. Skip the first steps (warm-up, compilation); "
+        "profiled steps run slower. docs/performance.md.",
+    )
 
     @property
     def rows_per_example(self) -> int:
         """Rows of the model's batch per example: a preference pair is two (its chosen and its rejected answer)."""
         return 1 if self.method == "sft" else 2
+
+    @property
+    def profile_window(self) -> tuple[int, int] | None:
+        """profile_steps as (first, last) optimizer step, 1-based; None when off or not of the shape FIRST-LAST."""
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", str(self.profile_steps or ""))
+        if not m:
+            return None
+        first, last = int(m.group(1)), int(m.group(2) or m.group(1))
+        return (first, last) if 1 <= first <= last else None
 
 
 PEFT_METHODS = ("none", "lora", "dora")
