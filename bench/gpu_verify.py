@@ -2,8 +2,9 @@
 
     python bench/gpu_verify.py [--size 1b] [--budget_s 470] [--results bench/results/gpu.json]
 
-On the GPU machine, from the project root. Parts, in this order (each skipped, and said so, once --budget_s is
-spent; the JSON is rewritten after every part, so a run cut short keeps what it measured):
+On the GPU machine, from the project root. Parts, in the order --parts names them (a layout with CPU offload
+after every other part; each skipped, and said so, once --budget_s is spent; the JSON is rewritten after every
+part, so a run cut short keeps what it measured):
 
   build     a Llama of ~1.2B parameters from a config (Llama-3.2-1B's shape: hidden 2048, 16 layers, 32 heads,
             8 KV heads, MLP 8192, vocabulary 128,256, tied embeddings), saved in bf16 as Hub checkpoints are,
@@ -471,6 +472,9 @@ def main() -> int:
     parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "gpu_verify"))
     parser.add_argument("--results", default=str(ROOT / "bench" / "results" / "gpu.json"))
     args = parser.parse_args()
+    unknown = set(args.parts.split(",")) - {"mfu", "layouts", "fp16", "qlora"}
+    if unknown:
+        parser.error(f"--parts: unknown {', '.join(sorted(unknown))} (mfu, layouts, fp16, qlora)")
     global BUDGET
     budget = BUDGET = Budget(args.budget_s)
 
@@ -500,16 +504,19 @@ def main() -> int:
     parts = args.parts.split(",")
     cuda = torch.cuda.is_available()
     layouts = args.layouts.split(",")
-    steps = [  # (part, runs it, needs seconds left)
-        ("layouts", lambda: part_layouts(layouts[:-1], work, run, base_args, result, budget, args.steps), 0),
-        ("mfu", lambda: part_mfu(work, run, base_args, result, budget, args.mfu_steps), 0),
-        ("fp16", lambda: part_fp16(work, base_args, result, 8), 40 if cuda else None),
-        ("qlora", lambda: part_qlora(work, run, base_args, result, 10), 60 if cuda else None),
-        # zero3_offload last: DeepSpeed compiles its CPU Adam on first use (a minute or two)
-        ("layouts", lambda: part_layouts(layouts[-1:], work, run, base_args, result, budget, args.steps), 0),
-    ]
-    for part, fn, needs in steps:
-        if part not in parts or needs is None or budget.left() < needs:
+    offloaded = [name for name in layouts if "offload" in name]  # DeepSpeed compiles its CPU Adam on first use
+    layout_args = (work, run, base_args, result, budget, args.steps)
+    runs = {  # part: (runs it, needs seconds left; None: not on this machine)
+        "layouts": (lambda: part_layouts([n for n in layouts if n not in offloaded], *layout_args), 0),
+        "mfu": (lambda: part_mfu(work, run, base_args, result, budget, args.mfu_steps), 0),
+        "fp16": (lambda: part_fp16(work, base_args, result, 8), 40 if cuda else None),
+        "qlora": (lambda: part_qlora(work, run, base_args, result, 10), 60 if cuda else None),
+        "offloaded layouts": (lambda: part_layouts(offloaded, *layout_args), 0),  # a minute or two: last
+    }
+    order = [*parts, "offloaded layouts"] if "layouts" in parts else parts
+    for part in order:
+        fn, needs = runs[part]
+        if needs is None or budget.left() < needs:
             continue
         try:
             fn()
