@@ -18,6 +18,10 @@ part, so a run cut short keeps what it measured):
             single, ddp, zero2, zero3, fsdp2, zero3_offload: per-step losses against single within
             docs/precision.md's bf16 tolerance (3e-3 relative; the training update within 6% in L2), exported
             dtype identical, peak GPU memory next to the run's own estimate (finetune plan's)
+  megatron  Megatron-LM through accelerate, TP 1 x PP 1 (megatron_tp2.yaml with one process; Megatron-LM from
+            --megatron; Transformer Engine's layers where installed, else the local spec): against single on the
+            same unpacked rows (Megatron refuses packing), losses, eval loss, exported HF weights; a resume from
+            the checkpoint halfway repeats the later losses
   fp16      one process, fp16: the loss-scaling path runs, skipped steps counted
   qlora     LoRA on the 4-bit base (bitsandbytes nf4): loss falls, the adapter exports and reloads onto a fresh
             4-bit base with the same loss, the merge (peft.merge) into the full-precision base
@@ -147,12 +151,17 @@ def build(work: Path, size: str) -> dict:
 
 
 def one_process_config(name: str, work: Path) -> Path:
-    """The shipped Accelerate config `name` with num_processes 1 (the DeepSpeed JSON path stays the shipped one)."""
+    """The shipped Accelerate config `name` with num_processes 1 (the DeepSpeed JSON path stays the shipped one;
+    Megatron-LM's TP and PP 1, without sequence parallelism, which needs TP)."""
     path = parity.accelerate_config_path(name)
     cfg = yaml.safe_load(path.read_text())
     if cfg.get("num_processes", 1) == 1:
         return path
     cfg["num_processes"] = 1
+    if "megatron_lm_config" in cfg:
+        cfg["megatron_lm_config"].update(
+            megatron_lm_tp_degree=1, megatron_lm_pp_degree=1, megatron_lm_sequence_parallelism=False
+        )
     out = work / "configs" / f"{name}.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump(cfg))
@@ -329,6 +338,7 @@ def part_layouts(
             "peak_gpu_allocated_gb": peak.get("train_peak_gpu_allocated_gb"),
             "estimate_train_peak_gb": peak.get("estimate_train_peak_gb"),
             "step_time_s": statistics.median(r["step_time_s"] for r in tr[1:]) if len(tr) > 1 else None,
+            "eval_loss": next((r["eval_loss"] for r in reversed(rows) if "eval_loss" in r), None),
             "losses": o.losses,
         }
         if name == "single":
@@ -347,6 +357,82 @@ def part_layouts(
         print(
             f"[gpu_verify] layout {name}: {json.dumps({k: v for k, v in entry.items() if k != 'losses'})}", flush=True
         )
+
+
+def part_megatron(work: Path, run: dict, base_args: list[str], result: dict, budget: Budget, steps: int, mlm: str):
+    """Megatron-LM through accelerate on this GPU, TP 1 x PP 1 (the shipped megatron_tp2.yaml with one process;
+    Megatron-LM from the folder `mlm`, Transformer Engine's layers where it is installed, else the local spec, as
+    the log says), without packing (refused there: its GPT step attends across packed examples), against single on
+    the same rows: losses, eval loss and the exported HF weights; then a resume from the checkpoint halfway, whose
+    later losses must equal the first run's."""
+    if budget.left() < 180:
+        result["megatron"] = {"status": "SKIPPED: out of time"}
+        return
+    from safetensors.torch import load_file
+
+    env = {"PYTHONPATH": os.pathsep.join([mlm, os.environ.get("PYTHONPATH", "")])}
+    half = max(steps // 2, 1)
+    args = [*base_args, "--max_steps", str(steps), "--packing", "false"]
+    import torch
+
+    # a dry run on a CPU (tests/cuda_standin) in fp32: Megatron's bf16 path checks torch.cuda's tensor types
+    launch_args = ("--mixed_precision", "bf16" if torch.cuda.is_available() else "no")
+    m: dict = {}
+    outcomes = {}
+    for name, config, more in (("single", "single", []), ("megatron", "megatron_tp2", ["--save_steps", str(half)])):
+        rows, output, error, wall = launch(f"megatron_{name}", config, work, [*args, *more], launch_args, env)
+        tr = train_rows(rows)
+        final = work / "runs" / f"megatron_{name}" / "final"
+        o = outcomes[name] = parity.Outcome(name, not error and bool(tr), losses=[r["loss"] for r in tr])
+        if o.ok and (final / "model.safetensors").exists():
+            o.weights = load_file(str(final / "model.safetensors"))
+        peak = peak_row(rows)
+        m[name] = {
+            "status": error or ("ok" if tr else "no training rows"),
+            "wall_s": round(wall, 1),
+            "distributed_type": tr[0].get("distributed_type") if tr else None,
+            "exported_dtype": exported_dtypes(final) if final.exists() else None,
+            "peak_gpu_allocated_gb": peak.get("train_peak_gpu_allocated_gb"),
+            "estimate_train_peak_gb": peak.get("estimate_train_peak_gb"),
+            "step_time_s": statistics.median(r["step_time_s"] for r in tr[1:]) if len(tr) > 1 else None,
+            "eval_loss": next((r["eval_loss"] for r in reversed(rows) if "eval_loss" in r), None),
+            "losses": o.losses,
+        }
+        if error:
+            m[name]["log_tail"] = output.strip().splitlines()[-15:]
+        if name == "megatron":
+            impl = re.search(r"transformer_impl \.+ (\w+)", output)  # Megatron's table of its arguments
+            m[name]["transformer_impl"] = impl.group(1) if impl else None
+        if not o.ok:
+            break
+    ref, o = outcomes["single"], outcomes.get("megatron")
+    if o is not None and ref.ok and o.ok:
+        base = parity.base_weights(run["model"]) or {}
+        if "lm_head.weight" not in base and "model.embed_tokens.weight" in base:
+            base["lm_head.weight"] = base["model.embed_tokens.weight"]
+        loss, weight, update = parity.compare(ref, o, base)
+        m.update(max_rel_loss_diff=loss, max_abs_weight_diff=weight, update_rel_l2=update)
+        m["within_tolerance"] = bool(loss <= BF16_LOSS_RTOL and update is not None and update <= BF16_UPDATE_RTOL)
+        checkpoint = work / "runs" / "megatron_megatron" / "checkpoints" / f"step_{half}"
+        if checkpoint.is_dir() and budget.left() >= 90:
+            again = [*args, "--resume_from_checkpoint", str(checkpoint)]
+            rows, _, error, _ = launch("megatron_resume", "megatron_tp2", work, again, launch_args, env)
+            later = [r["loss"] for r in train_rows(rows) if r["step"] > half]
+            first = parity.Outcome("first", True, losses=o.losses[half:])
+            m["resume"] = {
+                "status": error or "ok",
+                "from": f"step_{half}",
+                "losses_after": later,
+                "max_rel_loss_diff": parity.compare(first, parity.Outcome("resumed", True, losses=later))[0],
+            }
+    result["megatron"] = m
+    for name in ("megatron_single", "megatron_megatron", "megatron_resume"):
+        shutil.rmtree(work / "runs" / name, ignore_errors=True)  # a 1B Megatron checkpoint is ~17 GB
+    shown = {k: v for k, v in m.items() if k not in ("single", "megatron")}
+    print(f"[gpu_verify] megatron: {json.dumps(shown)}", flush=True)
+    for name in ("single", "megatron"):
+        if name in m:
+            print(f"[gpu_verify]   {name}: {json.dumps({k: v for k, v in m[name].items() if k != 'losses'})}")
 
 
 def part_fp16(work: Path, base_args: list[str], result: dict, steps: int) -> None:
@@ -456,7 +542,7 @@ def print_table(result: dict) -> None:
     for name, m in result["mfu"].items():
         if m.get("profile"):
             print(f"profile {name}: {profiling.describe(m['profile'])}")
-    for part in ("fp16", "qlora"):
+    for part in ("megatron", "fp16", "qlora"):
         if part in result:
             print(f"\n{part}: {json.dumps(result[part])}")
 
@@ -464,7 +550,8 @@ def print_table(result: dict) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="1b")
-    parser.add_argument("--parts", default="mfu,layouts,fp16,qlora")
+    parser.add_argument("--parts", default="mfu,layouts,fp16,qlora", help="of mfu, layouts, megatron, fp16, qlora")
+    parser.add_argument("--megatron", help="Megatron-LM's folder (holding megatron/) for --parts megatron")
     parser.add_argument("--layouts", default=LAYOUTS, help="shipped configs, single first (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per layout run")
     parser.add_argument("--mfu_steps", type=int, default=12)
@@ -472,9 +559,11 @@ def main() -> int:
     parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "gpu_verify"))
     parser.add_argument("--results", default=str(ROOT / "bench" / "results" / "gpu.json"))
     args = parser.parse_args()
-    unknown = set(args.parts.split(",")) - {"mfu", "layouts", "fp16", "qlora"}
+    unknown = set(args.parts.split(",")) - {"mfu", "layouts", "fp16", "qlora", "megatron"}
     if unknown:
-        parser.error(f"--parts: unknown {', '.join(sorted(unknown))} (mfu, layouts, fp16, qlora)")
+        parser.error(f"--parts: unknown {', '.join(sorted(unknown))} (mfu, layouts, fp16, qlora, megatron)")
+    if "megatron" in args.parts.split(",") and not os.path.isdir(os.path.join(args.megatron or "", "megatron")):
+        parser.error("--parts megatron needs --megatron: a Megatron-LM folder holding megatron/ (docs/megatron.md)")
     global BUDGET
     budget = BUDGET = Budget(args.budget_s)
 
@@ -511,6 +600,7 @@ def main() -> int:
         "mfu": (lambda: part_mfu(work, run, base_args, result, budget, args.mfu_steps), 0),
         "fp16": (lambda: part_fp16(work, base_args, result, 8), 40 if cuda else None),
         "qlora": (lambda: part_qlora(work, run, base_args, result, 10), 60 if cuda else None),
+        "megatron": (lambda: part_megatron(work, run, base_args, result, budget, args.steps, args.megatron), 0),
         "offloaded layouts": (lambda: part_layouts(offloaded, *layout_args), 0),  # a minute or two: last
     }
     order = [*parts, "offloaded layouts"] if "layouts" in parts else parts
