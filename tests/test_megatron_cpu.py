@@ -183,6 +183,26 @@ def test_tp2_sequence_parallel_equals_one_process_and_resumes(megatron_lm, asset
 
 
 @pytest.mark.slow
+def test_a_checkpoint_saved_in_bf16_trains_as_one_process_without_a_false_warning(megatron_lm, assets, table, tmp_path):
+    """Hub checkpoints are saved in bf16. Megatron-LM trains its own GPT (fp32 weights without mixed precision;
+    16-bit ones with fp32 main weights in its optimizer under bf16/fp16), so the start log must not warn of 16-bit
+    weights updated without master weights (it did: the HF model finetune builds on the meta device for its config
+    took the checkpoint's dtype). The losses, eval loss and final/ equal one process's on the same checkpoint (which
+    loads it in fp32, torch_dtype's default; both export fp32 to compare the trained weights, not bf16 rounding)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    bf16 = tmp_path / "llama_bf16"
+    AutoModelForCausalLM.from_pretrained(assets.llama, dtype=torch.bfloat16).save_pretrained(bf16)
+    AutoTokenizer.from_pretrained(assets.llama).save_pretrained(bf16)
+    run_args = [str(bf16) if a == assets.llama else a for a in args(assets, 4, "--save_dtype", "float32")]
+    one = finetune(tmp_path / "one", *run_args)
+    tp = run_megatron(megatron_lm, tmp_path / "tp", *run_args)
+    assert "bfloat16" in (bf16 / "config.json").read_text()
+    assert "no fp32 master weights" not in tp.output, tp.output[-3000:]
+    compare(one, tp, table, "tp2_bf16_checkpoint")
+
+
+@pytest.mark.slow
 def test_pp2_two_micro_batches_equals_one_process(megatron_lm, assets, single, table, tmp_path):
     """TP 1 x PP 2, 2 micro batches of 2 rows: the last eval batch (2 of 4 rows) leaves a micro batch empty."""
     pp = run_megatron(megatron_lm, tmp_path / "pp", *args(assets, 2), layout=PP2)

@@ -670,6 +670,13 @@ class Backend(ddp.Backend):
         for note in NOTES:
             logger.info("megatron: %s", note)
 
+    def fp32_master_weights(self) -> bool:
+        """Megatron-LM updates its own GPT's weights, never the HF model finetune builds for its config (on the meta
+        device, in the checkpoint's dtype): fp32 without mixed precision, 16-bit under bf16/fp16 with fp32 main
+        weights in its optimizer (the plugin's params_dtype; megatron.core.optimizer's
+        Float16OptimizerWithFloat16Params). So nothing loses updates below a 16-bit weight's resolution."""
+        return True
+
     def keep_checkpoints_per_machine(self) -> None:
         raise base.no_checkpoints_per_machine(
             "Megatron-LM writes each tensor/pipeline shard from its own rank, with no per-machine copy"
