@@ -539,7 +539,7 @@ def build_stream(
         train_raw.shuffle(seed=seed, buffer_size=data.shuffle_buffer_size)
         .map(rows("train"), batched=True, with_indices=True, remove_columns=train_raw.column_names)
         .filter(lambda skip: not skip, input_columns="skip")  # rows with nothing to learn
-        .remove_columns(["skip", "learned"])
+        .remove_columns(formats.row_facts(layout.format))
     )
     if data.packing:
         train = _packed(train, data.max_seq_length)
@@ -644,6 +644,15 @@ def _tokenize(ds, split: str, rows: Callable, data: DataArgs, layout: Layout):
                 )
             ]
         ) from None
+    if layout.format == "chat" and len(out) > len(ds):  # turns a template renders otherwise, in rows of their own
+        logger.info(
+            "%s: %d rows from %d conversations: where the chat template renders an earlier answer otherwise once "
+            "later turns follow, that answer is learned in a row of its own, rendered as the template renders it "
+            "when it is the last message (docs/data.md)",
+            split,
+            len(out),
+            len(ds),
+        )
     why = _dropped(out, ds, split)
     if split == "train" and len(why) == 1 and sum(n for n, _ in why.values()) == len(out):
         raise ConfigError([_nothing_to_learn(next(iter(why)), len(out), layout, data)])
@@ -654,7 +663,7 @@ def _tokenize(ds, split: str, rows: Callable, data: DataArgs, layout: Layout):
         logger.warning(
             "dropped %d of %d training rows with nothing to learn: %s", len(out) - len(kept), len(out), _reasons(why)
         )
-    return kept.remove_columns(["skip", "learned"]), _column_sum(kept, "learned")
+    return kept.remove_columns(formats.row_facts(layout.format)), _column_sum(kept, "learned")
 
 
 @contextmanager
@@ -736,12 +745,15 @@ def _dropped(out, raw, split: str) -> dict[str, tuple[int, str]]:
     """Why rows were dropped: reason -> (how many, the first such row), read from the `skip` column in arrow."""
     import pyarrow.compute as pc
 
-    skip = out.with_format("arrow")["skip"]
+    table = out.with_format("arrow")
+    skip = table["skip"]
+    source = table["source"] if "source" in out.column_names else None  # a chat row's conversation
     why = {}
     for item in pc.value_counts(skip).to_pylist():
         reason, n = item["values"], item["counts"]
         if reason:
             first = pc.index(skip, reason).as_py()
+            first = source[first].as_py() if source is not None else first
             why[reason] = (n, f"{split} row {first}: {str(raw[first])[:120]}")
     return why
 

@@ -14,7 +14,8 @@ preference      prompt + chosen + rejected, as text or message lists;      the t
                 chosen + rejected conversations (the prompt their start)   ipo, orpo, simpo: finetune/preference.py)
 
 The same conversation in any of the chat shapes becomes the same tokens and labels (one assistant answer after
-its prompt: also the same as prompt-completion). Task seq2seq: the encoder reads the prompt (prompt_template is
+its prompt: also the same as prompt-completion). A template that renders an earlier answer otherwise once later
+turns follow (Qwen3) gives that answer a row of its own (chat_rows). Task seq2seq: the encoder reads the prompt (prompt_template is
 the causal LM's way of showing it and is not used) or the source; the labels are the answer + EOS, all learned.
 
 A row with nothing to learn (a null or empty answer, no assistant turn, or truncated away) is dropped and counted
@@ -26,6 +27,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
+import os
 import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -402,6 +404,13 @@ def _rows_of(batch: dict) -> list[dict]:
     return [dict(zip(batch, values)) for values in zip(*batch.values())]
 
 
+def row_facts(fmt: str) -> list[str]:
+    """The columns a format's rows carry beside its tokens, for the data pipeline (dropped once read): why a row is
+    skipped, what it learns, and for chat the conversation each row comes from (chat_rows: one or more per
+    conversation)."""
+    return ["skip", "learned", "source"] if fmt == "chat" else ["skip", "learned"]
+
+
 def _columns(rows: list[dict]) -> dict:
     return {key: [r[key] for r in rows] for key in ("input_ids", "labels", "skip", "learned")}
 
@@ -680,8 +689,14 @@ def _to_messages(raw, column: str, layout: Layout, where: str) -> list[dict]:
 def chat_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int, split: str) -> Callable:
     """Render with the chat template; learn exactly the tokens each assistant turn adds.
 
-    The whole conversation is tokenized once; each rendering of a conversation prefix must be a prefix of the whole
-    rendering that ends where a token ends (true of the usual ChatML/Llama/Mistral templates); others are refused.
+    The whole conversation is tokenized once; the rendering of each conversation prefix that ends a learned turn
+    (and of the one before, with the generation prompt) is a prefix of the whole rendering, ending where a token
+    ends, with the usual ChatML/Llama/Mistral templates. Where a template renders a turn otherwise once later turns
+    follow (Qwen3 writes its reasoning block only into the answers after the last user message; Mistral moves the
+    system message into the last user turn), that turn is learned in a row of its own, the conversation up to it
+    rendered as the template renders it for that answer (`_rows_of_turns`); such conversations give more than one
+    row (`source`: the conversation's row in the split). A template that renders a turn's answer itself differently
+    is refused, as is a rendering that ends inside a token.
     """
     encode = Encoder.of(tokenizer, offsets=True)
 
@@ -691,23 +706,67 @@ def chat_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int, split: st
         kept = [(plan, at) for plan, at in zip(plans, wheres) if isinstance(plan, Turns)]
         jobs = [((plan.messages[:k], gen, plan.tools), at) for plan, at in kept for k, gen, _ in plan.steps]
         flat = iter(render_all(tokenizer, [job for job, _ in jobs], [at for _, at in jobs]))
-        texts = [[next(flat) for _ in plan.steps] for plan, _ in kept]
-        cuts = iter(encode.cuts(texts, [at for _, at in kept]))
-        rows = []
-        for plan in plans:
+        per_plan = [_rows_of_turns(plan, [next(flat) for _ in plan.steps], at) for plan, at in kept]
+        rendered = [(texts, at) for turn_rows, (_, at) in zip(per_plan, kept) for texts, _ in turn_rows]
+        cuts = iter(encode.cuts([texts for texts, _ in rendered], [at for _, at in rendered]))
+        rows, sources, turn_rows_of = [], [], iter(per_plan)
+        for plan, i in zip(plans, idx):
             if isinstance(plan, str):
                 rows.append(_skipped(plan))
+                sources.append(i)
                 continue
-            ids, ends = next(cuts)
-            labels: list[int] = []
-            spans = []
-            for (_, _, learned), start, end in zip(plan.steps, [0, *ends], ends):
-                labels += ids[start:end] if learned else [IGNORE] * (end - start)
-                spans += [(start, end)] if learned else []
-            rows.append(_kept(ids, labels, max_len, spans))
-        return _columns(rows)
+            for _, learned_steps in next(turn_rows_of):
+                ids, ends = next(cuts)
+                labels: list[int] = []
+                spans = []
+                for learned, start, end in zip(learned_steps, [0, *ends], ends):
+                    labels += ids[start:end] if learned else [IGNORE] * (end - start)
+                    spans += [(start, end)] if learned else []
+                rows.append(_kept(ids, labels, max_len, spans))
+                sources.append(i)
+        return {**_columns(rows), "source": sources}
 
     return fn
+
+
+def _rows_of_turns(plan: Turns, texts: list[str], where: str) -> list[tuple[list[str], list[bool]]]:
+    """The rows a conversation's learned turns go into: (the growing renderings, each ending a step, and whether the
+    tokens each adds are learned). The whole conversation's row takes every turn whose renderings (its generation
+    prompt, its end) are prefixes of the whole rendering; a turn whose are not gets a row of its own, rendered up
+    to its end as the template renders it when that answer is the last message (what the model sees when it writes
+    it), its prompt not learned. Refused (ValueError, naming the conversation): a template whose rendering with
+    the answer does not start with its rendering of the prompt (the prompt the answer is written for is in no
+    rendering), and one whose rendering leaves the whole one's after the answer starts (it renders the answer
+    itself otherwise: a header written after every last message, say)."""
+    whole = texts[-1]
+    turns = []  # step indices of each learned turn: its generation prompt's (where it has one) and its end's
+    for j, (_, _, learned) in enumerate(plan.steps):
+        if learned:
+            turns.append([j - 1, j] if j and plan.steps[j - 1][1] else [j])
+    rows, main = [], []
+    for turn in turns:
+        if all(whole.startswith(texts[j]) for j in turn):
+            main += turn
+            continue
+        prompt, end = (texts[turn[0]] if len(turn) == 2 else ""), texts[turn[-1]]
+        if not end.startswith(prompt):
+            at = max(len(os.path.commonprefix([prompt, end])) - 15, 0)  # a little before where they part
+            raise ValueError(
+                f"{where}: the chat template renders the conversation before an answer otherwise once the answer "
+                f"follows ({prompt[at : at + 40]!r} with the generation prompt, {end[at : at + 40]!r} with the "
+                "answer; Mistral-Nemo's, say, drops a system message there), so no rendering holds the prompt the "
+                "answer is written for; set chat_template to one that keeps it, or drop the system message"
+            )
+        if len(os.path.commonprefix([end, whole])) > len(prompt):
+            raise ValueError(
+                f"{where}: the chat template does not render a conversation prefix as a prefix of the whole "
+                "conversation (an answer ends otherwise once later turns follow); set chat_template to one that does"
+            )
+        rows.append(([texts[j] for j in turn], [plan.steps[j][2] for j in turn]))
+    if main:  # the whole conversation's row, where it learns anything
+        steps = main if main[-1] == len(texts) - 1 else [*main, len(texts) - 1]
+        rows.insert(0, ([texts[j] for j in steps], [plan.steps[j][2] for j in steps]))
+    return rows
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import json
+import logging
 import random
 
 import pytest
@@ -294,12 +295,20 @@ def test_the_batch_encoder_gives_what_the_tokenizer_gives(assets):
 
 
 # Templates whose rendering of a conversation's start is not the start of the whole conversation's tokens.
+# Answers learned in rows of their own (test_turns_a_template_renders_otherwise_later_are_learned_in_rows_of_their_own):
 SYSTEM_INTO_LAST_USER = (  # as Mistral's: the system text goes into the last user turn
     "{% set sys = messages[0]['content'] if messages[0]['role'] == 'system' else '' %}"
     "{% for m in messages if m['role'] != 'system' %}{% if m['role'] == 'user' %}[INST] "
     "{% if loop.last or (loop.revindex == 2 and not add_generation_prompt) %}{{ sys }} {% endif %}{{ m['content'] }}"
     " [/INST]{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}"
 )
+REASONING_AFTER_THE_LAST_USER = (  # as Qwen3's: an empty reasoning block only in the answers after the last user turn
+    "{% set ns = namespace(last=0) %}{% for m in messages %}{% if m['role'] == 'user' %}{% set ns.last = loop.index0 %}"
+    "{% endif %}{% endfor %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and "
+    "loop.index0 > ns.last %}<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Refused:
 ALWAYS_A_HEADER = (  # as a base model's: the assistant header whatever comes last
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "<|im_start|>assistant\n"
@@ -313,7 +322,6 @@ SPACE_BEFORE_THE_ANSWER = (  # the generation prompt's trailing space is the fir
 @pytest.mark.parametrize(
     ("template", "trim_offsets", "words"),
     [
-        (SYSTEM_INTO_LAST_USER, False, "not render a conversation prefix as a prefix of the whole conversation"),
         (ALWAYS_A_HEADER, False, "not render a conversation prefix as a prefix of the whole conversation"),
         # A ByteLevel post-processor trims the space off the answer token's offsets: it must not hide the cut.
         (SPACE_BEFORE_THE_ANSWER, True, "ends inside a token"),
@@ -338,6 +346,83 @@ def test_a_template_whose_prefixes_are_not_the_conversations_is_refused(
     assert key == "dataset" and "train row 0: " in message and words in message and "chat_template" in message
     if trim_offsets:  # the cut is shown: the rendering's end, then what follows it
         assert "assistant: ' | '" in message
+
+
+@pytest.mark.parametrize("template", [SYSTEM_INTO_LAST_USER, REASONING_AFTER_THE_LAST_USER])
+def test_turns_a_template_renders_otherwise_later_are_learned_in_rows_of_their_own(assets, tmp_path, caplog, template):
+    """A template that renders an earlier answer (or the context before it) otherwise once later turns follow, as
+    Mistral's and Qwen3's do: that answer is learned in a row of its own, the conversation up to it as the template
+    renders it when it is the last message; the whole conversation's row learns the others. Rows and labels are
+    turn_rows' (computed here from apply_chat_template), every answer is learned exactly once, and the log says
+    how many rows the conversations became."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(assets.root / "tokenizer")
+    tok.chat_template = template
+    rng = random.Random(4)
+    convs = []
+    for c in conversations(9, seed=2):
+        more = [
+            {"role": "user", "content": "Are you sure?"},
+            {"role": "assistant", "content": rng.choice(["Yes.", "No"])},
+        ]
+        convs.append(c + more * rng.randint(0, 2))
+    assert any(len(c) > 4 for c in convs) and any(len(c) <= 3 for c in convs)
+    with caplog.at_level(logging.INFO, logger="finetune"):
+        got = tokens(build(write_jsonl(as_messages(convs), tmp_path / "chat.jsonl"), tok, max_seq_length=1024))
+    want = turn_rows(tok, convs)
+    assert len(want) > len(convs)  # some answers are in rows of their own
+    assert got == want
+    learned = sum(sum(lab != IGNORE for lab in labels) for _, labels in got)
+    assert learned == sum(answer_tokens(tok, c) for c in convs)  # each answer once
+    assert f"train: {len(want)} rows from {len(convs)} conversations" in caplog.text
+
+
+def turn_rows(tok, convs: list[list[dict]]) -> list[tuple[list[int], list[int]]]:
+    """Each conversation's rows as the chat format defines them, computed apart from the product. An assistant turn
+    whose renderings (the conversation before it with the generation prompt, and up to its end) are prefixes of
+    the whole conversation's rendering is learned in the whole conversation's row (its tokens: what its rendering
+    adds to the prompt's); any other in a row of its own: the conversation up to its end rendered and tokenized,
+    the prompt's tokens not learned. The whole conversation's row first (where it learns anything), then the
+    others in turn order."""
+
+    def render(c, gen=False):
+        return tok.apply_chat_template(c, tokenize=False, add_generation_prompt=gen)
+
+    def ids_of(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    rows = []
+    for c in convs:
+        whole = render(c)
+        ids = ids_of(whole)
+        labels, own = [IGNORE] * len(ids), []
+        for k, m in enumerate(c):
+            if m["role"] != "assistant":
+                continue
+            prompt, end = (render(c[:k], True) if k else ""), render(c[: k + 1])
+            a, b = len(ids_of(prompt)) if prompt else 0, len(ids_of(end))
+            if whole.startswith(prompt) and whole.startswith(end):
+                assert ids[:b] == ids_of(end)
+                labels[a:b] = ids[a:b]
+            else:
+                mine = ids_of(end)
+                own.append((mine, [IGNORE] * a + mine[a:]))
+        rows += ([(ids, labels)] if any(lab != IGNORE for lab in labels) else []) + own
+    return rows
+
+
+def answer_tokens(tok, c: list[dict]) -> int:
+    """How many tokens the conversation's answers take where each is the last message (what each learns)."""
+    n = 0
+    for k, m in enumerate(c):
+        if m["role"] == "assistant":
+            prompt = tok.apply_chat_template(c[:k], tokenize=False, add_generation_prompt=True) if k else ""
+            end = tok.apply_chat_template(c[: k + 1], tokenize=False)
+            n += len(tok(end, add_special_tokens=False)["input_ids"]) - (
+                len(tok(prompt, add_special_tokens=False)["input_ids"]) if prompt else 0
+            )
+    return n
 
 
 def assert_placed_as_the_offsets_place_it(enc, end: int, got: tuple[int, bool], text: str) -> None:
@@ -485,11 +570,15 @@ def prefix_labels(tok, convs: list[list[dict]]) -> list[tuple[list[int], list[in
     return expected
 
 
-@pytest.mark.parametrize("name", ["llama3_1", "qwen2_5", "gemma3"])
+@pytest.mark.parametrize("name", ["llama3_1", "qwen2_5", "gemma3", "qwen3", "mistral_nemo"])
 def test_chat_labels_on_real_tokenizers_and_templates(real_tokenizer, tmp_path, name):
-    """Llama-3.1's, Qwen2.5's and Gemma-3's own tokenizers and chat templates (header tokens, ChatML, the system
-    text folded into the first user turn): multi-turn conversations with and without a system message, text with
-    multi-byte characters and runs of spaces; the tokens and labels are prefix_labels' (computed apart)."""
+    """Llama-3.1's, Qwen2.5's, Gemma-3's, Qwen3's and Mistral-Nemo's own tokenizers and chat templates (header
+    tokens, ChatML, the system text folded into the first user turn or, Mistral-Nemo's, into the last; Qwen3's
+    reasoning block in the answers after the last user message only): multi-turn conversations with and without a
+    system message, text with multi-byte characters and runs of spaces. The tokens and labels are turn_rows'
+    (computed apart): one row per conversation where every turn renders as a prefix of the whole (prefix_labels',
+    the first three templates), else the turns the template renders otherwise later in rows of their own (Qwen3
+    with several exchanges, Mistral-Nemo with a system message); each answer learned once."""
     tok = real_tokenizer(name)
     rng = random.Random(11)
     words = "match rain code bread storm team chip soup wind goal oven data ünïcode 😀 日本".split()
@@ -502,7 +591,34 @@ def test_chat_labels_on_real_tokenizers_and_templates(real_tokenizer, tmp_path, 
                 {"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(1, 6))) + " " * (i % 3)}
             )
         convs.append(c)
+    if name == "mistral_nemo":  # with a system message: refused (test_a_prompt_the_template_drops_is_refused)
+        convs = [c for c in convs if c[0]["role"] != "system"]
     got = tokens(build(write_jsonl(as_messages(convs), tmp_path / "chat.jsonl"), tok, max_seq_length=4096))
-    want = prefix_labels(tok, convs)
-    assert len(got) == len(want) == 12 and all(sum(lab != IGNORE for lab in labels) for _, labels in want)
+    want = turn_rows(tok, convs)
+    assert all(sum(lab != IGNORE for lab in labels) for _, labels in want)
     assert got == want
+    assert sum(sum(lab != IGNORE for lab in labels) for _, labels in got) == sum(answer_tokens(tok, c) for c in convs)
+    if name == "qwen3":
+        assert len(got) > len(convs)  # the answers before the last user message, in rows of their own
+    else:
+        assert len(got) == len(convs) and got == prefix_labels(tok, convs)
+
+
+def test_a_prompt_the_template_drops_is_refused(real_tokenizer, tmp_path):
+    """Mistral-Nemo's template writes a system message only into a last user message with the generation prompt, and
+    drops it once an answer follows: no rendering holds both the prompt an answer is written for and the answer.
+    Refused, naming the row and what differs, before anything trains."""
+    tok = real_tokenizer("mistral_nemo")
+    convs = [
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Yo"},
+        ],
+    ]
+    with pytest.raises(ConfigError) as info:
+        build(write_jsonl(as_messages(convs), tmp_path / "chat.jsonl"), tok)
+    [(key, message)] = info.value.problems
+    assert key == "dataset" and "train row 1: " in message and "drops a system message" in message, message
+    assert "Be brief." in message and "chat_template" in message
