@@ -42,6 +42,17 @@ def conversations(n: int, seed: int = 0) -> list[list[dict]]:
     return out
 
 
+def multi_turn(convs: list[list[dict]], answers: list[str], seed: int) -> list[list[dict]]:
+    """Each conversation with 0 to 2 more exchanges ("Are you sure?" and one of the answers) after it."""
+    rng = random.Random(seed)
+    more = [{"role": "user", "content": "Are you sure?"}, {"role": "assistant", "content": ""}]
+    out = []
+    for c in convs:
+        turns = [[more[0], {**more[1], "content": rng.choice(answers)}] for _ in range(rng.randint(0, 2))]
+        out.append(c + [m for turn in turns for m in turn])
+    return out
+
+
 def as_messages(convs):
     return [{"messages": c} for c in convs]
 
@@ -359,14 +370,7 @@ def test_turns_a_template_renders_otherwise_later_are_learned_in_rows_of_their_o
 
     tok = AutoTokenizer.from_pretrained(assets.root / "tokenizer")
     tok.chat_template = template
-    rng = random.Random(4)
-    convs = []
-    for c in conversations(9, seed=2):
-        more = [
-            {"role": "user", "content": "Are you sure?"},
-            {"role": "assistant", "content": rng.choice(["Yes.", "No"])},
-        ]
-        convs.append(c + more * rng.randint(0, 2))
+    convs = multi_turn(conversations(9, seed=2), ["Yes.", "No"], seed=4)
     assert any(len(c) > 4 for c in convs) and any(len(c) <= 3 for c in convs)
     with caplog.at_level(logging.INFO, logger="finetune"):
         got = tokens(build(write_jsonl(as_messages(convs), tmp_path / "chat.jsonl"), tok, max_seq_length=1024))
@@ -528,14 +532,7 @@ def test_chat_tokens_are_the_whole_conversations_and_labels_the_turns_prefixes_a
     from tokenizers import processors
     from transformers import AutoTokenizer
 
-    rng = random.Random(3)
-    convs = []
-    for c in conversations(10, seed=3):
-        more = [
-            {"role": "user", "content": "Are you sure?"},
-            {"role": "assistant", "content": rng.choice(["Yes.", " no  "])},
-        ]
-        convs.append(c + more * rng.randint(0, 2))
+    convs = multi_turn(conversations(10, seed=3), ["Yes.", " no  "], seed=3)
     assert any(len(c) > 4 for c in convs)
     for trim in (False, True):
         tok = AutoTokenizer.from_pretrained(assets.root / "tokenizer")
