@@ -747,13 +747,13 @@ def _dropped(out, raw, split: str) -> dict[str, tuple[int, str]]:
 
     table = out.with_format("arrow")
     skip = table["skip"]
-    source = table["source"] if "source" in out.column_names else None  # a chat row's conversation
+    conversation = table["conversation"] if "conversation" in out.column_names else None  # chat: the raw row
     why = {}
     for item in pc.value_counts(skip).to_pylist():
         reason, n = item["values"], item["counts"]
         if reason:
             first = pc.index(skip, reason).as_py()
-            first = source[first].as_py() if source is not None else first
+            first = conversation[first].as_py() if conversation is not None else first
             why[reason] = (n, f"{split} row {first}: {str(raw[first])[:120]}")
     return why
 

@@ -408,7 +408,7 @@ def row_facts(fmt: str) -> list[str]:
     """The columns a format's rows carry beside its tokens, for the data pipeline (dropped once read): why a row is
     skipped, what it learns, and for chat the conversation each row comes from (chat_rows: one or more per
     conversation)."""
-    return ["skip", "learned", "source"] if fmt == "chat" else ["skip", "learned"]
+    return ["skip", "learned", "conversation"] if fmt == "chat" else ["skip", "learned"]
 
 
 def _columns(rows: list[dict]) -> dict:
@@ -695,7 +695,7 @@ def chat_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int, split: st
     follow (Qwen3 writes its reasoning block only into the answers after the last user message; Mistral moves the
     system message into the last user turn), that turn is learned in a row of its own, the conversation up to it
     rendered as the template renders it for that answer (`_rows_of_turns`); such conversations give more than one
-    row (`source`: the conversation's row in the split). A template that renders a turn's answer itself differently
+    row (`conversation`: the conversation's row in the split). A template that renders a turn's answer itself differently
     is refused, as is a rendering that ends inside a token.
     """
     encode = Encoder.of(tokenizer, offsets=True)
@@ -709,11 +709,11 @@ def chat_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int, split: st
         per_plan = [_rows_of_turns(plan, [next(flat) for _ in plan.steps], at) for plan, at in kept]
         rendered = [(texts, at) for turn_rows, (_, at) in zip(per_plan, kept) for texts, _ in turn_rows]
         cuts = iter(encode.cuts([texts for texts, _ in rendered], [at for _, at in rendered]))
-        rows, sources, turn_rows_of = [], [], iter(per_plan)
+        rows, conversations, turn_rows_of = [], [], iter(per_plan)
         for plan, i in zip(plans, idx):
             if isinstance(plan, str):
                 rows.append(_skipped(plan))
-                sources.append(i)
+                conversations.append(i)
                 continue
             for _, learned_steps in next(turn_rows_of):
                 ids, ends = next(cuts)
@@ -723,8 +723,8 @@ def chat_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int, split: st
                     labels += ids[start:end] if learned else [IGNORE] * (end - start)
                     spans += [(start, end)] if learned else []
                 rows.append(_kept(ids, labels, max_len, spans))
-                sources.append(i)
-        return {**_columns(rows), "source": sources}
+                conversations.append(i)
+        return {**_columns(rows), "conversation": conversations}
 
     return fn
 

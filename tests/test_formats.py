@@ -382,6 +382,27 @@ def test_turns_a_template_renders_otherwise_later_are_learned_in_rows_of_their_o
     assert f"train: {len(want)} rows from {len(convs)} conversations" in caplog.text
 
 
+def test_a_dropped_row_is_shown_as_the_conversation_it_came_from(assets, tmp_path, caplog):
+    """Where conversations become several rows, the example of a dropped row is its conversation (raw row 1 here,
+    though its row is the third after tokenizing: conversation 0 gave two)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(assets.root / "tokenizer")
+    tok.chat_template = REASONING_AFTER_THE_LAST_USER
+    split = [
+        {"role": r, "content": t}
+        for r, t in [("user", "Hi"), ("assistant", "Yo"), ("user", "Ok?"), ("assistant", "Ok")]
+    ]
+    long = [{"role": "user", "content": "rain " * 200}, {"role": "assistant", "content": "weather"}]
+    with caplog.at_level(logging.WARNING, logger="finetune"):
+        ds = build(write_jsonl(as_messages([split, long]), tmp_path / "chat.jsonl"), tok, max_seq_length=64)
+    assert len(ds.train) == 2  # conversation 0's two rows
+    assert (
+        "1 truncated away at max_seq_length=64 (e.g. train row 1: {'messages': [{'role': 'user', 'content': 'rain"
+        in caplog.text
+    )
+
+
 def turn_rows(tok, convs: list[list[dict]]) -> list[tuple[list[int], list[int]]]:
     """Each conversation's rows as the chat format defines them, computed apart from the product. An assistant turn
     whose renderings (the conversation before it with the generation prompt, and up to its end) are prefixes of
