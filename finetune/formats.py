@@ -15,8 +15,9 @@ preference      prompt + chosen + rejected, as text or message lists;      the t
 
 The same conversation in any of the chat shapes becomes the same tokens and labels (one assistant answer after
 its prompt: also the same as prompt-completion). A template that renders an earlier answer otherwise once later
-turns follow (Qwen3) gives that answer a row of its own (chat_rows). Task seq2seq: the encoder reads the prompt (prompt_template is
-the causal LM's way of showing it and is not used) or the source; the labels are the answer + EOS, all learned.
+turns follow (Qwen3) gives that answer a row of its own (chat_rows). Task seq2seq: the encoder reads the prompt
+(prompt_template is the causal LM's way of showing it and is not used) or the source; the labels are the answer +
+EOS, all learned.
 
 A row with nothing to learn (a null or empty answer, no assistant turn, or truncated away) is dropped and counted
 by why; a row the format cannot read (an unknown role, messages that are not messages) stops the run, naming it.
@@ -692,11 +693,11 @@ def chat_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int, split: st
     The whole conversation is tokenized once; the rendering of each conversation prefix that ends a learned turn
     (and of the one before, with the generation prompt) is a prefix of the whole rendering, ending where a token
     ends, with the usual ChatML/Llama/Mistral templates. Where a template renders a turn otherwise once later turns
-    follow (Qwen3 writes its reasoning block only into the answers after the last user message; Mistral moves the
-    system message into the last user turn), that turn is learned in a row of its own, the conversation up to it
-    rendered as the template renders it for that answer (`_rows_of_turns`); such conversations give more than one
-    row (`conversation`: the conversation's row in the split). A template that renders a turn's answer itself differently
-    is refused, as is a rendering that ends inside a token.
+    follow (Qwen3 writes its reasoning block only into the answers after the last user message; a template may
+    write the system message into the last user turn), that turn is learned in a row of its own, the conversation
+    up to it rendered as the template renders it for that answer (`_rows_of_turns`); such conversations give more
+    than one row (`conversation`: the conversation's row in the split). What _rows_of_turns refuses, and a
+    rendering that ends inside a token, stop the run naming the row.
     """
     encode = Encoder.of(tokenizer, offsets=True)
 
@@ -765,7 +766,7 @@ def _rows_of_turns(plan: Turns, texts: list[str], where: str) -> list[tuple[list
         rows.append(([texts[j] for j in turn], [plan.steps[j][2] for j in turn]))
     if main:  # the whole conversation's row, where it learns anything
         steps = main if main[-1] == len(texts) - 1 else [*main, len(texts) - 1]
-        rows.insert(0, ([texts[j] for j in steps], [plan.steps[j][2] for j in steps]))
+        rows.insert(0, ([texts[j] for j in steps], [plan.steps[j][2] and j in main for j in steps]))
     return rows
 
 
