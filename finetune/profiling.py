@@ -93,11 +93,12 @@ class StepProfiler:
         wall = time.perf_counter() - self._t0
         stack, self._stack = self._stack, None
         stack.close()  # accelerate writes the trace, then waits for every rank
-        summary = self._summary(wall)
+        averages = self.profiler.key_averages()  # once: a large model's steps hold many thousand events
+        summary = self._summary(averages, wall)
         rank = self.acc.process_index
         sort = "self_device_time_total" if summary["device"] != "cpu" else "self_cpu_time_total"
         with open(os.path.join(self.dir, f"ops_{rank}.txt"), "w") as f:
-            f.write(self.profiler.key_averages().table(sort_by=sort, row_limit=60) + "\n")
+            f.write(averages.table(sort_by=sort, row_limit=60) + "\n")
         with open(os.path.join(self.dir, f"summary_{rank}.json"), "w") as f:
             json.dump(summary, f, indent=1)
         if self.acc.is_main_process:
@@ -107,12 +108,12 @@ class StepProfiler:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _summary(self, wall: float) -> dict:
+    def _summary(self, averages, wall: float) -> dict:
         """The window's time by kind of work, from the operators' own (self) times: on a GPU the time of the
         kernels each launched, on a CPU their host time."""
         on_device = self.device.type == "cuda"
         ops = [  # operators, not the records around them (the steps, a module's forward, the data loader)
-            e for e in self.profiler.key_averages()
+            e for e in averages
             if e.device_type == torch.autograd.DeviceType.CPU and (not e.is_user_annotation or "triton" in e.key)
         ]  # fmt: skip
         own = (lambda e: e.self_device_time_total) if on_device else (lambda e: e.self_cpu_time_total)
@@ -126,8 +127,7 @@ class StepProfiler:
         busy = sum(by_kind.values())
         if on_device:  # kernels no operator launched (a CUDA graph's replay, say) are busy time too
             kernels = sum(
-                e.self_device_time_total for e in self.profiler.key_averages()
-                if e.device_type == torch.autograd.DeviceType.CUDA
+                e.self_device_time_total for e in averages if e.device_type == torch.autograd.DeviceType.CUDA
             ) / 1e6  # fmt: skip
             if kernels > busy:
                 by_kind["kernels outside an operator"] = kernels - busy
