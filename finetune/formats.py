@@ -82,11 +82,12 @@ def layout_of(ds, data: DataArgs, task: str) -> Layout:
     """The format named in config, or the one the columns imply (in the order classification, source_target,
     chat, instruction, text, among the task's formats), read in the one shape of it the columns fit."""
     columns = list(ds.column_names)
+    features = _features_of(ds)
     if data.format != "auto":
-        return _READERS[data.format](columns, ds.features, data)
+        return _READERS[data.format](columns, features, data)
     for fmt in ("classification", "source_target", "preference", "chat", "instruction", "text"):
-        if fmt in TASK_FORMATS[task] and _claims(fmt, columns, ds.features, data):
-            return _READERS[fmt](columns, ds.features, data)
+        if fmt in TASK_FORMATS[task] and _claims(fmt, columns, features, data):
+            return _READERS[fmt](columns, features, data)
     if task == "seq2seq":
         fix = (
             f"cannot find input -> target pairs for task seq2seq in columns {columns}; set source_column and "
@@ -99,6 +100,29 @@ def layout_of(ds, data: DataArgs, task: str) -> Layout:
             "matching *_column fields (docs/data.md lists the shapes)"
         )
     raise ConfigError([("format", fix)])
+
+
+def _features_of(ds, sample: int = 100) -> dict:
+    """The columns' features, for telling the format. Where objects in a list differ in their keys (a
+    reasoning_content or tool_calls on some messages only), datasets 5 reads the column as lists of JSON values
+    (List(Json)), which name no keys; such a column is described here as lists of records with every key the
+    objects of its first `sample` rows have, as datasets describes lists of objects that share their keys."""
+    import datasets
+
+    json_value = getattr(datasets, "Json", None)
+    features = dict(ds.features or {})
+    loose = [c for c, f in features.items() if json_value and isinstance(getattr(f, "feature", None), json_value)]
+    if not loose:
+        return features
+    rows = ds.take(sample) if isinstance(ds, datasets.IterableDataset) else ds.select(range(min(sample, len(ds))))
+    for column in loose:
+        keys: dict = {}  # in the order first seen
+        for row in rows:
+            for item in row[column] or []:
+                keys.update(dict.fromkeys(item) if isinstance(item, dict) else {})
+        if keys:
+            features[column] = datasets.List({key: datasets.Value("string") for key in keys})
+    return features
 
 
 def missing_columns(layout: Layout, columns: list[str]) -> list[str]:

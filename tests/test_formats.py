@@ -82,6 +82,33 @@ def shape_said(caplog) -> str:
     return next(r.getMessage() for r in caplog.records if r.getMessage().startswith("data "))
 
 
+@pytest.mark.parametrize("shape", ["messages", "sharegpt", "prompt_completion", "preference"])
+def test_messages_whose_keys_differ_are_read_as_messages(assets, tmp_path, shape):
+    """A key on some messages only (reasoning_content, tool_calls, a weight) makes datasets 5 read the column as lists
+    of JSON values, which name no keys: still detected as messages in every conversational shape, and the same tokens
+    and labels as without that key (the demo's template does not read it)."""
+    import datasets
+
+    convs = conversations(12, seed=6)
+    if shape == "preference":
+        rows = [{"prompt": c[:-1], "chosen": c[-1:], "rejected": [{**c[-1], "content": "no"}]} for c in convs]
+    else:
+        rows = {"messages": as_messages, "sharegpt": as_sharegpt, "prompt_completion": as_prompt_completion}[shape](
+            convs
+        )
+    answers = {"messages": "messages", "sharegpt": "conversations"}.get(
+        shape, "chosen" if shape == "preference" else "completion"
+    )
+    loose = [{**r, answers: [{**m, "weight": 0} for m in r[answers]]} if i % 2 else r for i, r in enumerate(rows)]
+    plain_file, loose_file = write_jsonl(rows, tmp_path / "plain.jsonl"), write_jsonl(loose, tmp_path / "loose.jsonl")
+    feature = datasets.load_dataset("json", data_files=loose_file, split="train").features[answers]
+    assert isinstance(feature.feature, datasets.Json)  # what datasets made of it
+    got, want = build(loose_file, assets.tokenizer), build(plain_file, assets.tokenizer)
+    assert got.format == want.format == ("preference" if shape == "preference" else "chat")
+    assert len(want.train) == len(convs)
+    assert got.train.to_dict() == want.train.to_dict()
+
+
 def test_every_conversational_shape_is_detected_and_gives_the_same_tokens_and_labels(assets, tmp_path, caplog):
     tok = assets.tokenizer
     convs = conversations(12)
@@ -611,6 +638,10 @@ def test_chat_labels_on_real_tokenizers_and_templates(real_tokenizer, tmp_path, 
         convs.append(c)
     if name == "mistral_nemo":  # with a system message: refused (test_a_prompt_the_template_drops_is_refused)
         convs = [c for c in convs if c[0]["role"] != "system"]
+    if name == "qwen3":  # reasoning traces: the template writes one into an answer when it is the last message
+        answers = [m for c in convs for m in c if m["role"] == "assistant"]
+        for m in answers[::2]:
+            m["reasoning_content"] = "Think: " + " ".join(rng.choices(words, k=4))
     got = tokens(build(write_jsonl(as_messages(convs), tmp_path / "chat.jsonl"), tok, max_seq_length=4096))
     want = turn_rows(tok, convs)
     assert all(sum(lab != IGNORE for lab in labels) for _, labels in want)
@@ -618,6 +649,8 @@ def test_chat_labels_on_real_tokenizers_and_templates(real_tokenizer, tmp_path, 
     assert sum(sum(lab != IGNORE for lab in labels) for _, labels in got) == sum(answer_tokens(tok, c) for c in convs)
     if name == "qwen3":
         assert len(got) > len(convs)  # the answers before the last user message, in rows of their own
+        think = tok("Think:", add_special_tokens=False)["input_ids"][0]
+        assert any(think in labels for _, labels in got)  # reasoning traces learned (where the template writes them)
     else:
         assert len(got) == len(convs) and got == prefix_labels(tok, convs)
 
