@@ -365,16 +365,15 @@ def part_megatron(work: Path, run: dict, base_args: list[str], result: dict, bud
     the log says), without packing (refused there: its GPT step attends across packed examples), against single on
     the same rows: losses, eval loss and the exported HF weights; then a resume from the checkpoint halfway, whose
     later losses must equal the first run's."""
+    import torch
+    from safetensors.torch import load_file
+
     if budget.left() < 180:
         result["megatron"] = {"status": "SKIPPED: out of time"}
         return
-    from safetensors.torch import load_file
-
     env = {"PYTHONPATH": os.pathsep.join([mlm, os.environ.get("PYTHONPATH", "")])}
     half = max(steps // 2, 1)
     args = [*base_args, "--max_steps", str(steps), "--packing", "false"]
-    import torch
-
     # a dry run on a CPU (tests/cuda_standin) in fp32: Megatron's bf16 path checks torch.cuda's tensor types
     launch_args = ("--mixed_precision", "bf16" if torch.cuda.is_available() else "no")
     m: dict = {}
