@@ -308,14 +308,41 @@ def part_mfu(work: Path, run: dict, base_args: list[str], result: dict, budget: 
             print(f"[gpu_verify] {profiling.describe(profile)}", flush=True)
 
 
-def part_layouts(
-    names: list[str], work: Path, run: dict, base_args: list[str], result: dict, budget: Budget, steps: int
-) -> None:
+def outcome_of(name: str, rows: list[dict], error: str, wall: float, final: Path) -> tuple[parity.Outcome, dict]:
+    """A run's Outcome (losses, the exported weights) and its figures."""
     from safetensors.torch import load_file
 
+    tr = train_rows(rows)
+    o = parity.Outcome(name, not error and bool(tr), losses=[r["loss"] for r in tr])
+    if o.ok and (final / "model.safetensors").exists():
+        o.weights = load_file(str(final / "model.safetensors"))
+    peak = peak_row(rows)
+    return o, {
+        "status": error or ("ok" if tr else "no training rows"),
+        "wall_s": round(wall, 1),
+        "distributed_type": tr[0].get("distributed_type") if tr else None,
+        "compute_dtype": tr[0].get("compute_dtype") if tr else None,
+        "exported_dtype": exported_dtypes(final) if final.exists() else None,
+        "peak_gpu_allocated_gb": peak.get("train_peak_gpu_allocated_gb"),
+        "estimate_train_peak_gb": peak.get("estimate_train_peak_gb"),
+        "step_time_s": statistics.median(r["step_time_s"] for r in tr[1:]) if len(tr) > 1 else None,
+        "eval_loss": next((r["eval_loss"] for r in reversed(rows) if "eval_loss" in r), None),
+        "losses": o.losses,
+    }
+
+
+def base_of(run: dict) -> dict:
+    """The base model's weights, as an export names them (a tied head under both names)."""
     base = parity.base_weights(run["model"]) or {}
     if "lm_head.weight" not in base and "model.embed_tokens.weight" in base:  # tied: the export writes both
         base["lm_head.weight"] = base["model.embed_tokens.weight"]
+    return base
+
+
+def part_layouts(
+    names: list[str], work: Path, run: dict, base_args: list[str], result: dict, budget: Budget, steps: int
+) -> None:
+    base = base_of(run)
     ref = REFERENCE.get("single")
     for name in names:
         if budget.left() < (150 if name == "zero3_offload" else 60):
@@ -323,24 +350,7 @@ def part_layouts(
             continue
         args = [*base_args, "--max_steps", str(steps)]
         rows, output, error, wall = launch(name, name, work, args, ("--mixed_precision", "bf16"))
-        tr = train_rows(rows)
-        final = work / "runs" / name / "final"
-        o = parity.Outcome(name, not error and bool(tr), losses=[r["loss"] for r in tr])
-        if o.ok and (final / "model.safetensors").exists():
-            o.weights = load_file(str(final / "model.safetensors"))
-        peak = peak_row(rows)
-        entry = {
-            "status": error or ("ok" if tr else "no training rows"),
-            "wall_s": round(wall, 1),
-            "distributed_type": tr[0].get("distributed_type") if tr else None,
-            "compute_dtype": tr[0].get("compute_dtype") if tr else None,
-            "exported_dtype": exported_dtypes(final) if final.exists() else None,
-            "peak_gpu_allocated_gb": peak.get("train_peak_gpu_allocated_gb"),
-            "estimate_train_peak_gb": peak.get("estimate_train_peak_gb"),
-            "step_time_s": statistics.median(r["step_time_s"] for r in tr[1:]) if len(tr) > 1 else None,
-            "eval_loss": next((r["eval_loss"] for r in reversed(rows) if "eval_loss" in r), None),
-            "losses": o.losses,
-        }
+        o, entry = outcome_of(name, rows, error, wall, work / "runs" / name / "final")
         if name == "single":
             ref = REFERENCE["single"] = o
         elif ref is not None and ref.ok and o.ok:
@@ -366,7 +376,6 @@ def part_megatron(work: Path, run: dict, base_args: list[str], result: dict, bud
     the same rows: losses, eval loss and the exported HF weights; then a resume from the checkpoint halfway, whose
     later losses must equal the first run's."""
     import torch
-    from safetensors.torch import load_file
 
     if budget.left() < 180:
         result["megatron"] = {"status": "SKIPPED: out of time"}
@@ -380,23 +389,8 @@ def part_megatron(work: Path, run: dict, base_args: list[str], result: dict, bud
     outcomes = {}
     for name, config, more in (("single", "single", []), ("megatron", "megatron_tp2", ["--save_steps", str(half)])):
         rows, output, error, wall = launch(f"megatron_{name}", config, work, [*args, *more], launch_args, env)
-        tr = train_rows(rows)
-        final = work / "runs" / f"megatron_{name}" / "final"
-        o = outcomes[name] = parity.Outcome(name, not error and bool(tr), losses=[r["loss"] for r in tr])
-        if o.ok and (final / "model.safetensors").exists():
-            o.weights = load_file(str(final / "model.safetensors"))
-        peak = peak_row(rows)
-        m[name] = {
-            "status": error or ("ok" if tr else "no training rows"),
-            "wall_s": round(wall, 1),
-            "distributed_type": tr[0].get("distributed_type") if tr else None,
-            "exported_dtype": exported_dtypes(final) if final.exists() else None,
-            "peak_gpu_allocated_gb": peak.get("train_peak_gpu_allocated_gb"),
-            "estimate_train_peak_gb": peak.get("estimate_train_peak_gb"),
-            "step_time_s": statistics.median(r["step_time_s"] for r in tr[1:]) if len(tr) > 1 else None,
-            "eval_loss": next((r["eval_loss"] for r in reversed(rows) if "eval_loss" in r), None),
-            "losses": o.losses,
-        }
+        o, m[name] = outcome_of(name, rows, error, wall, work / "runs" / f"megatron_{name}" / "final")
+        outcomes[name] = o
         if error:
             m[name]["log_tail"] = output.strip().splitlines()[-15:]
         if name == "megatron":
@@ -406,10 +400,7 @@ def part_megatron(work: Path, run: dict, base_args: list[str], result: dict, bud
             break
     ref, o = outcomes["single"], outcomes.get("megatron")
     if o is not None and ref.ok and o.ok:
-        base = parity.base_weights(run["model"]) or {}
-        if "lm_head.weight" not in base and "model.embed_tokens.weight" in base:
-            base["lm_head.weight"] = base["model.embed_tokens.weight"]
-        loss, weight, update = parity.compare(ref, o, base)
+        loss, weight, update = parity.compare(ref, o, base_of(run))
         m.update(max_rel_loss_diff=loss, max_abs_weight_diff=weight, update_rel_l2=update)
         m["within_tolerance"] = bool(loss <= BF16_LOSS_RTOL and update is not None and update <= BF16_UPDATE_RTOL)
         checkpoint = work / "runs" / "megatron_megatron" / "checkpoints" / f"step_{half}"
