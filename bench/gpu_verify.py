@@ -53,6 +53,7 @@ from finetune.commands import parity
 
 ROOT = harness.ROOT
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, the datasheet figure MFU is quoted against
+PARTS = ("mfu", "layouts", "megatron", "fp16", "qlora")  # what --parts may name
 LAYOUTS = "single,ddp,zero2,zero3,fsdp2,zero3_offload"  # single first (the reference), zero3_offload last (--layouts)
 BF16_LOSS_RTOL, BF16_UPDATE_RTOL = 3e-3, 0.06  # docs/precision.md
 SYNC_WARNING = "called a synchronizing CUDA operation"
@@ -540,7 +541,7 @@ def print_table(result: dict) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="1b")
-    parser.add_argument("--parts", default="mfu,layouts,fp16,qlora", help="of mfu, layouts, megatron, fp16, qlora")
+    parser.add_argument("--parts", default="mfu,layouts,fp16,qlora", help=f"of {', '.join(PARTS)}")
     parser.add_argument("--megatron", help="Megatron-LM's folder (holding megatron/) for --parts megatron")
     parser.add_argument("--layouts", default=LAYOUTS, help="shipped configs, single first (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per layout run")
@@ -549,10 +550,11 @@ def main() -> int:
     parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "gpu_verify"))
     parser.add_argument("--results", default=str(ROOT / "bench" / "results" / "gpu.json"))
     args = parser.parse_args()
-    unknown = set(args.parts.split(",")) - {"mfu", "layouts", "fp16", "qlora", "megatron"}
+    parts = args.parts.split(",")
+    unknown = set(parts) - set(PARTS)
     if unknown:
-        parser.error(f"--parts: unknown {', '.join(sorted(unknown))} (mfu, layouts, fp16, qlora, megatron)")
-    if "megatron" in args.parts.split(",") and not os.path.isdir(os.path.join(args.megatron or "", "megatron")):
+        parser.error(f"--parts: unknown {', '.join(sorted(unknown))} ({', '.join(PARTS)})")
+    if "megatron" in parts and not os.path.isdir(os.path.join(args.megatron or "", "megatron")):
         parser.error("--parts megatron needs --megatron: a Megatron-LM folder holding megatron/ (docs/megatron.md)")
     global BUDGET
     budget = BUDGET = Budget(args.budget_s)
@@ -580,7 +582,6 @@ def main() -> int:
     result["build_s"] = round(time.perf_counter() - t0, 1)
     save()
     base_args = ["--config", str(work / "run.yaml")]
-    parts = args.parts.split(",")
     cuda = torch.cuda.is_available()
     layouts = args.layouts.split(",")
     offloaded = [name for name in layouts if "offload" in name]  # DeepSpeed compiles its CPU Adam on first use

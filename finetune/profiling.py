@@ -53,6 +53,8 @@ class StepProfiler:
         self.acc, self.steps = acc, steps
         self.dir = os.path.join(output_dir, "profile")
         self.device = acc.device
+        self.cuda = acc.device.type == "cuda"  # the device's kernels profiled too, and timed after a sync
+        self.profiler = None  # torch's, while the window is open (and read when it closes)
         self._stack: contextlib.ExitStack | None = None
         self._t0 = 0.0
         if steps and acc.is_main_process:
@@ -78,8 +80,7 @@ class StepProfiler:
             self.stop()
 
     def _start(self) -> None:
-        cuda = self.device.type == "cuda"
-        handler = ProfileKwargs(activities=["cpu", "cuda"] if cuda else ["cpu"], output_trace_dir=self.dir)
+        handler = ProfileKwargs(activities=["cpu", "cuda"] if self.cuda else ["cpu"], output_trace_dir=self.dir)
         self._sync()  # the work queued before the window is not the window's
         self._stack = contextlib.ExitStack()
         self.profiler = self._stack.enter_context(self.acc.profile(handler))
@@ -96,7 +97,7 @@ class StepProfiler:
         averages = self.profiler.key_averages()  # once: a large model's steps hold many thousand events
         summary = self._summary(averages, wall)
         rank = self.acc.process_index
-        sort = "self_device_time_total" if summary["device"] != "cpu" else "self_cpu_time_total"
+        sort = "self_device_time_total" if self.cuda else "self_cpu_time_total"
         with open(os.path.join(self.dir, f"ops_{rank}.txt"), "w") as f:
             f.write(averages.table(sort_by=sort, row_limit=60) + "\n")
         with open(os.path.join(self.dir, f"summary_{rank}.json"), "w") as f:
@@ -105,27 +106,27 @@ class StepProfiler:
             logger.info("%s", describe(summary, self.dir))
 
     def _sync(self) -> None:
-        if self.device.type == "cuda":
+        if self.cuda:
             torch.cuda.synchronize(self.device)
 
     def _summary(self, averages, wall: float) -> dict:
         """The window's time by kind of work, from the operators' own (self) times: on a GPU the time of the
         kernels each launched, on a CPU their host time."""
-        on_device = self.device.type == "cuda"
         ops = [  # operators, not the records around them (the steps, a module's forward, the data loader)
             e for e in averages
             if e.device_type == torch.autograd.DeviceType.CPU and (not e.is_user_annotation or "triton" in e.key)
         ]  # fmt: skip
-        own = (lambda e: e.self_device_time_total) if on_device else (lambda e: e.self_cpu_time_total)
+        own = (lambda e: e.self_device_time_total) if self.cuda else (lambda e: e.self_cpu_time_total)
         by_kind: dict[str, float] = {}
         top = []
         for e in ops:
             seconds = own(e) / 1e6
             if seconds > 0:
-                by_kind[kind_of(e.key)] = by_kind.get(kind_of(e.key), 0.0) + seconds
+                kind = kind_of(e.key)
+                by_kind[kind] = by_kind.get(kind, 0.0) + seconds
                 top.append((seconds, e.key, e.count))
         busy = sum(by_kind.values())
-        if on_device:  # kernels no operator launched (a CUDA graph's replay, say) are busy time too
+        if self.cuda:  # kernels no operator launched (a CUDA graph's replay, say) are busy time too
             kernels = sum(
                 e.self_device_time_total for e in averages if e.device_type == torch.autograd.DeviceType.CUDA
             ) / 1e6  # fmt: skip
