@@ -499,7 +499,10 @@ class Encoder:
             flat = self([text for texts in renders for text in texts], False)
             ends = list(itertools.accumulate(len(texts) for texts in renders))
             return [_cuts_by_prefix(flat[a:b], at) for a, b, at in zip([0, *ends], ends, where)]
-        found = (self.widths is not None and self._ends_by_width(renders)) or self._ends_by_offsets(renders)
+        found = self._ends_by_width(renders) if self.widths is not None else [None] * len(renders)
+        missing = [i for i, ends in enumerate(found) if ends is None]
+        for i, ends in zip(missing, self._ends_by_offsets([renders[i] for i in missing])):
+            found[i] = ends
         for texts, (_, ends), at in zip(renders, found, where):
             if not all(following.startswith(text) for text, following in zip(texts[:-1], texts[1:])):
                 raise ValueError(
@@ -524,7 +527,7 @@ class Encoder:
         def placed(conversations: list) -> list:
             return [(ids, [(None if inside else n, inside) for n, inside in ends]) for ids, ends in conversations]
 
-        return found is not None and placed(found) == placed(self._ends_by_offsets(renders))
+        return None not in found and placed(found) == placed(self._ends_by_offsets(renders))
 
     def _ends_by_offsets(self, renders: list[list[str]]) -> list[tuple[list[int], list[tuple[int, bool]]]]:
         """Per conversation, the whole rendering's ids and, for each rendering, (the tokens that start before it
@@ -535,30 +538,38 @@ class Encoder:
             for texts, whole in zip(renders, wholes)
         ]
 
-    def _ends_by_width(self, renders: list[list[str]]) -> list[tuple[list[int], list[tuple[int, bool]]]] | None:
+    def _ends_by_width(self, renders: list[list[str]]) -> list[tuple[list[int], list[tuple[int, bool]]] | None]:
         """_ends_by_offsets for a batch, from the ids' byte widths: every conversation's tokens laid end to end, each
-        rendering's end in bytes looked up among the tokens' ends. None (offsets are used) where a text is not in NFC
-        or a conversation's tokens do not add up to its text."""
+        rendering's end in bytes looked up among the tokens' ends. None (the offsets are asked) for a conversation
+        whose text is not in NFC (a normalizer may change it) or whose tokens do not add up to its text."""
         wholes = [texts[-1] for texts in renders]
-        if not all(unicodedata.is_normalized("NFC", text) for text in wholes):  # a normalizer may change the text
-            return None
+        take = [i for i, text in enumerate(wholes) if unicodedata.is_normalized("NFC", text)]
+        found: list = [None] * len(renders)
+        if not take:
+            return found
+        wholes = [wholes[i] for i in take]
+        renders = [renders[i] for i in take]
         ids = [e.ids for e in self.tokenizer.backend_tokenizer.encode_batch_fast(wholes, add_special_tokens=False)]
         counts = np.fromiter(map(len, ids), np.int64, len(ids))
         flat = np.fromiter(itertools.chain.from_iterable(ids), np.int64, int(counts.sum()))
         token_ends = np.concatenate([[0], np.cumsum(self.widths[flat])])  # [0, where token 0 ends, ...] in bytes
+        firsts = np.cumsum(counts) - counts  # where each conversation starts in tokens
+        starts = token_ends[firsts]  # and in bytes
         sizes = np.fromiter((len(text.encode()) for text in wholes), np.int64, len(wholes))
-        starts = np.cumsum(sizes) - sizes  # where each conversation starts in bytes
-        firsts = np.cumsum(counts) - counts  # and in tokens
-        if not np.array_equal(token_ends[firsts + counts], starts + sizes):
-            return None
+        adds_up = (token_ends[firsts + counts] - starts == sizes).tolist()
         per = [len(texts) for texts in renders]
         at = np.fromiter((len(t.encode()) for texts in renders for t in texts), np.int64, sum(per))
         at += np.repeat(starts, per)
-        k = np.searchsorted(token_ends, at)  # the tokens that start before each rendering ends (all conversations')
+        # The tokens that start before each rendering ends (all conversations': one that does not add up may place
+        # another's ends in its tokens, and is dropped).
+        k = np.minimum(np.searchsorted(token_ends, at), len(token_ends) - 1)
         n = (k - np.repeat(firsts, per)).tolist()
         inside = (token_ends[k] != at).tolist()
         bounds = list(itertools.accumulate(per, initial=0))
-        return [(x, list(zip(n[a:b], inside[a:b]))) for x, a, b in zip(ids, bounds, bounds[1:])]
+        for i, x, a, b, ok in zip(take, ids, bounds, bounds[1:], adds_up):
+            if ok:
+                found[i] = (x, list(zip(n[a:b], inside[a:b])))
+        return found
 
 
 def _byte_widths(backend) -> np.ndarray | None:

@@ -477,13 +477,18 @@ def answer_tokens(tok, c: list[dict]) -> int:
     return n
 
 
-def assert_placed_as_the_offsets_place_it(enc, end: int, got: tuple[int, bool], text: str) -> None:
-    """got: (how many tokens start before character `end`, whether the last of them runs past it), against that
-    definition computed from every token's offsets (the count only matters where the end is not inside a token)."""
+def placed_by_offsets(enc, end: int) -> tuple[int, bool]:
+    """How many tokens start before character `end` and whether the last of them runs past it, from every token's
+    offsets."""
     starts = [a for a, _ in enc.offsets]
     assert starts
     n = bisect.bisect_left(starts, end)
-    want = n, bool(n and enc.offsets[n - 1][1] > end)
+    return n, bool(n and enc.offsets[n - 1][1] > end)
+
+
+def assert_placed_as_the_offsets_place_it(enc, end: int, got: tuple[int, bool], text: str) -> None:
+    """got against placed_by_offsets (the count only matters where the end is not inside a token)."""
+    want = placed_by_offsets(enc, end)
     assert got[1] == want[1] and (got[1] or got[0] == want[0]), (text, end, got, want)
 
 
@@ -533,17 +538,28 @@ def test_a_rendering_end_found_from_byte_widths_is_where_the_offsets_place_it(as
         "  leading\tand trailing  ",
         f"日本語 です。{special}{special} ok",
     ]
-    found = encode._ends_by_width([[text[:end] for end in range(len(text) + 1)] for text in texts])
-    assert found is not None and len(found) == len(texts)
-    inside = 0
-    for text, enc, (ids, ends) in zip(texts, encode.located.encode_batch(texts, add_special_tokens=False), found):
-        assert ids == enc.ids and len(ends) == len(text) + 1
-        for end, got in enumerate(ends):
-            assert_placed_as_the_offsets_place_it(enc, end, got, text)
-            inside += got[1]
-    assert inside  # ends inside a token were found too
     decomposed = unicodedata.normalize("NFD", texts[0])
-    assert decomposed != texts[0] and encode._ends_by_width([[decomposed]]) is None
+    assert decomposed != texts[0]
+    texts.insert(1, decomposed)  # not in NFC: the offsets place its ends, and only its
+    found = encode._ends_by_width([[text[:end] for end in range(len(text) + 1)] for text in texts])
+    assert [ends is None for ends in found] == [False, True, False, False]
+    encodings = encode.located.encode_batch(texts, add_special_tokens=False)
+    inside = 0
+    for text, enc, got in zip(texts, encodings, found):
+        if got is not None:
+            ids, placements = got
+            assert ids == enc.ids and len(placements) == len(text) + 1
+            for end, placed in enumerate(placements):
+                assert_placed_as_the_offsets_place_it(enc, end, placed, text)
+                inside += placed[1]
+    assert inside  # ends inside a token were found too
+    # Encoder.cuts over the same batch, at every end that falls between tokens: each conversation's cuts as the
+    # offsets give them, the one not in NFC included.
+    ends = [[e for e in range(len(text)) if not placed_by_offsets(enc, e)[1]] for text, enc in zip(texts, encodings)]
+    aligned = [[text[:e] for e in at] + [text] for text, at in zip(texts, ends)]
+    want = [(enc.ids, [placed_by_offsets(enc, e)[0] for e in at] + [len(enc.ids)]) for enc, at in zip(encodings, ends)]
+    assert all(len(at) > 3 for at in ends), ends
+    assert encode.cuts(aligned, [f"row {i}" for i in range(len(texts))]) == want
 
 
 @pytest.mark.parametrize("name", ["demo", "llama3_1", "qwen2_5", "gemma3"])
