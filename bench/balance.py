@@ -154,7 +154,7 @@ def worker_balance(spec: dict) -> dict:
             t0 = time.perf_counter()
             batch = collate([train[i] for i in plans[mode][step][rank]])
             real = batch.pop("num_tokens").float()
-            batch.pop("num_positions")
+            batch.pop("num_positions"), batch.pop("num_learned")
             n = batch.pop("num_supervised").float()
             count = n.clone()
             dist.all_reduce(count)

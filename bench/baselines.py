@@ -61,7 +61,7 @@ def worker_bare(spec: dict) -> dict:
     t = time.perf_counter()
     for step, batch in enumerate(loader):
         tokens = int(batch.pop("num_tokens"))
-        batch.pop("num_supervised"), batch.pop("num_positions")
+        batch.pop("num_supervised"), batch.pop("num_positions"), batch.pop("num_learned")
         loss = model(**batch).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["max_grad_norm"])

@@ -27,6 +27,8 @@ from finetune.config import DATA_EXTENSIONS, ConfigError, DataArgs, data_files, 
 from finetune.formats import IGNORE, Layout
 
 logger = logging.getLogger("finetune")
+# What the collator tells the loop of each batch (popped before the forward; Collator._padded says what each is).
+BATCH_FACTS = ("num_tokens", "num_positions", "num_supervised", "num_learned")
 PAIR_INDEX = "pair_index"  # preference pairs: each pair's row in its split (its reference log-probs: preference.py)
 
 
@@ -269,6 +271,7 @@ class Collator:
             labels.append(list(e["labels"]) + [IGNORE] * gap if per_token else e["labels"])
             extra.append(list(e["position_ids"]) + list(range(gap)) if packed else [1] * n + [0] * gap)
         labels_t = torch.tensor(labels, dtype=torch.long)
+        learned = (labels_t[:, 1:] != IGNORE).sum() if per_token else None
         # Rows of one sequence each and no padding need neither: the model then takes the plain causal path (no
         # mask built, and none read on the host: model.masks_without_host_sync).
         plain = (
@@ -284,12 +287,13 @@ class Collator:
                 if plain
                 else {("position_ids" if packed else "attention_mask"): torch.tensor(extra, dtype=torch.long)}
             ),
-            # Batch facts for the loop (popped before the forward): real input tokens, positions
-            # computed (padding included), and what the model's mean loss is taken over (causal LM:
-            # labels after the one-token shift).
+            # Batch facts for the loop (BATCH_FACTS, popped before the forward): real input tokens, positions
+            # computed (padding included), what the model's mean loss is taken over (causal LM: labels after the
+            # one-token shift) and the positions the LM head is needed on (MFU: model.ModelFacts.flops).
             "num_tokens": torch.tensor(sum(len(e["input_ids"]) for e in examples)),
             "num_positions": torch.tensor(len(examples) * width),
-            "num_supervised": (labels_t[:, 1:] != IGNORE).sum() if per_token else torch.tensor(len(examples)),
+            "num_supervised": learned if per_token else torch.tensor(len(examples)),
+            "num_learned": learned if per_token else torch.tensor(0),  # a class per row: no LM head
         }
 
     def _pairs(self, examples: list[dict]) -> dict[str, torch.Tensor]:
@@ -305,13 +309,15 @@ class Collator:
             ids.append(list(p) + list(a) + [self.pad] * gap)
             labels.append([IGNORE] * len(p) + list(a) + [IGNORE] * gap)
             mask.append([1] * (len(p) + len(a)) + [0] * gap)
+        labels_t = torch.tensor(labels, dtype=torch.long)
         batch = {
             "input_ids": torch.tensor(ids, dtype=torch.long),
             "attention_mask": torch.tensor(mask, dtype=torch.long),
-            "labels": torch.tensor(labels, dtype=torch.long),
+            "labels": labels_t,
             "num_tokens": torch.tensor(sum(map(sum, mask))),
             "num_positions": torch.tensor(len(ids) * width),
             "num_supervised": torch.tensor(len(examples)),
+            "num_learned": (labels_t[:, 1:] != IGNORE).sum(),
         }
         if PAIR_INDEX in examples[0]:
             batch[PAIR_INDEX] = torch.tensor([e[PAIR_INDEX] for e in examples])
@@ -325,13 +331,15 @@ class Collator:
         enc, dec = [e["input_ids"] for e in examples], [e["labels"] for e in examples]
         w_enc, w_dec = self._width(enc), self._width(dec)
         labels = torch.tensor([list(x) + [IGNORE] * (w_dec - len(x)) for x in dec], dtype=torch.long)
+        learned = (labels != IGNORE).sum()
         return {
             "input_ids": torch.tensor([list(x) + [self.pad] * (w_enc - len(x)) for x in enc], dtype=torch.long),
             "attention_mask": torch.tensor([[1] * len(x) + [0] * (w_enc - len(x)) for x in enc], dtype=torch.long),
             "labels": labels,
             "num_tokens": torch.tensor(sum(len(x) for x in enc) + sum(len(x) for x in dec)),
             "num_positions": torch.tensor(len(examples) * (w_enc + w_dec)),
-            "num_supervised": (labels != IGNORE).sum(),
+            "num_supervised": learned,
+            "num_learned": learned,
         }
 
 

@@ -22,11 +22,12 @@ from tqdm.auto import tqdm
 from finetune.best import BestRule
 from finetune.checkpoint import Checkpointer
 from finetune.config import TrainArgs
-from finetune.data import StreamedRows
+from finetune.data import BATCH_FACTS, StreamedRows
 from finetune.faults import fault_point
 from finetune.generate import GenerationEval
 from finetune.metrics import MetricsLog, PrecisionProbe
 from finetune.mixture import MixtureSampler, summarize_by_source
+from finetune.model import ModelFacts
 from finetune.parallel import Plan, global_batch_index
 from finetune.parallel.surface import Backend
 from finetune.preference import Objective, model_inputs
@@ -73,7 +74,7 @@ class Run:
     checkpointer: Checkpointer
     watchdog: Watchdog  # hang forensics
     extra: dict[str, Any] = field(default_factory=dict)  # constant facts added to every log row
-    flops_per_token: float = 0.0  # model FLOPs per trained token (model.ModelFacts)
+    facts: ModelFacts | None = None  # the model's sizes: its FLOPs (MFU); None: MFU not reported
     peak_flops: float | None = None  # all devices together; None: MFU not reported
     sources: list[str] | None = None  # a mixture's source names: eval is also reported per source
     best: BestRule | None = None  # best checkpoint and early stopping (None: off)
@@ -98,6 +99,7 @@ def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: i
     counts = [b.pop("num_supervised") for b in micro_batches]
     tokens = sum(b.pop("num_tokens") for b in micro_batches)
     positions = sum(b.pop("num_positions") for b in micro_batches)
+    learned = sum(b.pop("num_learned") for b in micro_batches)
     # The global supervised count: an all-reduce whose result stays on the device (never read here: no host sync).
     global_count = acc.reduce(torch.stack(counts).sum().float(), "sum")
     scale = run.plan.loss_weight(global_count)
@@ -128,7 +130,7 @@ def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: i
         # DeepSpeed's ZeRO optimizers skip a step with non-finite gradients in fp32 and bf16 too, where no loss scaler
         # backs off and tries again: that is divergence (the run went on with NaN losses to the end and exported).
         grad_norm, skipped = torch.full((), float("nan")), False
-    return nll_sum, global_count, tokens, positions, grad_norm, skipped
+    return nll_sum, global_count, tokens, positions, learned, grad_norm, skipped
 
 
 @torch.no_grad()
@@ -139,7 +141,8 @@ def evaluate(run: Run) -> dict[str, float]:
     parts: dict[str, list] = defaultdict(list)
     dtypes: dict[str, torch.dtype] = {}
     for batch in run.eval_loader:
-        batch.pop("num_supervised"), batch.pop("num_tokens"), batch.pop("num_positions")
+        for fact in BATCH_FACTS:
+            batch.pop(fact)
         source = batch.pop("source", None)  # a mixture's eval rows: which source each comes from
         if run.objective is not None:
             batch = run.objective.with_reference(batch)
@@ -166,13 +169,18 @@ class _Window:
     """Running sums between two log rows (kept as tensors: no host sync per step)."""
 
     def __init__(self) -> None:
-        self.nll, self.count, self.tokens, self.positions, self.steps = 0.0, 0.0, 0, 0, 0
+        self.nll, self.count, self.tokens, self.positions, self.learned, self.steps = 0.0, 0.0, 0, 0, 0, 0
         self.t0 = time.perf_counter()
         self.data_wait = 0.0  # seconds this rank's steps waited for their batches
 
-    def add(self, nll, count, tokens: int, positions: int) -> None:
+    def add(self, nll, count, tokens: int, positions: int, learned: int) -> None:
         self.nll, self.count = self.nll + nll, self.count + count
-        self.tokens, self.positions, self.steps = self.tokens + tokens, self.positions + positions, self.steps + 1
+        self.tokens, self.positions, self.learned = (
+            self.tokens + tokens,
+            self.positions + positions,
+            self.learned + learned,
+        )
+        self.steps += 1
 
 
 def train(run: Run, state: TrainState) -> dict[str, float]:
@@ -268,7 +276,7 @@ def _optimizer_step(run: Run, state: TrainState, p: _Progress, batches, epoch: i
     micro = [next(batches) for _ in range(run.plan.gradient_accumulation_steps)]
     p.win.data_wait += time.perf_counter() - started
     p.stop.post()  # this rank's stop request, agreed on while the step runs
-    nll, count, tokens, positions, grad_norm, skipped = train_step(run, micro, epoch, step_in_epoch)
+    nll, count, tokens, positions, learned, grad_norm, skipped = train_step(run, micro, epoch, step_in_epoch)
     state.step += 1
     if p.compiling:
         p.compiling = False
@@ -288,7 +296,7 @@ def _optimizer_step(run: Run, state: TrainState, p: _Progress, batches, epoch: i
             run.precision.compute,
         )
     p.health.note(state.step, grad_norm, skipped)
-    p.win.add(nll, count, tokens, positions)
+    p.win.add(nll, count, tokens, positions, learned)
     return grad_norm
 
 
@@ -364,18 +372,14 @@ class _Health:
 
 def _log_train(run: Run, state: TrainState, win: _Window, grad_norm, bar) -> None:
     acc = run.accelerator
-    nll, tokens, positions = acc.reduce(
+    nll, tokens, positions, learned = acc.reduce(
         torch.stack(
-            [
-                torch.as_tensor(win.nll, device=acc.device).float(),
-                torch.as_tensor(win.tokens, device=acc.device).float(),
-                torch.as_tensor(win.positions, device=acc.device).float(),
-            ]
+            [torch.as_tensor(x, device=acc.device).float() for x in (win.nll, win.tokens, win.positions, win.learned)]
         ),
         reduction="sum",
     )
     rep = run.backend.topology.replicas  # ranks holding the same batch (tensor parallel) each counted it
-    nll, tokens = nll / rep, tokens / rep
+    nll, tokens, learned = nll / rep, tokens / rep, learned / rep
     count = float(win.count) / rep  # already summed over ranks
     state.tokens_seen += int(tokens.item())
     state.supervised_seen += int(count)
@@ -390,7 +394,11 @@ def _log_train(run: Run, state: TrainState, win: _Window, grad_norm, bar) -> Non
         "padding_fraction": 1 - tokens.item() / positions.item(),  # of the token positions computed
         "step_time_s": seconds / win.steps,
         "data_wait_s": win.data_wait / win.steps,  # of step_time_s, waiting for the batch (this process's)
-        "mfu": run.flops_per_token * tokens.item() / seconds / run.peak_flops if run.peak_flops else None,
+        "mfu": (
+            run.facts.flops(tokens.item(), learned.item()) / seconds / run.peak_flops
+            if run.peak_flops and run.facts
+            else None
+        ),
         "epoch": None if run.plan.streamed else state.step / run.plan.steps_per_epoch,  # a stream's is unknown
         "skipped_steps": state.skipped_steps,
         **run.extra,

@@ -154,8 +154,9 @@ def read_metrics(output_dir: str) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------- model FLOPs utilisation (MFU)
 #
-# MFU = model FLOPs per token (model.ModelFacts) x tokens/s / peak FLOP/s of the devices. Peak FLOP/s: datasheet dense figures per GPU type (below); on CPU a 2048^3
-# fp32 matmul measured at start on every rank at once (so ranks sharing cores share the peak).
+# MFU = model FLOPs per second (model.ModelFacts.flops) / peak FLOP/s of the devices. Peak FLOP/s: datasheet dense
+# figures per GPU type (below); on CPU a 1024^3 fp32 matmul measured at start on every rank at once (so ranks sharing
+# cores share the peak).
 
 GPU_PEAK_TFLOPS = {  # dense; (bf16/fp16, tf32, fp32)
     "H200": (989, 494, 67),

@@ -322,27 +322,46 @@ class ModelFacts:
     total: int  # parameters (full sizes, however the backend holds them)
     trainable: int
     embedding: int  # input embedding parameters
+    head: int  # the LM head's parameters (output embeddings), tied to the input embeddings or not; 0 without one
+    head_tied: bool
     layers: int
     hidden: int
     seq_len: int
 
     @property
     def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6 x non-embedding parameters for the forward and backward matmuls, plus
-        12 x layers x hidden x sequence for attention scores (PaLM, appendix B); recomputation (gradient
-        checkpointing) is not counted, as usual."""
-        return 6.0 * (self.total - self.embedding) + 12.0 * self.layers * self.hidden * self.seq_len
+        """Training FLOPs per input token, the LM head's aside: 6 x parameters other than the embeddings and the
+        head for the forward and backward matmuls, plus 12 x layers x hidden x sequence for attention scores (PaLM,
+        appendix B). Recomputation (gradient checkpointing, the chunked loss's head) is not counted, as usual."""
+        body = self.total - self.embedding - (0 if self.head_tied else self.head)
+        return 6.0 * body + 12.0 * self.layers * self.hidden * self.seq_len
+
+    @property
+    def flops_per_learned(self) -> float:
+        """The LM head's training FLOPs per learned position (a tied head too: a matmul of its own). Counted on the
+        learned positions only, as the loss needs it (finetune computes it there alone: chunked_loss), not on prompts
+        or padding."""
+        return 6.0 * self.head
+
+    def flops(self, tokens: float, learned: float) -> float:
+        """Model FLOPs of training on `tokens` input tokens with `learned` positions learned (next-token targets)."""
+        return self.flops_per_token * tokens + self.flops_per_learned * learned
 
     @classmethod
     def of(cls, net, numel: Callable[[torch.nn.Parameter], int], seq_len: int) -> ModelFacts:
         """`numel` gives a parameter's full size (the backend's: ZeRO-3 partitions at load)."""
         params = list(net.parameters())
         embed = net.get_input_embeddings() if hasattr(net, "get_input_embeddings") else None
+        head = net.get_output_embeddings() if hasattr(net, "get_output_embeddings") else None
+        embedded = {id(p) for p in embed.parameters()} if embed is not None else set()
+        head_params = list(head.parameters()) if isinstance(head, torch.nn.Module) else []
         cfg = getattr(net, "config", None)
         return cls(
             total=sum(numel(p) for p in params),
             trainable=sum(numel(p) for p in params if p.requires_grad),
             embedding=sum(numel(p) for p in embed.parameters()) if embed is not None else 0,
+            head=sum(numel(p) for p in head_params),
+            head_tied=any(id(p) in embedded for p in head_params),
             layers=getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 0) or 0,
             hidden=getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0) or 0,
             seq_len=seq_len,

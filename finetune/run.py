@@ -229,13 +229,14 @@ def build_model(cfg: RunConfig, backend, tokenizer, ds: data.Datasets, resume: c
         )
     facts = model.ModelFacts.of(net, backend.numel, cfg.data.max_seq_length)
     logger.info(
-        "model: %s (%s), %s parameters, %s trainable (%.2f%%), %.3g FLOPs per token",
+        "model: %s (%s), %s parameters, %s trainable (%.2f%%), %.3g FLOPs per token%s",
         cfg.model.model,
         type(net).__name__,
         f"{facts.total:,}",
         f"{facts.trainable:,}",
         100 * facts.trainable / max(facts.total, 1),
         facts.flops_per_token,
+        f" + {facts.flops_per_learned:.3g} per learned position (the LM head)" if facts.head else "",
     )
     return net, facts
 
@@ -409,7 +410,7 @@ def build_loop(
     peak = metrics.peak_flops(acc.device, backend.mixed_precision)
     peak = peak * acc.num_processes if peak else None
     if peak:
-        logger.info("MFU reference: peak %.0f GFLOP/s over %d device(s)", peak / 1e9, acc.num_processes)
+        logger.info("MFU reference: peak %.5g GFLOP/s over %d device(s)", peak / 1e9, acc.num_processes)
     topo = backend.topology
     return loop.Run(
         accelerator=acc,
@@ -429,7 +430,7 @@ def build_loop(
         checkpointer=ckpt,
         watchdog=watchdog.start_watchdog(acc, t.output_dir, parallel.collective_timeout(t)),
         extra={**topo.spread(), **observed},
-        flops_per_token=facts.flops_per_token,
+        facts=facts,
         peak_flops=peak,
         sources=ds.mixture.names if ds.mixture and ds.mixture.per_source_eval else None,
         best=best.BestRule.of(t),

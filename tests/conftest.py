@@ -363,7 +363,7 @@ def reevaluate(
     import torch
 
     from finetune.config import DataArgs
-    from finetune.data import Collator, build_datasets
+    from finetune.data import BATCH_FACTS, Collator, build_datasets
     from finetune.metrics import per_example_stats, summarize
 
     data = DataArgs(
@@ -377,7 +377,8 @@ def reevaluate(
         for i in range(0, len(ds.eval), 7):
             batch = collate([ds.eval[j] for j in range(i, min(i + 7, len(ds.eval)))])
             labels = batch.pop("labels")
-            batch.pop("num_tokens"), batch.pop("num_supervised")
+            for fact in BATCH_FACTS:
+                batch.pop(fact)
             for k, v in per_example_stats(model(**batch).logits, labels, task).items():
                 stats.setdefault(k, []).append(v)
     return summarize({k: torch.cat(v) for k, v in stats.items()}, {}, None)

@@ -122,7 +122,7 @@ def test_preference_answer_logps_chunked_with_and_without_gradients(assets):
 def _collated(vocab: int, positions: bool = True) -> dict:
     """_batch's rows through the run's collator (padding to a multiple of 8, its batch facts popped as the loop
     pops them): a prompt of 6 tokens and padding are not learned."""
-    from finetune.data import Collator
+    from finetune.data import BATCH_FACTS, Collator
 
     raw = _batch(vocab)
     rows = [
@@ -130,7 +130,7 @@ def _collated(vocab: int, positions: bool = True) -> dict:
         for ids, lab, mask in zip(raw["input_ids"], raw["labels"], raw["attention_mask"])
     ]
     batch = Collator(0, positions=positions)(rows)
-    for fact in ("num_tokens", "num_positions", "num_supervised"):
+    for fact in BATCH_FACTS:
         batch.pop(fact)
     return batch
 

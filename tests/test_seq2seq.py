@@ -62,6 +62,7 @@ def test_seq2seq_collation_and_loss_normalisation(assets, arch):
     assert batch.pop("num_supervised").item() == 9
     assert batch.pop("num_tokens").item() == 9 + 2 + 3 + 6
     assert batch.pop("num_positions").item() == 2 * (16 + 8)
+    assert batch.pop("num_learned").item() == 9  # every target token: the LM head runs on each
     model = AutoModelForSeq2SeqLM.from_pretrained(getattr(assets, arch)).eval()
     with torch.no_grad():
         out = model(**batch)

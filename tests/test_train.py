@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -194,6 +195,24 @@ def test_causal_lm_formats_learn(assets, tmp_path, fmt):
     assert losses[-1] < losses[0] * 0.8, losses
     assert "eval_perplexity" in res.eval_rows[-1]
     assert res.train_rows[-1]["tokens_seen"] > 0 and res.train_rows[-1]["tokens_per_s"] > 0
+    # MFU's FLOPs (mfu x the logged peak / tokens_per_s: per token): the body's for every token (6 x the parameters
+    # other than the embeddings and the LM head, counted here, + attention's 12 x layers x hidden x 64), the LM
+    # head's (6 x vocabulary x hidden) on the learned positions only. Alpaca learns its answers alone: a small share.
+    from transformers import AutoModelForCausalLM
+
+    net = AutoModelForCausalLM.from_pretrained(model)
+    cfg = net.config
+    body = 6.0 * sum(p.numel() for n, p in net.named_parameters() if not any(k in n for k in ("wte", "embed", "head")))
+    body += 12.0 * cfg.num_hidden_layers * cfg.hidden_size * 64
+    head = 6.0 * cfg.vocab_size * cfg.hidden_size
+    peak = float(re.search(r"MFU reference: peak (\S+) GFLOP/s", res.output)[1]) * 1e9
+    per_token = [r["mfu"] * peak / r["tokens_per_s"] for r in res.train_rows]
+    share = {"text": (0.9, 1.0), "alpaca": (0.03, 0.5), "chat": (0.03, 0.9)}[fmt]
+    assert per_token and all(body + share[0] * head < f < body + share[1] * head for f in per_token), (
+        per_token,
+        body,
+        head,
+    )
 
 
 @pytest.mark.parametrize("arch", ["bert", "llama"])
@@ -285,3 +304,38 @@ def test_save_total_limit_keeps_newest(assets, tmp_path):
     ckpts = sorted(p.name for p in (res.output_dir / "checkpoints").iterdir())
     assert ckpts == ["latest", "step_4", "step_5"]
     assert (res.output_dir / "checkpoints" / "latest").read_text().strip() == "step_5"
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_model_flops_count_the_lm_head_once_on_the_learned_positions(tied):
+    """model.ModelFacts (MFU's FLOPs): 6 x the parameters other than the embeddings and the LM head per token,
+    attention's 12 x layers x hidden x sequence per token, and 6 x vocabulary x hidden per learned position, for the
+    head whether it is tied to the input embeddings (a matmul all the same, once missed) or not; a classifier has
+    no LM head. Counted here from the parameters' names."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig
+
+    from finetune.model import ModelFacts
+
+    cfg = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+        num_labels=3,
+    )
+    lm = AutoModelForCausalLM.from_config(cfg)
+    body = sum(p.numel() for n, p in lm.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
+    assert body > 0 and (len(list(lm.parameters())) == len(dict(lm.named_parameters())))
+    facts = ModelFacts.of(lm, lambda p: p.numel(), seq_len=128)
+    attention = 12.0 * 2 * 32 * 128
+    assert facts.head == 1000 * 32 and facts.head_tied == tied
+    assert facts.flops(tokens=500, learned=0) == pytest.approx((6.0 * body + attention) * 500)
+    assert facts.flops(tokens=500, learned=200) - facts.flops(tokens=500, learned=0) == pytest.approx(
+        6.0 * 1000 * 32 * 200
+    )
+    classifier = AutoModelForSequenceClassification.from_config(cfg)
+    facts = ModelFacts.of(classifier, lambda p: p.numel(), seq_len=128)
+    assert facts.head == 0 and facts.flops(500, 200) == facts.flops(500, 0)
