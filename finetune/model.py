@@ -317,31 +317,34 @@ def _load_kwargs(m: ModelArgs, pe: PeftArgs | None, label_names: list[str] | Non
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """Sizes of the model, counted once before prepare, the same under every backend."""
+    """Sizes of the model, counted once before prepare, the same under every backend; its training FLOPs (MFU).
+
+    FLOPs, as the training math needs them (PaLM, appendix B; recomputation, by gradient checkpointing or the chunked
+    loss, is not counted): every weight's matmul costs 2 FLOPs per parameter forward and 2 backward for the gradient
+    of its input; a trained weight 2 more for its own gradient (a frozen one's is never computed: LoRA's base
+    weights). Attention scores add 12 x layers x hidden x sequence per token. The input embeddings are a lookup. The
+    LM head (tied to the embeddings or not: a matmul all the same) counts on the learned positions only, where the
+    loss needs it (finetune computes it there alone: chunked_loss), not on prompts or padding."""
 
     total: int  # parameters (full sizes, however the backend holds them)
     trainable: int
-    embedding: int  # input embedding parameters
-    head: int  # the LM head's parameters (output embeddings), tied to the input embeddings or not; 0 without one
-    head_tied: bool
+    body: int  # parameters other than the input embeddings and the LM head
+    body_trainable: int
+    head: int  # the LM head's parameters (output embeddings, tied or not); 0 without one (a classifier's is body)
+    head_trainable: int
     layers: int
     hidden: int
     seq_len: int
 
     @property
     def flops_per_token(self) -> float:
-        """Training FLOPs per input token, the LM head's aside: 6 x parameters other than the embeddings and the
-        head for the forward and backward matmuls, plus 12 x layers x hidden x sequence for attention scores (PaLM,
-        appendix B). Recomputation (gradient checkpointing, the chunked loss's head) is not counted, as usual."""
-        body = self.total - self.embedding - (0 if self.head_tied else self.head)
-        return 6.0 * body + 12.0 * self.layers * self.hidden * self.seq_len
+        """Training FLOPs per input token, the LM head's aside."""
+        return 4.0 * self.body + 2.0 * self.body_trainable + 12.0 * self.layers * self.hidden * self.seq_len
 
     @property
     def flops_per_learned(self) -> float:
-        """The LM head's training FLOPs per learned position (a tied head too: a matmul of its own). Counted on the
-        learned positions only, as the loss needs it (finetune computes it there alone: chunked_loss), not on prompts
-        or padding."""
-        return 6.0 * self.head
+        """The LM head's training FLOPs per learned position."""
+        return 4.0 * self.head + 2.0 * self.head_trainable
 
     def flops(self, tokens: float, learned: float) -> float:
         """Model FLOPs of training on `tokens` input tokens with `learned` positions learned (next-token targets)."""
@@ -350,18 +353,26 @@ class ModelFacts:
     @classmethod
     def of(cls, net, numel: Callable[[torch.nn.Parameter], int], seq_len: int) -> ModelFacts:
         """`numel` gives a parameter's full size (the backend's: ZeRO-3 partitions at load)."""
+
+        def params_of(name: str) -> list:
+            module = getattr(net, name)() if hasattr(net, name) else None
+            return list(module.parameters()) if isinstance(module, torch.nn.Module) else []
+
+        def size(params, trainable_only=False) -> int:
+            return sum(numel(p) for p in params if p.requires_grad or not trainable_only)
+
         params = list(net.parameters())
-        embed = net.get_input_embeddings() if hasattr(net, "get_input_embeddings") else None
-        head = net.get_output_embeddings() if hasattr(net, "get_output_embeddings") else None
-        embedded = {id(p) for p in embed.parameters()} if embed is not None else set()
-        head_params = list(head.parameters()) if isinstance(head, torch.nn.Module) else []
+        head = params_of("get_output_embeddings")
+        apart = {id(p) for p in [*params_of("get_input_embeddings"), *head]}
+        body = [p for p in params if id(p) not in apart]
         cfg = getattr(net, "config", None)
         return cls(
-            total=sum(numel(p) for p in params),
-            trainable=sum(numel(p) for p in params if p.requires_grad),
-            embedding=sum(numel(p) for p in embed.parameters()) if embed is not None else 0,
-            head=sum(numel(p) for p in head_params),
-            head_tied=any(id(p) in embedded for p in head_params),
+            total=size(params),
+            trainable=size(params, trainable_only=True),
+            body=size(body),
+            body_trainable=size(body, trainable_only=True),
+            head=size(head),
+            head_trainable=size(head, trainable_only=True),
             layers=getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 0) or 0,
             hidden=getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0) or 0,
             seq_len=seq_len,

@@ -308,10 +308,11 @@ def test_save_total_limit_keeps_newest(assets, tmp_path):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_model_flops_count_the_lm_head_once_on_the_learned_positions(tied):
-    """model.ModelFacts (MFU's FLOPs): 6 x the parameters other than the embeddings and the LM head per token,
-    attention's 12 x layers x hidden x sequence per token, and 6 x vocabulary x hidden per learned position, for the
-    head whether it is tied to the input embeddings (a matmul all the same, once missed) or not; a classifier has
-    no LM head. Counted here from the parameters' names."""
+    """model.ModelFacts (MFU's FLOPs), against parameters counted here by name: per token 6 x the parameters other
+    than the embeddings and the LM head, + attention's 12 x layers x hidden x sequence; per learned position
+    6 x vocabulary x hidden for the head, tied to the input embeddings (a matmul all the same, once missed) or not.
+    Under LoRA a frozen weight costs 4 (no gradient of its own), an adapter's 6. A classifier has no LM head."""
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig
 
     from finetune.model import ModelFacts
@@ -326,16 +327,31 @@ def test_model_flops_count_the_lm_head_once_on_the_learned_positions(tied):
         tie_word_embeddings=tied,
         num_labels=3,
     )
-    lm = AutoModelForCausalLM.from_config(cfg)
-    body = sum(p.numel() for n, p in lm.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
-    assert body > 0 and (len(list(lm.parameters())) == len(dict(lm.named_parameters())))
-    facts = ModelFacts.of(lm, lambda p: p.numel(), seq_len=128)
     attention = 12.0 * 2 * 32 * 128
-    assert facts.head == 1000 * 32 and facts.head_tied == tied
-    assert facts.flops(tokens=500, learned=0) == pytest.approx((6.0 * body + attention) * 500)
-    assert facts.flops(tokens=500, learned=200) - facts.flops(tokens=500, learned=0) == pytest.approx(
-        6.0 * 1000 * 32 * 200
-    )
+    head = 1000 * 32
+
+    def body(net, trainable: bool) -> int:
+        named = dict(net.named_parameters())  # a tied head's weight once, as the embeddings'
+        assert len(named) == len(list(net.parameters()))
+        return sum(
+            p.numel()
+            for n, p in named.items()
+            if "embed_tokens" not in n and "lm_head" not in n and p.requires_grad == trainable
+        )
+
+    lm = AutoModelForCausalLM.from_config(cfg)
+    assert body(lm, True) > 0 and body(lm, False) == 0
+    facts = ModelFacts.of(lm, lambda p: p.numel(), seq_len=128)
+    assert facts.flops(tokens=500, learned=0) == pytest.approx((6.0 * body(lm, True) + attention) * 500)
+    assert facts.flops(500, 200) - facts.flops(500, 0) == pytest.approx(6.0 * head * 200)
+
+    lora = get_peft_model(lm, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    facts = ModelFacts.of(lora, lambda p: p.numel(), seq_len=128)
+    frozen, adapters = body(lora, False), body(lora, True)
+    assert adapters == 2 * 4 * (32 + 32) + 2 * 4 * (32 + 16) and frozen > 10 * adapters  # 2 layers: q, v
+    assert facts.flops(500, 0) == pytest.approx((4.0 * frozen + 6.0 * adapters + attention) * 500)
+    assert facts.flops(500, 200) - facts.flops(500, 0) == pytest.approx(4.0 * head * 200)  # the head is frozen
+
     classifier = AutoModelForSequenceClassification.from_config(cfg)
     facts = ModelFacts.of(classifier, lambda p: p.numel(), seq_len=128)
     assert facts.head == 0 and facts.flops(500, 200) == facts.flops(500, 0)
