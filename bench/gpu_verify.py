@@ -426,7 +426,37 @@ def part_megatron(work: Path, run: dict, base_args: list[str], result: dict, bud
             print(f"[gpu_verify]   {name}: {json.dumps({k: v for k, v in m[name].items() if k != 'losses'})}")
 
 
+def fp16_overflow_seen() -> dict:
+    """finetune's optimizer under fp16 (optim.build_optimizer) through accelerate's loss scaler on this device, one
+    step whose gradients overflow: accelerate must say it was skipped, and the weights must not move (a fused
+    optimizer's skip it does not see: huggingface/accelerate#4242)."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from finetune.config import TrainArgs
+    from finetune.optim import build_optimizer
+
+    acc = Accelerator(mixed_precision="fp16")
+    try:
+        net = torch.nn.Linear(64, 64)
+        net, opt = acc.prepare(net, build_optimizer(net, TrainArgs(), "fp16"))
+        before = [p.detach().clone() for p in net.parameters()]
+        with acc.autocast():
+            loss = net(torch.randn(8, 64, device=acc.device)).float().sum() * float("inf")
+        acc.backward(loss)
+        opt.step()
+        return {
+            "skip_seen": bool(acc.optimizer_step_was_skipped),
+            "weights_unchanged": all(torch.equal(a, p) for a, p in zip(before, net.parameters())),
+        }
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def part_fp16(work: Path, base_args: list[str], result: dict, steps: int) -> None:
+    import torch
+
     rows, output, error, wall = launch(
         "fp16", "single", work, [*base_args, "--max_steps", str(steps)], ("--mixed_precision", "fp16")
     )
@@ -437,6 +467,7 @@ def part_fp16(work: Path, base_args: list[str], result: dict, steps: int) -> Non
         "losses": [r["loss"] for r in tr],
         "skipped_steps": tr[-1].get("skipped_steps") if tr else None,
         "skip_warnings_in_log": output.count("the fp16 loss scaler skipped the update"),
+        "forced_overflow": fp16_overflow_seen() if torch.cuda.is_available() else None,
     }
     print(f"[gpu_verify] fp16: {json.dumps(result['fp16'])}", flush=True)
 

@@ -258,7 +258,7 @@ class Prepared:
 def build_optimization(cfg: RunConfig, acc, backend, net, ds: data.Datasets, plan, tokenizer) -> Prepared:
     """AdamW, the LR schedule, the data loaders, all through backend.prepare."""
     t = cfg.train
-    optimizer = optim.build_optimizer(net, t)
+    optimizer = optim.build_optimizer(net, t, backend.mixed_precision)
     warmup, length = plan.scheduler_steps
     scheduler = optim.build_scheduler(optimizer, t.lr_scheduler_type, warmup, length)
     references = preference.References()  # preference pairs: filled before training (with_references)

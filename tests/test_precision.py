@@ -271,6 +271,42 @@ def test_accelerate_still_says_no_for_nothing():
     assert args.mixed_precision == "no"
 
 
+def fp16_overflow_step(optimizer, params: list) -> tuple[bool, bool]:
+    """One fp16 step through accelerate's optimizer wrapper and torch's loss scaler (on the CPU, as on a GPU) whose
+    gradients overflow: (whether accelerate says it was skipped, whether the weights stayed as they were)."""
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.state import AcceleratorState
+
+    Accelerator(cpu=True)  # the state the wrapper reads (this process's singletons: reset below)
+    try:
+        scaler = torch.amp.GradScaler("cpu")
+        wrapped = AcceleratedOptimizer(optimizer, device_placement=False, scaler=scaler)
+        before = [p.detach().clone() for p in params]
+        scaler.scale(sum(p.sum() for p in params) * float("inf")).backward()
+        wrapped.step()
+        return wrapped.step_was_skipped, all(torch.equal(a, p) for a, p in zip(before, params, strict=True))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_accelerate_still_misses_a_fused_optimizers_skipped_step():
+    """Why optim.build_optimizer takes the foreach AdamW under fp16 (huggingface/accelerate#4242): the loss scaler
+    calls a fused optimizer's step even on an overflow (its kernel skips the update), and accelerate takes the call
+    for a step: step_was_skipped is False though the weights did not move. Fails once accelerate sees the skip.
+    finetune's optimizer under fp16 is seen skipping; under bf16 it is the fused one."""
+    from finetune.config import TrainArgs
+    from finetune.optim import build_optimizer
+
+    net = torch.nn.Linear(4, 4)
+    fused = torch.optim.AdamW(net.parameters(), fused=True)
+    assert fp16_overflow_step(fused, list(net.parameters())) == (False, True)  # skipped, and not said
+    assert build_optimizer(net, TrainArgs(), "bf16").defaults["fused"]
+    finetunes = build_optimizer(net, TrainArgs(), "fp16")
+    assert not finetunes.defaults["fused"]
+    assert fp16_overflow_step(finetunes, list(net.parameters())) == (True, True)
+
+
 @pytest.mark.parametrize(
     "launch, file_line, want",
     [
