@@ -129,7 +129,7 @@ def train_step(run: Run, micro_batches: list[dict], epoch: int, step_in_epoch: i
     if skipped and backend.mixed_precision != "fp16":
         # DeepSpeed's ZeRO optimizers skip a step with non-finite gradients in fp32 and bf16 too, where no loss scaler
         # backs off and tries again: that is divergence (the run went on with NaN losses to the end and exported).
-        grad_norm, skipped = torch.full((), float("nan")), False
+        grad_norm, skipped = torch.full((), float("nan"), device=acc.device), False
     return nll_sum, global_count, tokens, positions, learned, grad_norm, skipped
 
 
@@ -340,7 +340,11 @@ class _Health:
         if not unread:
             return
         norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for _, n in unread]  # FSDP2's is a DTensor
-        values = torch.stack([torch.as_tensor(n, dtype=torch.float32) for n in norms]).tolist()  # one host sync
+        # On one device: a GPU's norms, a CPU-offloaded optimizer's, and DeepSpeed's Python floats (inf) side by side.
+        devices = [n.device for n in norms if isinstance(n, torch.Tensor)]
+        values = torch.stack(
+            [torch.as_tensor(n, dtype=torch.float32, device=devices[0] if devices else None) for n in norms]
+        ).tolist()  # one sync
         for (step, _), value in zip(unread, values, strict=True):
             self._check_one(step, value, output_dir)
 

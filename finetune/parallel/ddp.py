@@ -241,14 +241,17 @@ class Backend:
         return out
 
     def set_full_optimizer_state(self, model, optimizer, state: dict[str, dict[str, torch.Tensor]], step: int) -> None:
-        """Set AdamW's step, moments and the weights (fp32 masters) of every trainable parameter by name."""
+        """Set AdamW's step, moments and the weights (fp32 masters) of every trainable parameter by name. The step
+        where torch keeps it: on the parameter's device for the fused kernel (which reads it there: a GPU's would
+        read a host address), on the host for the foreach one (which reads it as a number)."""
         named = trainable_parameters(unwrap(self.acc, model))
         copy_by_name(named, {n: s["param"] for n, s in state.items()})
         inner = getattr(optimizer, "optimizer", optimizer)
+        on_device = inner.defaults.get("fused") or inner.defaults.get("capturable")
         for n, s in state.items():
             p = named[n]
             inner.state[p] = {
-                "step": torch.tensor(float(step)),
+                "step": torch.tensor(float(step), dtype=torch.float32, device=p.device if on_device else "cpu"),
                 "exp_avg": s["exp_avg"].to(p.device, p.dtype),
                 "exp_avg_sq": s["exp_avg_sq"].to(p.device, p.dtype),
             }
