@@ -272,3 +272,31 @@ def test_qlora_refused_without_cuda(assets, tmp_path):
     )
     assert res.returncode == 2 and "peft.load_in_4bit" in res.output and "CUDA" in res.output
     assert "Traceback" not in res.output and not (tmp_path / "q").exists()
+
+
+def test_qlora_is_refused_where_its_4_bit_weights_would_be_sharded(monkeypatch):
+    """peft.load_in_4bit under FSDP2 (accelerate leaves bitsandbytes' packed weights whole on every rank; the full
+    state dict cannot gather them) and ZeRO-3 (a quantized model loads without its partitioned start): refused by
+    the family's own checks (the launch's environment, the shipped DeepSpeed JSONs), naming the key and the configs
+    that run it. ZeRO-2 and DDP take it. (On a CPU the run refuses 4-bit for the missing GPU first.)"""
+    from finetune.config import build_config
+    from finetune.parallel import deepspeed, fsdp
+
+    def refusal(family, env: dict) -> list[str]:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        qlora = {"model": "m", "dataset": "d.jsonl", "peft": {"method": "lora", "load_in_4bit": True}}
+        found = [fix for key, fix in family.problems(build_config(qlora, check_filesystem=False))]
+        plain = build_config({**qlora, "peft": {"method": "lora"}}, check_filesystem=False)
+        assert not [key for key, _ in family.problems(plain) if key == "peft.load_in_4bit"]
+        return [fix for fix in found if "QLoRA" in fix]
+
+    (fsdp2,) = refusal(fsdp, {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"})
+    assert "under FSDP2" in fsdp2 and "ddp.yaml" in fsdp2
+    ds = ROOT / "ds_configs"
+    for name, refused in (("zero3.json", True), ("zero3_offload.json", True), ("zero2.json", False)):
+        found = refusal(
+            deepspeed, {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(ds / name)}
+        )
+        assert bool(found) == refused, (name, found)
+        assert not found or ("under ZeRO-3" in found[0] and "zero2.yaml" in found[0])
