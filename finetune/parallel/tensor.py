@@ -188,6 +188,7 @@ def full_optimizer_state(net, optimizer) -> dict[str, dict[str, torch.Tensor]]:
 def set_full_optimizer_state(net, optimizer, state: dict[str, dict[str, torch.Tensor]], step: int) -> None:
     """Scatter full weights and AdamW state (every rank holds the full tensors) to each rank's shards."""
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
@@ -195,7 +196,9 @@ def set_full_optimizer_state(net, optimizer, state: dict[str, dict[str, torch.Te
 
     inner = getattr(optimizer, "optimizer", optimizer)
     set_model_state_dict(net, {n: s["param"] for n, s in state.items()}, options=_options(strict=False))
-    groups = get_optimizer_state_dict(net, inner, options=_options())["param_groups"]  # names, lr, betas...
+    # The groups (parameter names, lr, betas...) from the rank's own shards: a full state dict would gather every
+    # moment onto every rank's device only to read them (8 bytes per parameter on each GPU).
+    groups = get_optimizer_state_dict(net, inner, options=StateDictOptions())["param_groups"]
     full = {
         "state": {
             n: {"step": torch.tensor(float(step)), "exp_avg": s["exp_avg"], "exp_avg_sq": s["exp_avg_sq"]}
