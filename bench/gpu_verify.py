@@ -490,7 +490,8 @@ def part_qlora(work: Path, run: dict, base_args: list[str], result: dict, steps:
     ]
     rows, output, error, wall = launch("qlora", "single", work, args, ("--mixed_precision", "bf16"))
     tr = train_rows(rows)
-    final, merged = work / "runs" / "qlora" / "final", work / "runs" / "qlora" / "merged"
+    final = work / "runs" / "qlora" / "final"
+    merged = final / "merged"  # peft.merge: the merged model beside the adapter (run.train_and_export)
     q = {
         "status": error or "ok",
         "losses": [r["loss"] for r in tr],
@@ -524,6 +525,8 @@ def part_qlora(work: Path, run: dict, base_args: list[str], result: dict, steps:
         q["reload_merged_loss"] = loss_of(net)
         q["merged_dtype"] = exported_dtypes(merged)
         del net
+    else:
+        q["status"] = f"no merged model at {merged} (peft.merge true)"
     torch.cuda.empty_cache()
     print(f"[gpu_verify] qlora: {json.dumps(q)}", flush=True)
 
