@@ -128,7 +128,9 @@ def weights_writer(
             net = model.build_model(args, tokenizer, label_names, cfg.data.max_seq_length)
         else:  # the run's base model and the adapter's trained weights by name
             args = dataclasses.replace(cfg.model, gradient_checkpointing=False)
-            net = model.build_model(args, tokenizer, label_names, cfg.data.max_seq_length, cfg.peft)
+            # The base as the adapter's carrier, never in 4 bits (QLoRA): bitsandbytes' weights cannot be cast.
+            pe = dataclasses.replace(cfg.peft, load_in_4bit=False)
+            net = model.build_model(args, tokenizer, label_names, cfg.data.max_seq_length, pe)
             copy_by_name(trainable_parameters(net), {n: s["param"] for n, s in resume.full_state().items()})
         with torch.no_grad():
             net.to(model.DTYPES[dtype]).save_pretrained(directory, safe_serialization=True)

@@ -16,7 +16,8 @@ from typing import Any
 import yaml
 
 from finetune.checkpoint import CONFIG_FILE, write_atomic
-from finetune.model import DTYPES, save_dtype
+from finetune.config import ConfigError
+from finetune.model import DTYPES, quantized_base, save_dtype
 
 LABELS_FILE = "labels.json"
 
@@ -79,8 +80,14 @@ def merge_adapter(adapter_dir: str, out_dir: str, dtype: str | None = None) -> s
     A classifier adapter's classes come from its labels.json (the base model is rebuilt with that head); an
     encoder-decoder's adapter says so in its task_type."""
     from peft import AutoPeftModelForCausalLM, AutoPeftModelForSeq2SeqLM, AutoPeftModelForSequenceClassification
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        adapter_config = json.load(f)
+    base = adapter_config.get("base_model_name_or_path") or ""
+    quantized = quantized_base(AutoConfig.from_pretrained(base), base) if base else None
+    if quantized:
+        raise ConfigError([("adapter", quantized)])
     label_names = None
     if os.path.exists(os.path.join(adapter_dir, LABELS_FILE)):
         with open(os.path.join(adapter_dir, LABELS_FILE)) as f:
@@ -94,15 +101,12 @@ def merge_adapter(adapter_dir: str, out_dir: str, dtype: str | None = None) -> s
             label2id={n: i for i, n in enumerate(label_names)},
         )
     else:
-        with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
-            seq2seq = json.load(f).get("task_type") == "SEQ_2_SEQ_LM"
+        seq2seq = adapter_config.get("task_type") == "SEQ_2_SEQ_LM"
         auto = AutoPeftModelForSeq2SeqLM if seq2seq else AutoPeftModelForCausalLM
         merged = auto.from_pretrained(adapter_dir, dtype=DTYPES["float32"])
     if dtype is None:  # the base model's own dtype, as its config.json says
         from finetune.config import ModelArgs
 
-        with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
-            base = json.load(f).get("base_model_name_or_path") or ""
         dtype = save_dtype(ModelArgs(model=base))
     merged = merged.merge_and_unload().to(DTYPES[dtype])
     tmp = out_dir.rstrip("/") + ".tmp"

@@ -133,19 +133,21 @@ def build_model(
     micro_batch_tokens: int = 0,
     eval_batch_tokens: int = 0,
     numel: Callable[[torch.nn.Parameter], int] = torch.nn.Parameter.numel,
+    mixed_precision: str = "no",
 ):
     """Load the model for the task; a classifier gets a head sized to the labels in the data; adapters on top.
     load_weights False: the architecture only, on the meta device (the backend brings its own weights).
     micro_batch_tokens, eval_batch_tokens: the most tokens a training micro batch and an eval batch hold (the
     chunked loss cuts every one alike).
-    numel: a parameter's full size (the backend's: ZeRO-3 partitions at load)."""
+    numel: a parameter's full size (the backend's: ZeRO-3 partitions at load).
+    mixed_precision: the run's (no, bf16, fp16): what QLoRA's 4-bit layers compute in."""
     import transformers
     from transformers import AutoConfig
 
-    _check_config(m, max_seq_length)
+    _check_config(m, max_seq_length, pe)
     masks_without_host_sync()
     masks_converted_once()
-    kwargs = _load_kwargs(m, pe, label_names)
+    kwargs = _load_kwargs(m, pe, label_names, mixed_precision)
     cls = getattr(transformers, AUTO_CLASSES[m.task])
     try:
         if load_weights:
@@ -276,9 +278,10 @@ def masks_converted_once() -> None:
     mu._finetune_masks_converted_once = True
 
 
-def _check_config(m: ModelArgs, max_seq_length: int) -> None:
+def _check_config(m: ModelArgs, max_seq_length: int, pe: PeftArgs | None) -> None:
     """What the model's config says before its weights load (a Hub model's config.json was not there to check
-    at validation): the task's kind of model, and enough positions for max_seq_length."""
+    at validation): the task's kind of model, enough positions for max_seq_length, and no merge into a base stored
+    quantized."""
     from transformers import AutoConfig
 
     try:
@@ -290,20 +293,44 @@ def _check_config(m: ModelArgs, max_seq_length: int) -> None:
     )
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     problems = problems or position_problems(m.model, limit, max_seq_length)
+    quantized = quantized_base(config, m.model)
+    if pe is not None and pe.merge and quantized:
+        problems.append(("peft.merge", f"{quantized}; set peft.merge: false (final/ holds the adapter)"))
     if problems:
         raise ConfigError(problems)
 
 
-def _load_kwargs(m: ModelArgs, pe: PeftArgs | None, label_names: list[str] | None) -> dict:
-    """from_pretrained's arguments: dtype, attention, 4-bit quantization, a classifier head for the labels."""
+def quantized_base(config, name: str) -> str | None:
+    """Why an adapter cannot be merged into a base model stored quantized (a *-bnb-4bit release): its weights load
+    quantized, the merged weights would be quantized again (the adapter's update rounded away), and a quantized
+    model cannot be cast to the save dtype. None where the config names no quantization."""
+    quantization = getattr(config, "quantization_config", None)
+    if not quantization:
+        return None
+    method = (
+        quantization.get("quant_method")
+        if isinstance(quantization, dict)
+        else getattr(quantization, "quant_method", "")
+    )
+    return (
+        f"{name} is stored quantized ({method}): an adapter merged into it would be quantized again and could not "
+        "be saved in full precision; merge it into the model's full-precision release instead (peft: "
+        "PeftModel.from_pretrained(base, adapter).merge_and_unload())"
+    )
+
+
+def _load_kwargs(m: ModelArgs, pe: PeftArgs | None, label_names: list[str] | None, mixed_precision: str) -> dict:
+    """from_pretrained's arguments: dtype, attention, 4-bit quantization (its layers compute in the run's mixed
+    precision: fp32 where it has none, as every other layer does), a classifier head for the labels."""
     kwargs = {"dtype": DTYPES[m.torch_dtype], "trust_remote_code": m.trust_remote_code}
     if m.attn_implementation:
         kwargs["attn_implementation"] = m.attn_implementation
     if pe is not None and pe.load_in_4bit:
         from transformers import BitsAndBytesConfig
 
+        compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision, torch.float32)
         kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute
         )
     if label_names is not None:
         kwargs.update(

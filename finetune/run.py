@@ -213,6 +213,7 @@ def build_model(cfg: RunConfig, backend, tokenizer, ds: data.Datasets, resume: c
         micro_batch_tokens=_batch_tokens(cfg, cfg.train.per_device_train_batch_size),
         eval_batch_tokens=_batch_tokens(cfg, cfg.train.per_device_eval_batch_size),
         numel=backend.numel,
+        mixed_precision=backend.mixed_precision,
     )
     if resume and resume.portable and peft_on:  # the run's own base model; the adapter's weights by name
         checkpoint.restore_adapter(backend, net, resume)

@@ -300,3 +300,59 @@ def test_qlora_is_refused_where_its_4_bit_weights_would_be_sharded(monkeypatch):
         )
         assert bool(found) == refused, (name, found)
         assert not found or ("under ZeRO-3" in found[0] and "zero2.yaml" in found[0])
+
+
+def test_qlora_layers_compute_in_the_runs_precision():
+    """QLoRA's 4-bit layers compute in the run's mixed precision (they were bf16 whatever it was: an fp32 run on a
+    GPU without bf16 emulated it, and the precision probe said fp32): the quantization from_pretrained is given.
+    The model card says the adapter learned against 4-bit weights."""
+    from finetune import model
+    from finetune.config import build_config
+    from finetune.report import RunFacts, card
+
+    qlora = {"model": "m", "dataset": "d.jsonl", "peft": {"method": "lora", "load_in_4bit": True}}
+    cfg = build_config(qlora, check_filesystem=False)
+    compute = {
+        precision: model._load_kwargs(cfg.model, cfg.peft, None, precision)["quantization_config"]
+        for precision in ("no", "bf16", "fp16")
+    }
+    assert {k: q.bnb_4bit_compute_dtype for k, q in compute.items()} == {
+        "no": torch.float32,
+        "bf16": torch.bfloat16,
+        "fp16": torch.float16,
+    }
+    assert all(q.load_in_4bit and q.bnb_4bit_quant_type == "nf4" for q in compute.values())
+    said = card._hyperparameters(cfg, RunFacts(), steps=10)
+    assert said["base weights in training"] == "4-bit NF4 (bitsandbytes, QLoRA)"
+    lora = build_config({**qlora, "peft": {"method": "lora"}}, check_filesystem=False)
+    assert "base weights in training" not in card._hyperparameters(lora, RunFacts(), steps=10)
+
+
+def test_an_adapter_is_not_merged_into_a_base_stored_quantized(assets, tmp_path):
+    """A base model stored quantized (a *-bnb-4bit release: its config.json names a quantization_config) cannot
+    take a merge: the merged weights would be quantized again and could not be saved in full precision. A run
+    asking for one (peft.merge) is refused before its weights load, and `finetune merge` of an adapter on such a
+    base, each naming the key, the model and what to do; exit 2, no traceback."""
+    quantized = tmp_path / "llama-bnb-4bit"
+    shutil.copytree(assets.llama, quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    (quantized / "config.json").write_text(json.dumps(config))
+    res = finetune(
+        tmp_path / "run",
+        *base_args(
+            str(quantized), assets.instruction, "--max_steps", "2", "--peft.method", "lora", "--peft.merge", "true"
+        ),
+        expect_ok=False,
+    )
+    assert res.returncode == 2 and "Traceback" not in res.output, res.output[-3000:]
+    assert "peft.merge" in res.output and "stored quantized (bitsandbytes)" in res.output, res.output[-3000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before training
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(quantized)}))
+    merge = subprocess.run(
+        [sys.executable, "-m", "finetune", "merge", str(adapter)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert merge.returncode == 2 and "Traceback" not in merge.stderr, merge.stderr[-3000:]
+    assert "stored quantized (bitsandbytes)" in merge.stderr and not (adapter / "merged").exists()

@@ -15,21 +15,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("adapter", help="an adapter directory written by finetune (e.g. outputs/run/final)")
     parser.add_argument("--output", help="where to write the merged model (default: ADAPTER/merged)")
     args = parser.parse_args(argv)
-    if not os.path.isfile(os.path.join(args.adapter, "adapter_config.json")):
-        print(
-            ConfigError(
+    try:
+        if not os.path.isfile(os.path.join(args.adapter, "adapter_config.json")):
+            raise ConfigError(
                 [
                     (
                         "adapter",
                         f"{args.adapter!r} has no adapter_config.json; give the final/ directory of an adapter run",
                     )
                 ]
-            ).render(),
-            file=sys.stderr,
-        )
-        return 2
-    from finetune.export import merge_adapter
+            )
+        from finetune.export import merge_adapter
 
-    out = merge_adapter(args.adapter, args.output or os.path.join(args.adapter, "merged"))
+        out = merge_adapter(args.adapter, args.output or os.path.join(args.adapter, "merged"))
+    except ConfigError as e:
+        print(e.render(), file=sys.stderr)
+        return 2
     print(f"merged model saved to {os.path.abspath(out)} (load it with from_pretrained)")
     return 0

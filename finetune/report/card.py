@@ -172,6 +172,8 @@ def _hyperparameters(cfg: RunConfig, facts: RunFacts, steps: int) -> dict[str, A
     if pe.method != "none":
         hyper["adapter"] = f"{pe.method} r={pe.r} alpha={pe.alpha} dropout={pe.dropout}"
         hyper["target_modules"] = ", ".join(pe.target_modules)
+        if pe.load_in_4bit:  # the adapter learned against these weights, not the full-precision ones
+            hyper["base weights in training"] = "4-bit NF4 (bitsandbytes, QLoRA)"
     return hyper
 
 
