@@ -284,10 +284,12 @@ class Backend(ddp.Backend):
         """Under bf16/fp16 DeepSpeed computes with a 16-bit copy of the weights and updates fp32 master partitions:
         the trainable weights come from the masters (safe_get_full_fp32_param), as DDP's and FSDP's exports come
         from their fp32 parameters; accelerate's get_state_dict would give the 16-bit copy. Frozen weights (an
-        adapter's base) exist only in 16 bits. A collective."""
+        adapter's base) exist only in 16 bits. A collective. The main process's (the others get what they need for
+        the collectives: under ZeRO-1/2 each rank's copy of the whole model to the host would be thrown away)."""
         from deepspeed.utils import safe_get_full_fp32_param
 
-        weights = self.acc.get_state_dict(model)  # the engine's: ZeRO-3 gathers the partitions
+        gathered = self.topology.zero_stage == 3  # the engine gathers the partitions: every rank takes part
+        weights = self.acc.get_state_dict(model) if gathered or self.acc.is_main_process else {}
         net = base.unwrap(self.acc, model)
         if all(p.dtype == torch.float32 for p in net.parameters()):
             return weights  # fp32 weights: they are the masters (share_fp32_master_weights)
