@@ -202,8 +202,17 @@ def full_sizes(model, numel: Callable[[torch.nn.Parameter], int]) -> tuple[int, 
     """The vocabulary, hidden size and parameter count of a loaded model, as every layout sees it (numel: a
     parameter's full size, the backend's)."""
     embeddings = model.get_input_embeddings()
-    params = sum(numel(p) for p in model.parameters())
+    params = sum(weights_in(p, numel) for p in model.parameters())
     return embeddings.num_embeddings, embeddings.embedding_dim, params
+
+
+def weights_in(p: torch.nn.Parameter, numel: Callable[[torch.nn.Parameter], int]) -> int:
+    """How many weights a parameter holds (numel: the backend's full size): a QLoRA base weight packs two 4-bit
+    weights per byte (bitsandbytes' Params4bit, half the elements), its quant_state keeps the weight's own shape.
+    The model's sizes (parameter counts, FLOPs, MFU) count weights; memory counts bytes (finetune.memory)."""
+    state = getattr(p, "quant_state", None)
+    shape = getattr(state, "shape", None)
+    return shape.numel() if shape is not None else numel(p)
 
 
 def masks_without_host_sync() -> None:
@@ -386,7 +395,7 @@ class ModelFacts:
             return list(module.parameters()) if isinstance(module, torch.nn.Module) else []
 
         def size(params, trainable_only=False) -> int:
-            return sum(numel(p) for p in params if p.requires_grad or not trainable_only)
+            return sum(weights_in(p, numel) for p in params if p.requires_grad or not trainable_only)
 
         params = list(net.parameters())
         head = params_of("get_output_embeddings")

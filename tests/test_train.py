@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import types
 
 import pytest
 import torch
@@ -351,6 +352,14 @@ def test_model_flops_count_the_lm_head_once_on_the_learned_positions(tied):
     assert adapters == 2 * 4 * (32 + 32) + 2 * 4 * (32 + 16) and frozen > 10 * adapters  # 2 layers: q, v
     assert facts.flops(500, 0) == pytest.approx((4.0 * frozen + 6.0 * adapters + attention) * 500)
     assert facts.flops(500, 200) - facts.flops(500, 0) == pytest.approx(4.0 * head * 200)  # the head is frozen
+
+    # QLoRA: bitsandbytes packs two 4-bit weights per byte (Params4bit: half the elements, as uint8) and keeps the
+    # weight's shape in its quant_state; the weights count, not the bytes.
+    up = lora.base_model.model.model.layers[0].mlp.up_proj
+    packed = torch.nn.Parameter(torch.zeros(up.weight.numel() // 2, 1, dtype=torch.uint8), requires_grad=False)
+    packed.quant_state = types.SimpleNamespace(shape=up.weight.shape)
+    up.weight = packed
+    assert ModelFacts.of(lora, lambda p: p.numel(), seq_len=128) == facts
 
     classifier = AutoModelForSequenceClassification.from_config(cfg)
     facts = ModelFacts.of(classifier, lambda p: p.numel(), seq_len=128)
