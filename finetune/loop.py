@@ -399,7 +399,9 @@ def _log_train(run: Run, state: TrainState, win: _Window, grad_norm, bar) -> Non
         "step_time_s": seconds / win.steps,
         "data_wait_s": win.data_wait / win.steps,  # of step_time_s, waiting for the batch (this process's)
         "mfu": (
-            run.facts.flops(tokens.item(), learned.item()) / seconds / run.peak_flops
+            run.facts.flops(tokens.item(), learned.item(), reference=bool(run.objective and run.objective.live))
+            / seconds
+            / run.peak_flops
             if run.peak_flops and run.facts
             else None
         ),

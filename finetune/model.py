@@ -382,9 +382,15 @@ class ModelFacts:
         """The LM head's training FLOPs per learned position."""
         return 4.0 * self.head + 2.0 * self.head_trainable
 
-    def flops(self, tokens: float, learned: float) -> float:
-        """Model FLOPs of training on `tokens` input tokens with `learned` positions learned (next-token targets)."""
-        return self.flops_per_token * tokens + self.flops_per_learned * learned
+    def flops(self, tokens: float, learned: float, reference: bool = False) -> float:
+        """Model FLOPs of training on `tokens` input tokens with `learned` positions learned (next-token targets).
+        reference: a frozen reference model's forward over the same tokens too (preference tuning's live reference
+        log-probs: 2 per weight, a third of attention's, the head on the learned positions)."""
+        flops = self.flops_per_token * tokens + self.flops_per_learned * learned
+        if reference:
+            attention = 4.0 * self.layers * self.hidden * self.seq_len
+            flops += (2.0 * self.body + attention) * tokens + 2.0 * self.head * learned
+        return flops
 
     @classmethod
     def of(cls, net, numel: Callable[[torch.nn.Parameter], int], seq_len: int) -> ModelFacts:

@@ -345,6 +345,10 @@ def test_model_flops_count_the_lm_head_once_on_the_learned_positions(tied):
     facts = ModelFacts.of(lm, lambda p: p.numel(), seq_len=128)
     assert facts.flops(tokens=500, learned=0) == pytest.approx((6.0 * body(lm, True) + attention) * 500)
     assert facts.flops(500, 200) - facts.flops(500, 0) == pytest.approx(6.0 * head * 200)
+    # preference tuning's live reference: a forward of the frozen model over the same tokens (2 per weight, a
+    # third of attention's, the head on the learned positions)
+    reference = (2.0 * body(lm, True) + attention / 3) * 500 + 2.0 * head * 200
+    assert facts.flops(500, 200, reference=True) - facts.flops(500, 200) == pytest.approx(reference)
 
     lora = get_peft_model(lm, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     facts = ModelFacts.of(lora, lambda p: p.numel(), seq_len=128)
