@@ -267,7 +267,9 @@ def _sha256s(paths: list[str]) -> dict[str, str]:
     model, and a one-file-at-a-time hash runs at about one core's 1-2 GB/s."""
     from concurrent.futures import ThreadPoolExecutor
 
-    workers = max(1, min(8, len(paths), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
+    from finetune.cluster import usable_cores
+
+    workers = max(1, min(8, len(paths), usable_cores()))
     with ThreadPoolExecutor(workers) as pool:
         return dict(zip(paths, pool.map(_sha256, paths)))
 

@@ -26,6 +26,11 @@ from finetune.parallel.topology import Launcher
 logger = logging.getLogger("finetune")
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity; all of the machine's where the system does not say)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def machine_rank() -> int:
     """This process's machine (node) index: torchrun's GROUP_RANK, 0 without a launcher."""
     group_rank = Launcher.read().group_rank

@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 import torch
 
 from finetune import chunked_loss, formats
+from finetune.cluster import usable_cores
 from finetune.config import DATA_EXTENSIONS, ConfigError, DataArgs, data_files, looks_local
 from finetune.formats import IGNORE, Layout
 
@@ -468,7 +469,7 @@ def build_datasets(
         if layout.format == "preference":  # each pair's place in its split: its reference log-probs' row
             train, evalset = (x if x is None else x.add_column(PAIR_INDEX, np.arange(len(x))) for x in (train, evalset))
         took, n = time.perf_counter() - start, len(train_raw) + (len(eval_raw) if eval_raw is not None else 0)
-        procs = preparing_processes(data.preprocessing_num_workers, len(train_raw), _usable_cores()) or 1
+        procs = preparing_processes(data.preprocessing_num_workers, len(train_raw), usable_cores()) or 1
         logger.info(
             "data prepared: %d rows in %.1f s (%.0f rows/s, %d process%s; the datasets cache makes a rerun's near 0)%s",
             n, took, n / max(took, 1e-9), procs, "es" if procs > 1 else "", ", packed" if data.packing else "",
@@ -638,7 +639,7 @@ def _tokenize(ds, split: str, rows: Callable, data: DataArgs, layout: Layout):
                 batched=True,
                 with_indices=True,
                 remove_columns=ds.column_names,
-                num_proc=preparing_processes(data.preprocessing_num_workers, len(ds), _usable_cores()),
+                num_proc=preparing_processes(data.preprocessing_num_workers, len(ds), usable_cores()),
                 desc=f"tokenizing {split}",
             )
     except formats.BadExample as e:
@@ -720,12 +721,6 @@ def preparing_processes(asked: int | None, rows: int, cores: int) -> int | None:
     if asked:  # 1 is this process: datasets would run one child process, whose tokenizer has no threads
         return asked if asked > 1 else None
     return min(cores, 8) if cores >= PARALLEL_FROM[0] and rows >= PARALLEL_FROM[1] else None
-
-
-def _usable_cores() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _column_sum(ds, column: str) -> int:

@@ -17,7 +17,7 @@ import yaml
 
 from finetune.checkpoint import CONFIG_FILE, write_atomic
 from finetune.config import ConfigError
-from finetune.model import DTYPES, quantized_base, save_dtype
+from finetune.model import DTYPES, model_config, quantized_base, save_dtype
 
 LABELS_FILE = "labels.json"
 
@@ -80,12 +80,14 @@ def merge_adapter(adapter_dir: str, out_dir: str, dtype: str | None = None) -> s
     A classifier adapter's classes come from its labels.json (the base model is rebuilt with that head); an
     encoder-decoder's adapter says so in its task_type."""
     from peft import AutoPeftModelForCausalLM, AutoPeftModelForSeq2SeqLM, AutoPeftModelForSequenceClassification
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from finetune.config import ModelArgs
 
     with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
         adapter_config = json.load(f)
-    base = adapter_config.get("base_model_name_or_path") or ""
-    quantized = quantized_base(AutoConfig.from_pretrained(base), base) if base else None
+    base = ModelArgs(model=adapter_config.get("base_model_name_or_path") or "")
+    quantized = quantized_base(model_config(base), base.model)  # an unreadable config: from_pretrained says why
     if quantized:
         raise ConfigError([("adapter", quantized)])
     label_names = None
@@ -105,9 +107,7 @@ def merge_adapter(adapter_dir: str, out_dir: str, dtype: str | None = None) -> s
         auto = AutoPeftModelForSeq2SeqLM if seq2seq else AutoPeftModelForCausalLM
         merged = auto.from_pretrained(adapter_dir, dtype=DTYPES["float32"])
     if dtype is None:  # the base model's own dtype, as its config.json says
-        from finetune.config import ModelArgs
-
-        dtype = save_dtype(ModelArgs(model=base))
+        dtype = save_dtype(base)
     merged = merged.merge_and_unload().to(DTYPES[dtype])
     tmp = out_dir.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)

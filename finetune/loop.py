@@ -174,13 +174,8 @@ class _Window:
         self.data_wait = 0.0  # seconds this rank's steps waited for their batches
 
     def add(self, nll, count, tokens: int, positions: int, learned: int) -> None:
-        self.nll, self.count = self.nll + nll, self.count + count
-        self.tokens, self.positions, self.learned = (
-            self.tokens + tokens,
-            self.positions + positions,
-            self.learned + learned,
-        )
-        self.steps += 1
+        self.nll, self.count, self.tokens = self.nll + nll, self.count + count, self.tokens + tokens
+        self.positions, self.learned, self.steps = self.positions + positions, self.learned + learned, self.steps + 1
 
 
 def train(run: Run, state: TrainState) -> dict[str, float]:

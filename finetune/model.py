@@ -373,9 +373,14 @@ class ModelFacts:
     seq_len: int
 
     @property
+    def attention_flops_per_token(self) -> float:
+        """Attention scores' training FLOPs per token: a third forward, two thirds backward."""
+        return 12.0 * self.layers * self.hidden * self.seq_len
+
+    @property
     def flops_per_token(self) -> float:
         """Training FLOPs per input token, the LM head's aside."""
-        return 4.0 * self.body + 2.0 * self.body_trainable + 12.0 * self.layers * self.hidden * self.seq_len
+        return 4.0 * self.body + 2.0 * self.body_trainable + self.attention_flops_per_token
 
     @property
     def flops_per_learned(self) -> float:
@@ -388,8 +393,7 @@ class ModelFacts:
         log-probs: 2 per weight, a third of attention's, the head on the learned positions)."""
         flops = self.flops_per_token * tokens + self.flops_per_learned * learned
         if reference:
-            attention = 4.0 * self.layers * self.hidden * self.seq_len
-            flops += (2.0 * self.body + attention) * tokens + 2.0 * self.head * learned
+            flops += (2.0 * self.body + self.attention_flops_per_token / 3) * tokens + 2.0 * self.head * learned
         return flops
 
     @classmethod

@@ -314,20 +314,13 @@ def test_model_flops_count_the_lm_head_once_on_the_learned_positions(tied):
     6 x vocabulary x hidden for the head, tied to the input embeddings (a matmul all the same, once missed) or not.
     Under LoRA a frozen weight costs 4 (no gradient of its own), an adapter's 6. A classifier has no LM head."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, LlamaConfig
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    from finetune.demo import llama_config
     from finetune.model import ModelFacts
 
-    cfg = LlamaConfig(
-        vocab_size=1000,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tied,
-        num_labels=3,
-    )
+    cfg = llama_config(32, 2, heads=4, kv_heads=2, intermediate=64, vocab=1000, num_labels=3)
+    cfg.tie_word_embeddings = tied
     attention = 12.0 * 2 * 32 * 128
     head = 1000 * 32
 
@@ -341,6 +334,7 @@ def test_model_flops_count_the_lm_head_once_on_the_learned_positions(tied):
         )
 
     lm = AutoModelForCausalLM.from_config(cfg)
+    assert (lm.get_output_embeddings().weight is lm.get_input_embeddings().weight) == tied
     assert body(lm, True) > 0 and body(lm, False) == 0
     facts = ModelFacts.of(lm, lambda p: p.numel(), seq_len=128)
     assert facts.flops(tokens=500, learned=0) == pytest.approx((6.0 * body(lm, True) + attention) * 500)

@@ -90,6 +90,15 @@ def no_checkpoints_per_machine(why: str) -> ConfigError:
     )
 
 
+def qlora_refused(layout: str, why: str) -> tuple[str, str]:
+    """peft.load_in_4bit refused under a layout that shards the base weights: why, and the layouts that run it."""
+    return (
+        "peft.load_in_4bit",
+        f"QLoRA does not run under {layout} here: {why}; use accelerate_configs/ddp.yaml or zero2.yaml (the 4-bit "
+        "base is small: an adapter's optimizer state is what shards), or set peft.load_in_4bit: false",
+    )
+
+
 def prepare_all(accelerator, model, optimizer, train_loader, eval_loader, scheduler) -> tuple:
     """One accelerate.prepare call for everything (Megatron-LM needs that); eval_loader may be None."""
     objects = [model, optimizer, train_loader, scheduler] + ([eval_loader] if eval_loader is not None else [])

@@ -73,15 +73,11 @@ def problems(cfg: RunConfig) -> list[tuple[str, str]]:
         ]
     out = []
     if cfg.peft.load_in_4bit and str((ds.get("zero_optimization") or {}).get("stage")) == "3":
-        out.append(
-            (
-                "peft.load_in_4bit",
-                f"QLoRA does not run under ZeRO-3 here ({path}): transformers loads a 4-bit model without ZeRO-3's "
-                "partitioned start, and DeepSpeed would partition bitsandbytes' packed weights, a path never proven; "
-                "use accelerate_configs/zero2.yaml or ddp.yaml (the 4-bit base is small: an adapter's optimizer "
-                "state is what shards), or set peft.load_in_4bit: false",
-            )
+        why = (
+            "transformers loads a 4-bit model without ZeRO-3's partitioned start, and DeepSpeed would partition "
+            "bitsandbytes' packed weights, a path never proven"
         )
+        out.append(base.qlora_refused(f"ZeRO-3 ({path})", why))
     for key, (field, ours) in _owned_by_run_config(cfg.train).items():
         value = ds.get(key, "auto")
         if value != "auto" and float(value) != float(ours):

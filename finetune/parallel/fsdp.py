@@ -66,15 +66,11 @@ def problems(cfg: RunConfig) -> list[tuple[str, str]]:
     if cfg.model.chunked_loss == "true" and blocker:
         p.append(("chunked_loss", f"is true, but {blocker}: upgrade torch to 2.13 or newer, or set chunked_loss: auto"))
     if cfg.peft.load_in_4bit:
-        p.append(
-            (
-                "peft.load_in_4bit",
-                "QLoRA does not run under FSDP2 here: accelerate 1.15 leaves bitsandbytes' packed 4-bit weights "
-                "unsharded on every rank, and the full state dict of checkpoints and export cannot gather them; use "
-                "accelerate_configs/ddp.yaml or zero2.yaml (the 4-bit base is small: an adapter's optimizer state is "
-                "what shards), or set peft.load_in_4bit: false",
-            )
+        why = (
+            "accelerate 1.15 leaves bitsandbytes' packed 4-bit weights unsharded on every rank, and the full state "
+            "dict of checkpoints and export cannot gather them"
         )
+        p.append(base.qlora_refused("FSDP2", why))
     if cfg.model.task == "seq2seq":
         p.append(
             (
