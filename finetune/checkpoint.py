@@ -198,12 +198,14 @@ class Checkpointer:
         from safetensors.torch import save_file
 
         weights = self.backend.full_state_dict(self.model)  # collectives: every rank takes part
-        optim = self.backend.full_optimizer_state(self.model, self.optimizer)
+        moments = self.backend.full_adam_moments(self.model, self.optimizer)
         if self.acc.is_main_process:  # (without a shared output_dir: machine 0's copy only)
             out = os.path.join(tmp, PORTABLE)
             net.save_pretrained(out, state_dict=weights, safe_serialization=True)
-            tensors = {
-                f"{k}/{n}": v.detach().float().cpu().contiguous() for n, s in optim.items() for k, v in s.items()
+            # The fp32 masters are the full state dict's trainable weights (gathered once, not again with the moments)
+            tensors = {f"param/{n}": weights[n].detach().float().cpu().contiguous() for n in moments}
+            tensors |= {
+                f"{k}/{n}": v.detach().float().cpu().contiguous() for n, s in moments.items() for k, v in s.items()
             }
             save_file(tensors, os.path.join(out, "optimizer.safetensors"))
 

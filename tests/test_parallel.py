@@ -137,7 +137,7 @@ def test_every_family_has_the_same_surface():
     from finetune.parallel.topology import FAMILIES
 
     methods = {n for n, v in vars(surface.Backend).items() if callable(v) and not n.startswith("_")}
-    assert {"prepare", "full_state_dict", "full_optimizer_state", "set_full_optimizer_state", "numel"} <= methods
+    assert {"prepare", "full_state_dict", "full_adam_moments", "set_full_optimizer_state", "numel"} <= methods
     assert methods == {n for n, v in vars(ddp.Backend).items() if callable(v) and not n.startswith("_")}
     before = {n for n, v in vars(surface.FamilyModule).items() if callable(v) and not n.startswith("_")}
     assert before == {"environment", "problems", "accelerator_kwargs"}

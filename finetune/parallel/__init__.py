@@ -14,7 +14,7 @@ checkpoints and export are written once for all of them:
                              building the model (prepare_frozen: a forward-only model, the live reference)
     prepare, observed        accelerate.prepare, and what the prepared objects show (logged, in metrics rows)
     forward_loss, clip_grad_norm, eval_stats, gather_for_metrics, generate the step and eval
-    full_state_dict, full_optimizer_state, set_full_optimizer_state, hf_model   by parameter name
+    full_state_dict, full_adam_moments, set_full_optimizer_state, hf_model   by parameter name
     keep_checkpoints_per_machine   output_dir not shared between machines: complete copies, or a refusal
 
   ddp.py        one process and DDP (the defaults)

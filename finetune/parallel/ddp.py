@@ -229,15 +229,16 @@ class Backend:
         load."""
         return unwrap(self.acc, model).state_dict()
 
-    def full_optimizer_state(self, model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
-        """{parameter name: {param (fp32 master), exp_avg, exp_avg_sq}} for trainable parameters (main process)."""
+    def full_adam_moments(self, model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+        """{parameter name: {exp_avg, exp_avg_sq}} of the trainable parameters, full tensors (main process). A
+        collective where the state is spread. The fp32 masters are full_state_dict's weights by the same names."""
         net = unwrap(self.acc, model)
         inner = getattr(optimizer, "optimizer", optimizer)
         out = {}
         for name, p in net.named_parameters():
             if p.requires_grad and p in inner.state:
                 s = inner.state[p]
-                out[name] = {"param": p.detach(), "exp_avg": s["exp_avg"], "exp_avg_sq": s["exp_avg_sq"]}
+                out[name] = {"exp_avg": s["exp_avg"], "exp_avg_sq": s["exp_avg_sq"]}
         return out
 
     def set_full_optimizer_state(self, model, optimizer, state: dict[str, dict[str, torch.Tensor]], step: int) -> None:

@@ -302,8 +302,8 @@ class Backend(ddp.Backend):
                         weights[name] = full.detach().cpu().contiguous()
         return weights
 
-    def full_optimizer_state(self, model, optimizer):
-        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    def full_adam_moments(self, model, optimizer):
+        from deepspeed.utils import safe_get_full_optimizer_state
 
         relink_optimizer_states(optimizer)
         out = {}
@@ -312,7 +312,6 @@ class Backend(ddp.Backend):
             if not p.requires_grad:
                 continue
             values = {
-                "param": safe_get_full_fp32_param(p),
                 "exp_avg": safe_get_full_optimizer_state(p, "exp_avg"),
                 "exp_avg_sq": safe_get_full_optimizer_state(p, "exp_avg_sq"),
             }

@@ -232,8 +232,8 @@ class Backend(ddp.Backend):
     def full_state_dict(self, model):
         return tensor.full_state_dict(base.unwrap(self.acc, model))
 
-    def full_optimizer_state(self, model, optimizer):
-        return tensor.full_optimizer_state(base.unwrap(self.acc, model), optimizer)
+    def full_adam_moments(self, model, optimizer):
+        return tensor.full_adam_moments(base.unwrap(self.acc, model), optimizer)
 
     def set_full_optimizer_state(self, model, optimizer, state, step: int) -> None:
         tensor.set_full_optimizer_state(base.unwrap(self.acc, model), optimizer, state, step)

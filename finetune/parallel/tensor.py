@@ -152,8 +152,8 @@ class Backend(ddp.Backend):
             directory, state_dict=weights, is_main_process=self.acc.is_main_process, safe_serialization=True
         )
 
-    def full_optimizer_state(self, model, optimizer):
-        return full_optimizer_state(base.unwrap(self.acc, model), optimizer)
+    def full_adam_moments(self, model, optimizer):
+        return full_adam_moments(base.unwrap(self.acc, model), optimizer)
 
     def set_full_optimizer_state(self, model, optimizer, state, step: int) -> None:
         set_full_optimizer_state(base.unwrap(self.acc, model), optimizer, state, step)
@@ -175,14 +175,13 @@ def full_state_dict(net) -> dict[str, torch.Tensor]:
     return get_model_state_dict(net, options=_options(cpu_offload=True))
 
 
-def full_optimizer_state(net, optimizer) -> dict[str, dict[str, torch.Tensor]]:
-    """{name: {param, exp_avg, exp_avg_sq}} of the trainable parameters, full tensors on rank 0. A collective."""
+def full_adam_moments(net, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """{name: {exp_avg, exp_avg_sq}} of the trainable parameters, full tensors on rank 0. A collective."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper -> the torch optimizer
-    weights = full_state_dict(net)
     state = get_optimizer_state_dict(net, inner, options=_options(cpu_offload=True)).get("state", {})  # rank 0 only
-    return {n: {"param": weights[n], "exp_avg": s["exp_avg"], "exp_avg_sq": s["exp_avg_sq"]} for n, s in state.items()}
+    return {n: {"exp_avg": s["exp_avg"], "exp_avg_sq": s["exp_avg_sq"]} for n, s in state.items()}
 
 
 def set_full_optimizer_state(net, optimizer, state: dict[str, dict[str, torch.Tensor]], step: int) -> None:
