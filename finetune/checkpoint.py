@@ -33,6 +33,7 @@ from typing import Any
 
 import yaml
 
+from finetune.cluster import host_gather, host_wait
 from finetune.config import ConfigError
 from finetune.config.preflight import LATEST, resolve_resume
 from finetune.faults import fault_point
@@ -123,7 +124,7 @@ class Checkpointer:
         if self.writes:
             shutil.rmtree(tmp, ignore_errors=True)
             error = _attempt(os.makedirs, tmp)
-        acc.wait_for_everyone()
+        host_wait()
         if error is None:
             error = _attempt(acc.save_state, tmp, safe_serialization=True)
         if error is None:
@@ -131,7 +132,7 @@ class Checkpointer:
         if error is None:
             error = _attempt(fault_point, "enospc-in-checkpoint", step)
         fault_point("in-checkpoint", step)
-        acc.wait_for_everyone()
+        host_wait()
         if self.writes and error is None:
             error = _attempt(self._write_metadata, tmp, trainer_state)
         self._raise_if_any_failed(error, step, tmp)
@@ -145,25 +146,20 @@ class Checkpointer:
                 for old_step, path in list_checkpoints(self.output_dir)[: -self.save_total_limit]:
                     if path != final and old_step != best:
                         shutil.rmtree(path, ignore_errors=True)
-        acc.wait_for_everyone()
+        host_wait()
         return final
 
     def _write_metadata(self, tmp: str, trainer_state: dict[str, Any]) -> None:
         """The run config, the manifest of every file (size and SHA-256, verified at resume), and last the
         trainer state, which marks the checkpoint complete."""
         write_atomic(os.path.join(tmp, CONFIG_FILE), yaml.safe_dump(self.run_config, sort_keys=False))
+        fault_point("slow-checksum", trainer_state["step"])  # tests: the checksums of hundreds of GB
         write_atomic(os.path.join(tmp, MANIFEST), json.dumps(manifest_of(tmp), indent=1))
         state = {**trainer_state, "layout": self.layout}
         write_atomic(os.path.join(tmp, STATE_FILE), json.dumps(state, indent=2))
 
     def _raise_if_any_failed(self, error: OSError | None, step: int, tmp: str) -> None:
-        from accelerate.utils import gather_object
-
-        errors = (
-            gather_object([(self.acc.process_index, error and str(error))])
-            if self.acc.num_processes > 1
-            else [(0, error and str(error))]
-        )
+        errors = host_gather((self.acc.process_index, error and str(error)))
         failed = [(rank, text) for rank, text in errors if text]
         if not failed:
             return
@@ -171,7 +167,7 @@ class Checkpointer:
         needs = _size_of(previous) if previous else _size_of(tmp)
         if self.writes:
             shutil.rmtree(tmp, ignore_errors=True)
-        self.acc.wait_for_everyone()
+        host_wait()
         free = shutil.disk_usage(self.output_dir).free if os.path.isdir(self.output_dir) else 0
         where = "; ".join(f"rank {rank}: {text}" for rank, text in failed[:3])
         kept = f"{previous} is intact and `latest` still names it" if previous else "no earlier checkpoint exists"

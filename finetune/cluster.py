@@ -1,5 +1,8 @@
 """Several machines: what a run does differently when its processes are spread over more than one node.
 
+  host_wait(), host_gather(value)
+                       the ranks wait for, or agree with, a process that works alone on the host (writing a
+                       checkpoint, final/, a merge; preparing data): on a gloo group with host_wait_timeout
   node_first(acc)      a block run by the global main first, then by each machine's local main (from
                        the global main's shared cache, or into its own node-local one), then by the rest
   fetch_model(...)     Hub downloads: each machine's local main first, the others from its cache
@@ -37,17 +40,76 @@ def machine_rank() -> int:
     return group_rank if group_rank is not None else 0
 
 
+_host_group = None  # start_host_group's
+
+
+def start_host_group(num_processes: int, timeout_s: int) -> None:
+    """Every rank, once, right after the Accelerator: the group the ranks wait on while one process works alone on
+    the host (host_wait, host_gather). Those waits can be long for a large model (the main process writes a
+    checkpoint's full tensors and checksums hundreds of GB, writes final/, merges an adapter; the first rank
+    downloads a model or tokenizes a dataset), and a wait on the device's group is an NCCL collective that its
+    watchdog ends after ddp_timeout (30 minutes), killing a run that was only writing. This group is gloo, over the
+    host, whatever the device's backend, and waits host_wait_timeout. A rank that dies closes its connections: the
+    others' wait fails at once, not at the timeout."""
+    global _host_group
+    if num_processes > 1:
+        import datetime
+
+        import torch.distributed as dist
+
+        _host_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def host_group():
+    """start_host_group's group (None in a single process)."""
+    import torch.distributed as dist
+
+    if _host_group is None and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError("finetune.cluster.start_host_group must run on every rank first")
+    return _host_group
+
+
+def host_wait() -> None:
+    """Every rank waits here until all have come (a barrier on the host group)."""
+    import torch.distributed as dist
+
+    group = host_group()
+    if group is not None:
+        dist.barrier(group=group)
+
+
+def host_gather(value) -> list:
+    """Every rank's value (a picklable object), in rank order, on every rank."""
+    import torch.distributed as dist
+
+    group = host_group()
+    if group is None:
+        return [value]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
 @contextmanager
 def node_first(acc):
-    """The global main process first, then each machine's local main, then everyone else.
+    """The global main process first, then each machine's local main, then everyone else, waiting on the host
+    group (a first rank may tokenize or download for hours).
 
     With a shared cache the global main prepares it and every other process reads it; with a
     node-local cache each machine's local main prepares its own. (accelerate's main_process_first
     alone is the *global* main: a node-local cache would then be prepared by no one on the other
-    machines, or by all their ranks at once.)
+    machines, or by all their ranks at once.) Two waits on every rank, as accelerate's
+    main_process_first() nested with local_main_process_first() has them.
     """
-    with acc.main_process_first(), acc.local_main_process_first():
-        yield
+    if not acc.is_main_process:
+        host_wait()  # the global main has prepared
+    if not acc.is_local_main_process:
+        host_wait()  # each machine's local main has prepared
+    yield
+    if acc.is_local_main_process:
+        host_wait()  # (the global main: its first wait; the other local mains: their second)
+    if acc.is_main_process:
+        host_wait()
 
 
 def fetch_model(acc, name: str) -> None:
@@ -169,9 +231,7 @@ def agree_on_resume(acc, path: str | None) -> None:
 def from_writer(acc, storage: Storage, compute):
     """compute() run by the process that writes this machine's files (the global main, or each machine's local
     main when output_dir is not shared), and its result handed to every process that reads those files: a
-    checkpoint is read (e.g. checksummed) once per copy, not once per process."""
-    from accelerate.utils import gather_object
-
+    checkpoint is read (e.g. checksummed) once per copy, not once per process. The others wait on the host group."""
     mine = None
     if storage.writes:
         try:
@@ -179,7 +239,7 @@ def from_writer(acc, storage: Storage, compute):
         except ConfigError as e:  # raised on every process, not only where it was found
             mine = e
     if acc.num_processes > 1:
-        everyone = gather_object([(machine_rank(), storage.writes, mine)])
+        everyone = host_gather((machine_rank(), storage.writes, mine))
         writers = [(m, value) for m, writes, value in everyone if writes]
         mine = writers[0][1] if len(writers) == 1 else next(v for m, v in writers if m == machine_rank())
     if isinstance(mine, ConfigError):

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from finetune.checkpoint import CONFIG_FILE, write_atomic
+from finetune.cluster import host_wait
 from finetune.config import ConfigError
 from finetune.model import DTYPES, model_config, quantized_base, save_dtype
 
@@ -39,7 +40,7 @@ def export(
     tmp = os.path.join(output_dir, ".tmp_final")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.wait_for_everyone()
+    host_wait()
     if weights_from is None:
         backend.save_pretrained(model, tmp, DTYPES[dtype])  # every rank takes part
     elif accelerator.is_main_process:
@@ -57,7 +58,7 @@ def export(
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
-    accelerator.wait_for_everyone()
+    host_wait()
     return final
 
 

@@ -9,9 +9,10 @@ from finetune.stop import STOP
 
 
 def fault_point(name: str, step: int) -> None:
-    """Fault injection for the crash, hang and storage tests: FINETUNE_FAULT=<name>:<step>[:<rank>]. A name
-    starting with "hang-" makes that process stop answering (sleep), "enospc-" raises the error a full disk
-    gives; any other name kills it (SIGKILL) there."""
+    """Fault injection for the crash, hang and storage tests: FINETUNE_FAULT=<name>:<step>[:<rank>[:<seconds>]]. A
+    name starting with "hang-" makes that process stop answering (sleep), "slow-" makes it work `seconds` longer
+    there (a large model's write), "enospc-" raises the error a full disk gives; any other name kills it (SIGKILL)
+    there."""
     spec = os.environ.get("FINETUNE_FAULT", "").split(":")
     if len(spec) < 2 or spec[0] != name or int(spec[1]) != step:
         return
@@ -21,6 +22,9 @@ def fault_point(name: str, step: int) -> None:
         while not STOP.requested:
             time.sleep(0.2)
         os._exit(143)
+    if name.startswith("slow-"):
+        time.sleep(float(spec[3]))
+        return
     if name.startswith("enospc-"):
         import errno
 

@@ -245,7 +245,7 @@ class _Progress:
         )
         self.win = _Window()
         self.health = _Health()
-        self.stop = StopVote(run.accelerator.num_processes)
+        self.stop = StopVote()
         self.precision_logged = False
         self.compiling = run.compiled  # until the first step of this process has run
         self.profiler = StepProfiler(run.accelerator, run.args.profile_window, run.checkpointer.output_dir, state.step)

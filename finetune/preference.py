@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from finetune import chunked_loss
+from finetune import chunked_loss, cluster
 from finetune.config import REFERENCE_METHODS
 from finetune.config.schema import REFERENCE_FILE
 from finetune.data import PAIR_INDEX
@@ -282,5 +282,5 @@ def load_or_compute_references(acc, backend, model, ds, collate, batch_size: int
     if writes and acc.is_main_process:
         torch.save({"fingerprint": fingerprint, **tables}, path + ".tmp")
         os.replace(path + ".tmp", path)
-    acc.wait_for_everyone()
+    cluster.host_wait()
     return tables

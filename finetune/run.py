@@ -98,6 +98,7 @@ def start(cfg: RunConfig):
     if problems:
         raise ConfigError(problems)
     acc = parallel.make_accelerator(cfg)
+    cluster.start_host_group(acc.num_processes, cfg.train.host_wait_timeout)
     console.set_main(acc.is_main_process)
     backend = parallel.make_backend(acc, cfg)
     facts = parallel.describe(acc)
@@ -109,6 +110,13 @@ def start(cfg: RunConfig):
         facts["mixed_precision"],
         ", ".join(facts["devices"]),
     )
+    if facts["world_size"] > 1:
+        logger.info(
+            "collectives wait %s s for a rank (ddp_timeout), the host waits for one process's work %s s "
+            "(host_wait_timeout)",
+            facts["collective_timeout_s"] or "torch's default",
+            facts["host_wait_timeout_s"],
+        )
     if facts["restart"]:
         logger.info(
             "restart %d of at most %d of this launch (--max_restarts): the previous attempt failed (its message is "
@@ -385,7 +393,7 @@ def restore_or_start(cfg: RunConfig, acc, backend, p: Prepared, plan, resume, st
         os.makedirs(t.output_dir, exist_ok=True)
         with open(os.path.join(t.output_dir, checkpoint.CONFIG_FILE), "w") as f:
             yaml.safe_dump(cfg.to_flat(), f, sort_keys=False)
-    acc.wait_for_everyone()
+    cluster.host_wait()
     return loop.TrainState()
 
 
@@ -477,7 +485,7 @@ def train_and_export(
             with backend.one_process_loading():
                 merged = export.merge_adapter(final, os.path.join(final, "merged"), dtype)
             logger.info("merged model saved to %s (%s)", os.path.abspath(merged), dtype)
-        acc.wait_for_everyone()
+        cluster.host_wait()
     metrics.report_memory(acc, r.log, state.step, startup, training, facts.estimate)
     topo = backend.topology
     facts.parallelism, facts.world_size, facts.distributed_type = (

@@ -70,13 +70,11 @@ class StopVote:
     after the same step: the one in progress when the request was posted, or the next if the signal arrived after
     the post (at most two steps after the signal; the launcher allows 30 s)."""
 
-    def __init__(self, num_processes: int) -> None:
-        self.group = None
-        self.flag = self.work = None
-        if num_processes > 1:
-            import torch.distributed as dist
+    def __init__(self) -> None:
+        from finetune.cluster import host_group
 
-            self.group = dist.new_group(backend="gloo")  # all ranks, host-side (whatever the device's backend)
+        self.group = host_group()  # all ranks, host-side (whatever the device's backend); None in one process
+        self.flag = self.work = None
 
     def post(self) -> None:
         if self.group is not None:

@@ -389,6 +389,41 @@ def test_a_stuck_rank_is_named_and_every_live_rank_leaves_its_stack(assets, tmp_
     assert "train_step" in waiting, waiting
 
 
+def test_one_rank_writing_longer_than_ddp_timeout_is_waited_for(assets, tmp_path):
+    """Rank 0 checksums its checkpoint for 3 x ddp_timeout (FINETUNE_FAULT=slow-checksum: what hundreds of GB
+    take): rank 1 waits on the host group (host_wait_timeout), not on a collective that gives up after
+    ddp_timeout, and the run finishes with both checkpoints. The start log shows the waits torch holds."""
+    args = base_args(assets.llama, assets.instruction, "--max_steps", "4", "--save_steps", "2", "--eval_fraction", "0")
+    res = finetune(
+        tmp_path / "run",
+        *args,
+        "--ddp_timeout",
+        "8",
+        launcher="ddp",
+        timeout=180,
+        extra_env={"FINETUNE_FAULT": "slow-checksum:2:0:24"},
+    )
+    assert "collectives wait 8 s for a rank (ddp_timeout)" in res.output, res.output[-3000:]
+    assert "the host waits for one process's work 14400 s" in res.output, res.output[-3000:]
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_2", "step_4"]
+    assert all((ckpts / s / "manifest.json").exists() for s in ("step_2", "step_4"))
+    assert [r["step"] for r in res.train_rows] == [1, 2, 3, 4]
+
+
+def test_accelerate_still_drops_a_timeout_equal_to_its_default():
+    """The reason for finetune.parallel.environment.start_process_group starting the process group itself:
+    accelerate's InitProcessGroupKwargs passes on only values that differ from its class defaults (nccl's 600 s),
+    so gloo with 600 s (finetune's CPU default) reached torch without a timeout (torch's 1800 s). When this fails,
+    accelerate passes it: InitProcessGroupKwargs can serve again."""
+    import datetime
+
+    from accelerate.utils import InitProcessGroupKwargs
+
+    passed = InitProcessGroupKwargs(backend="gloo", timeout=datetime.timedelta(seconds=600)).to_kwargs()
+    assert passed == {"backend": "gloo"}, passed
+
+
 def test_full_disk_while_saving_then_a_damaged_checkpoint(assets, tmp_path):
     """A write error while saving step 4 (what a full disk raises): one message, exit 1, the half-written
     checkpoint removed, `latest` still step 2, which resumes. Then step 6 gets damaged on disk: `latest`

@@ -23,9 +23,9 @@ PROBE = """
 import os, sys
 from accelerate import Accelerator
 if sys.argv[1] == "workaround":
-    import datetime
+    from finetune.config.schema import TrainArgs
     from finetune.parallel.fsdp import come_up_on_cpu
-    come_up_on_cpu(datetime.timedelta(seconds=60))
+    come_up_on_cpu(TrainArgs(ddp_timeout=60))
 acc = Accelerator()
 print(f"rank {acc.process_index}: {acc.distributed_type} {acc.num_processes} fsdp2={acc.is_fsdp2}", flush=True)
 """

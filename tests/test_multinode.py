@@ -46,6 +46,10 @@ def assert_two_machines(results: list[Result], config: str) -> None:
     dist_type = conftest.EXPECTED[SINGLE_NODE[config]][0]
     assert f"distributed: {dist_type}, world size 2," in machine0.output, machine0.output[-3000:]
     assert "machines: 2 x 1 process(es) per machine = 2" in machine0.output, machine0.output[-3000:]
+    # the waits torch holds: ddp_timeout's CPU default (accelerate dropped it: 1800), host_wait_timeout's
+    assert "collectives wait 600 s for a rank (ddp_timeout), the host waits for one process's work 14400 s" in (
+        machine0.output
+    ), machine0.output[-3000:]
     assert re.search(r"rendezvous (127\.0\.0\.1|localhost):\d+", machine0.output), machine0.output[-3000:]
     assert_layout(machine0.train_rows, SINGLE_NODE[config])
 

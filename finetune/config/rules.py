@@ -185,6 +185,7 @@ def streaming_problems(cfg: RunConfig) -> list[tuple[str, str]]:
 
 AT_LEAST_ONE = (
     "shuffle_buffer_size",
+    "host_wait_timeout",
     "per_device_train_batch_size",
     "per_device_eval_batch_size",
     "gradient_accumulation_steps",

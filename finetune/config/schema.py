@@ -388,8 +388,15 @@ class TrainArgs:
     )
     ddp_timeout: int | None = _f(
         None,
-        "Seconds a collective may wait for the other ranks before the run fails (a dead or stuck rank); "
-        "default 600 on CPU, 1800 on GPU. Raise it when rank 0 tokenizes a very large dataset.",
+        "Seconds a collective of the training step may wait for the other ranks before the run fails (a stuck "
+        "rank); default 600 on CPU, 1800 on GPU. Waits for one process's work on the host take host_wait_timeout.",
+    )
+    host_wait_timeout: int = _f(
+        14400,
+        "Seconds the ranks may wait for one process working alone on the host before the run fails: the first "
+        "rank downloading the model or preparing (tokenizing) the data, the main process writing and checksumming "
+        "a checkpoint, writing final/ or merging the adapter (hours for a large model or dataset). They wait on a "
+        "gloo group of their own, not the device's collectives (ddp_timeout); a rank that dies is noticed at once.",
     )
     cpu_allocator: str = _f(
         "keep",

@@ -33,8 +33,8 @@ No code outside this package branches on the distributed type, ZeRO stage, FSDP,
 from __future__ import annotations
 
 from finetune.config import RunConfig
+from finetune.parallel.base import collective_timeout
 from finetune.parallel.environment import (
-    collective_timeout,
     describe,
     family_module,
     is_peer_failure,

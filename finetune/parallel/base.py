@@ -6,6 +6,7 @@ family. (The surface every family offers is typed in surface.py.)
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterable
 
 import torch
@@ -55,6 +56,34 @@ def restart_init_method() -> str | None:
     except RuntimeError:  # registered already (a second Accelerator in this process)
         pass
     return f"{RESTART_SCHEME}://"
+
+
+def collective_timeout(train) -> int:
+    """Seconds a collective waits for the other ranks (ddp_timeout; 1800 on GPU, 600 on CPU by default)."""
+    return train.ddp_timeout or (1800 if has_accelerator_device() else 600)
+
+
+def start_process_group(train, cpu: bool | None = None):
+    """Start the ranks' process group as the Accelerator would, with every value passed: gloo without a GPU,
+    collectives that wait collective_timeout, each launcher restart's own rendezvous keys (restart_init_method).
+    The Accelerator made next finds it started (accelerate's state is shared).
+
+    Workaround (accelerate 1.15): given as InitProcessGroupKwargs, the timeout was dropped where it equals the
+    class's default, which is nccl's (KwargsHandler.to_kwargs keeps only what differs from it): gloo's 600 s, the
+    CPU default, never reached torch and the ranks waited torch's 1800 s; DeepSpeed on GPUs got its own 30 minutes
+    for ddp_timeout 600. tests/test_faults.py::test_accelerate_still_drops_a_timeout_equal_to_its_default fails
+    once accelerate compares with the backend's own default. cpu: PartialState's (default: as the Accelerator
+    reads it, ACCELERATE_USE_CPU). Returns the PartialState."""
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    kwargs = {"timeout": datetime.timedelta(seconds=collective_timeout(train))}
+    if not has_accelerator_device():
+        kwargs["backend"] = "gloo"
+    init_method = restart_init_method()
+    if init_method is not None:
+        kwargs["init_method"] = init_method
+    return PartialState(parse_flag_from_env("ACCELERATE_USE_CPU") if cpu is None else cpu, **kwargs)
 
 
 def _attempt_rendezvous(url: str, **kwargs):

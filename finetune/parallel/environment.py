@@ -8,11 +8,11 @@ all reported at once before any model loads) and what Accelerator() needs (`acce
 
 from __future__ import annotations
 
-import datetime
 import logging
 
 from finetune import console
 from finetune.config import ConfigError, RunConfig
+from finetune.parallel.base import start_process_group
 from finetune.parallel.surface import FamilyModule
 from finetune.parallel.topology import FAMILIES, Launcher, distributed_type_name, requested_family
 
@@ -60,10 +60,10 @@ def make_accelerator(cfg: RunConfig):
     handlers = [
         DistributedDataParallelKwargs(find_unused_parameters=t.ddp_find_unused_parameters, gradient_as_bucket_view=True)
     ]
-    if Launcher.read().distributed:
-        handlers.append(process_group_kwargs(t))
     try:
         with console.printed_to_log():  # DeepSpeed prints "...op built successfully" at every start
+            if Launcher.read().distributed:
+                start_process_group(t)
             return Accelerator(
                 gradient_accumulation_plugin=GradientAccumulationPlugin(
                     num_steps=t.gradient_accumulation_steps, sync_with_dataloader=False
@@ -107,16 +107,17 @@ def loader_config():
     )
 
 
-def process_group_kwargs(train):
-    """How the ranks start their process group: gloo without a GPU, collectives that wait collective_timeout, and
-    each launcher restart's own rendezvous keys (base.restart_init_method)."""
-    from accelerate.utils import InitProcessGroupKwargs
+def group_timeout_s(device, group=None) -> int | None:
+    """Seconds the process group's collectives on `device` wait (the default group's by default), as torch holds
+    them: what the run really got, whatever was asked. None where torch does not say (one process, a backend
+    without the option)."""
+    import torch.distributed as dist
 
-    from finetune.parallel import base
-
-    timeout = datetime.timedelta(seconds=collective_timeout(train))
-    backend = {} if base.has_accelerator_device() else {"backend": "gloo"}
-    return InitProcessGroupKwargs(timeout=timeout, init_method=base.restart_init_method(), **backend)
+    try:
+        pg = group or dist.distributed_c10d._get_default_group()
+        return round(pg._get_backend(device).options._timeout.total_seconds())
+    except (AttributeError, RuntimeError, ValueError):
+        return None
 
 
 def regional_compile():
@@ -272,16 +273,12 @@ def set_cpu_allocator(mode: str) -> str:
     return mode
 
 
-def collective_timeout(train) -> int:
-    """Seconds a collective waits for the other ranks (ddp_timeout; 1800 on GPU, 600 on CPU by default)."""
-    from finetune.parallel.base import has_accelerator_device
-
-    return train.ddp_timeout or (1800 if has_accelerator_device() else 600)
-
-
 def describe(accelerator) -> dict:
-    """Facts every run logs at start (and tests assert): no silent fallback to one process."""
+    """Facts every run logs at start (and tests assert): no silent fallback to one process, the waits torch holds."""
+    import torch
     from accelerate.utils import gather_object
+
+    from finetune.cluster import host_group
 
     state = accelerator.state
     launcher = Launcher.read()
@@ -293,6 +290,8 @@ def describe(accelerator) -> dict:
         "backend": state.backend or "none",
         "mixed_precision": accelerator.mixed_precision,
         "devices": gather_object([f"rank{accelerator.process_index}:{accelerator.device}"]),
+        "collective_timeout_s": group_timeout_s(accelerator.device),
+        "host_wait_timeout_s": group_timeout_s(torch.device("cpu"), host_group()),
     }
 
 

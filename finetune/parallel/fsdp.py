@@ -20,7 +20,6 @@ What differs from DDP, and why:
 
 from __future__ import annotations
 
-import datetime
 import math
 
 from finetune.config import RunConfig
@@ -31,17 +30,16 @@ from finetune.parallel.topology import Launcher, fsdp_offloads
 def environment(cfg: RunConfig) -> None:
     base.unwrap_without_deepspeed()
     if not base.has_accelerator_device() and Launcher.read().distributed:  # one process under torchrun too
-        come_up_on_cpu(datetime.timedelta(seconds=cfg.train.ddp_timeout or 600))
+        come_up_on_cpu(cfg.train)
 
 
-def come_up_on_cpu(timeout: datetime.timedelta) -> None:
+def come_up_on_cpu(train) -> None:
     """Workaround (accelerate 1.15): start this rank's PartialState on the CPU (gloo, torchrun's world size),
     then label it MULTI_GPU, the only thing AcceleratorState's FSDP branch reads; Accelerator() then comes up
     as DistributedType.FSDP with gloo and the CPU device. Must run before Accelerator()."""
-    from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
-    state = PartialState(cpu=True, timeout=timeout, init_method=base.restart_init_method())
+    state = base.start_process_group(train, cpu=True)  # train: TrainArgs (ddp_timeout)
     if state.distributed_type == DistributedType.MULTI_CPU:
         state.distributed_type = DistributedType.MULTI_GPU
 
