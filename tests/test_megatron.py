@@ -168,6 +168,35 @@ def test_plugin_matches_what_accelerate_expects(assets, run_values, monkeypatch,
         assert plugin.megatron_lm_default_args.get("use_rotary_position_embeddings") is not True
 
 
+def test_transformer_engine_without_apex_builds_without_the_fused_weight_gradient(assets, run_values, monkeypatch):
+    """Megatron fuses the weight gradient's accumulation by default, and its output layer (Megatron's own, under
+    Transformer Engine's spec too) refuses to be built without Apex's extension: with Transformer Engine alone the
+    fusion is off; with Apex it stays on (the fast path of NGC containers)."""
+    import importlib.util
+
+    for k, v in launch_env("megatron_tp2").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(megatron, "uses_transformer_engine", lambda: True)
+    cfg = build_config({**run_values, "model": assets.llama})
+    real = importlib.util.find_spec
+    for apex in (False, True):
+        fake = types.SimpleNamespace(name="fused_weight_gradient_mlp_cuda") if apex else None
+
+        def find_spec(name, *more, fake=fake):
+            return fake if name == "fused_weight_gradient_mlp_cuda" else real(name, *more)
+
+        monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+        other = megatron.plugin_kwargs(cfg)["other_megatron_args"]
+        assert other["gradient_accumulation_fusion"] is apex
+        assert "transformer_impl" not in other  # Megatron's default spec: Transformer Engine's
+    vendor = Path(os.environ.get("FINETUNE_MEGATRON_LM", ROOT.parent / "shared/vendor/megatron-lm-9a1c0d05"))
+    layers = vendor / "megatron/core/tensor_parallel/layers.py"
+    if layers.exists():  # the refusal this avoids, in the Megatron-LM that docs/megatron.md pins
+        text = layers.read_text()
+        assert "import fused_weight_gradient_mlp_cuda" in text
+        assert "if config.gradient_accumulation_fusion and not _grad_accum_fusion_available:" in text
+
+
 def test_gpt_inputs_supervise_what_the_other_backends_supervise(assets):
     """Megatron's (tokens, labels, loss_mask) from our batch: the same supervised next-token targets as the HF
     loss (labels shifted inside the model), padded to the fixed sequence length."""

@@ -495,7 +495,7 @@ def plugin_kwargs(cfg: RunConfig, env: Mapping[str, str] = os.environ, config=No
         # 1 the padded vocabulary is the real one whenever TP divides it (the loss is the HF model's loss)
         "make_vocab_size_divisible_by": 1,
         **architecture_args(config, family),
-        **({} if uses_transformer_engine() else LOCAL_SPEC_ARGS),
+        **(te_spec_args() if uses_transformer_engine() else LOCAL_SPEC_ARGS),
     }
     eos = getattr(config, "eos_token_id", None)
     if isinstance(eos, int):
@@ -555,6 +555,13 @@ LOCAL_SPEC_ARGS = {
     "apply_rope_fusion": False,
     "gradient_accumulation_fusion": False,
 }
+
+
+def te_spec_args() -> dict:
+    """With Transformer Engine's layers: Megatron fuses the weight gradient's accumulation by default, and its output
+    layer (its own ColumnParallelLinear under either spec) then needs Apex's fused_weight_gradient_mlp_cuda and raises
+    when the model is built where only Transformer Engine is installed (layers.py:44, 916): off without Apex."""
+    return {"gradient_accumulation_fusion": importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None}
 
 
 def uses_transformer_engine() -> bool:
@@ -786,18 +793,21 @@ class Backend(ddp.Backend):
 
     def full_state_dict(self, model):
         """The trained weights under HF names (main process): every rank of data-parallel replica 0 sends its
-        TP x PP shard, the main process joins them (`megatron_to_hf`). A collective."""
+        TP x PP shard to the main process over the host (cluster.host_gather: an object gather on the NCCL group
+        stages world size x the largest shard on every GPU, an OOM at the end of a 7B run), which joins them
+        (`megatron_to_hf`). A collective."""
         import torch
-        from accelerate.utils import gather_object
         from megatron.core import mpu
         from megatron.core.utils import unwrap_model
+
+        from finetune.cluster import host_gather
 
         mine = {}
         if mpu.get_data_parallel_rank() == 0:
             for chunk in unwrap_model(model.module):
                 for name, p in chunk.named_parameters():
                     mine[_global_layer_name(chunk, name)] = p.detach().float().cpu()
-        shards = gather_object([(mpu.get_tensor_model_parallel_rank(), mine)])
+        shards = host_gather((mpu.get_tensor_model_parallel_rank(), mine), main_only=True)
         if not self.acc.is_main_process:
             return {}
         by_tp: dict[int, dict[str, torch.Tensor]] = {}
