@@ -426,7 +426,10 @@ class Resume:
                 kind, name = key.split("/", 1)
                 out.setdefault(name, {})[kind] = value
             return out
-        state = torch.load(os.path.join(self.path, "optimizer.bin"), map_location="cpu", weights_only=True)["state"]
+        # mmap: the file's pages, shared by the ranks of a machine that all read it (as safetensors' are), not a
+        # private copy of 8 bytes per parameter in every rank
+        path = os.path.join(self.path, "optimizer.bin")
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["state"]
         if not all(isinstance(k, str) for k in state):  # indexed as the optimizer's parameters: names beside it
             with open(os.path.join(self.path, PARAM_NAMES)) as f:
                 names = json.load(f)
