@@ -78,6 +78,35 @@ def test_meta_count_matches_the_real_model_with_and_without_lora(assets):
     assert shape.trainable == sum(p.numel() for p in peft_model.parameters() if p.requires_grad) < shape.total / 5
 
 
+def test_qlora_holds_the_base_linears_in_four_bits(assets):
+    """peft.load_in_4bit: the planner holds the base's decoder linears (what bitsandbytes quantizes; counted here
+    by name in the real model) at NF4's 0.5 + 4/64 bytes (two weights a byte, an fp32 absmax per 64), the rest as
+    loaded, and autocast caches no 16-bit copy of them (under DDP and ZeRO-2, the layouts that run QLoRA)."""
+    from transformers import AutoModelForCausalLM
+
+    real = AutoModelForCausalLM.from_pretrained(assets.llama)
+    linears = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    base = sum(p.numel() for n, p in real.named_parameters() if n.split(".")[-2] in linears)
+    assert base > 0
+    lora = {"method": "lora", "r": 4}
+    plain = memory.shape_from_config(run_config(assets.llama, peft=lora))
+    qlora = memory.shape_from_config(run_config(assets.llama, peft={**lora, "load_in_4bit": True}))
+    assert plain.quantized == 0 and qlora.quantized == base and qlora.total == plain.total
+    w = plain.weight_bytes
+    for name in ("ddp", "zero2"):  # bf16 through autocast over the weights as loaded (fp32 here) in both
+        topo, _, _ = topology.read_config_file(ROOT / "accelerate_configs" / f"{name}.yaml", num_processes=2)
+
+        def part(shape, kind, topo=topo):
+            return sum(
+                x.bytes for x in sharding.model_states(topo, shape, "bf16", sharding.Buckets()) if x.name == kind
+            )
+
+        assert part(plain, "parameters") == plain.total * w
+        four_bit = (qlora.total - base) * w + base * (0.5 + 4 / 64)
+        assert part(qlora, "parameters") == pytest.approx(four_bit), name
+        assert part(plain, "buffers") - part(qlora, "buffers") == pytest.approx(2 * base), name
+
+
 def _saved_masks(run, seq: int) -> list:
     """The distinct seq x seq tensors autograd keeps for backward while `run()` runs: (dtype, storage id)."""
     import torch

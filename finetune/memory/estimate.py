@@ -107,17 +107,27 @@ class ModelShape:
     weight_bytes: int  # bytes per weight as loaded (torch_dtype)
     tensor_sizes: tuple[int, ...] = ()
     model_type: str = ""  # config.model_type (whether the chunked loss applies)
+    quantized: int = 0  # of total, the weights stored in 4 bits (QLoRA's base linears; sharding.NF4_BYTES each)
 
     def small_params(self, threshold: float) -> int:
         """Parameters in tensors below `threshold` elements (ZeRO-3 keeps those whole on every rank)."""
         return sum(n for n in self.tensor_sizes if n < threshold)
 
     @classmethod
-    def of_model(cls, net, config, weight_bytes: int, numel=None) -> ModelShape:
-        """Count a built model (on the meta device, or a real one: `numel` gives a partitioned one's full size)."""
+    def of_model(cls, net, config, weight_bytes: int, numel=None, load_in_4bit: bool = False) -> ModelShape:
+        """Count a built model (on the meta device, or a real one: `numel` gives a partitioned one's full size), in
+        weights (a 4-bit one packed two per byte counts as one weight each). load_in_4bit: a model built on the
+        meta device for a QLoRA run, whose frozen decoder linears bitsandbytes would store in 4 bits (a loaded
+        QLoRA model shows its 4-bit weights itself)."""
         import torch
 
-        numel = numel or (lambda p: p.numel())
+        from finetune.model import weights_in
+
+        size = numel or (lambda p: p.numel())
+
+        def numel(p):
+            return weights_in(p, size)
+
         params = list(net.parameters())
         layers = max(
             (m for m in net.modules() if isinstance(m, torch.nn.ModuleList)), key=len, default=torch.nn.ModuleList()
@@ -135,6 +145,9 @@ class ModelShape:
         head_dim = getattr(text, "head_dim", None) or hidden // max(heads, 1)
         kv_heads = _first(text, "num_key_value_heads", "n_head", "num_attention_heads")
         names = {n.rsplit(".", 1)[-1] for n, _ in net.named_modules()}
+        quantized = sum(numel(p) for p in params if getattr(p, "quant_state", None) is not None)
+        if load_in_4bit and not quantized:  # the base's linears, frozen under the adapter (its own stay in full)
+            quantized = sum(numel(m.weight) for m in linears if not m.weight.requires_grad)
         return cls(
             total=total,
             trainable=sum(numel(p) for p in params if p.requires_grad),
@@ -152,6 +165,7 @@ class ModelShape:
             weight_bytes=weight_bytes,
             tensor_sizes=tuple(sorted(numel(p) for p in params)),
             model_type=getattr(config, "model_type", ""),
+            quantized=quantized,
         )
 
 
@@ -198,7 +212,7 @@ def shape_from_config(cfg: RunConfig, num_labels: int = 2, config=None) -> Model
     with init_empty_weights():
         if cfg.peft.method != "none" and not cfg.peft.adapter:
             net = model_lib.apply_peft(net, cfg.peft, cfg.model.task)
-    return ModelShape.of_model(net, config, weight_bytes)
+    return ModelShape.of_model(net, config, weight_bytes, load_in_4bit=cfg.peft.load_in_4bit)
 
 
 def activation_elements(s: ModelShape, batch: int, seq: int, tp: int = 1, eager_attention: bool = False) -> float:

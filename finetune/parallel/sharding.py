@@ -40,6 +40,8 @@ FSDP2, while DDP keeps its buckets). With gradient accumulation the gradients li
                       sharded over data parallel
 Mixed precision through accelerate (autocast) keeps fp32 weights and adds their 16-bit casts (autocast's
 cache: 2 bytes per weight for the forward and backward).
+QLoRA (peft.load_in_4bit; one process, DDP, ZeRO-1/2): the base's decoder linears are stored in NF4, NF4_BYTES per
+weight (bitsandbytes dequantizes one layer at a time, autocast caches no copy of them); the rest as loaded.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ from typing import Any
 from finetune.parallel.topology import Launcher, Topology
 
 ALWAYS, BACKWARD, STEP, EVAL = "always", "backward", "step", "eval"
+# bitsandbytes' NF4: two weights per byte and an fp32 absmax per block of 64 (finetune does not double-quantize)
+NF4_BYTES = 0.5 + 4 / 64
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,8 @@ def model_states(topology: Topology, shape: Any, mixed_precision: str, buckets: 
         native = mixed_precision == "fp16" or (mixed_precision == "bf16" and buckets.bf16_weights)
         parts = _deepspeed(t, shape, native, buckets)
         if half and not native and shape.weight_bytes == 4:
-            parts.append(Part("buffers", 2 * shape.total, note="autocast's 16-bit weight casts", phase=BACKWARD))
+            casts = 2 * (shape.total - shape.quantized)
+            parts.append(Part("buffers", casts, note="autocast's 16-bit weight casts", phase=BACKWARD))
         return parts
     if t.family == "fsdp":
         return _fsdp(t, shape, half)
@@ -151,16 +156,24 @@ def _split(shape, tp: int, pp: int = 1) -> tuple[float, float]:
     return total, trainable
 
 
+def _weights(shape, total: float, w: float) -> Part:
+    """The parameters Part of a rank holding `total` of the model's weights whole, at w bytes each; QLoRA's 4-bit
+    ones (shape.quantized, never split: tensor parallelism and sharding refuse them) at NF4_BYTES."""
+    q = shape.quantized
+    return Part("parameters", (total - q) * w + q * NF4_BYTES, note=f"{q / 1e6:.0f}M of them in 4 bits" if q else "")
+
+
 def _ddp(t: Topology, shape, half: bool) -> list[Part]:
     w = shape.weight_bytes
     total, trainable = _split(shape, t.tp)
     parts = [
-        Part("parameters", total * w),
+        _weights(shape, total, w),
         Part("gradients", trainable * w, note="views of DDP's 25 MB buckets, kept between steps"),
         Part("optimizer", 2 * trainable * w, note="AdamW exp_avg + exp_avg_sq"),
     ]
     if half and w == 4:
-        parts.append(Part("buffers", 2 * total, note="autocast's 16-bit weight casts", phase=BACKWARD))
+        casts = 2 * (total - shape.quantized)
+        parts.append(Part("buffers", casts, note="autocast's 16-bit weight casts", phase=BACKWARD))
     return parts
 
 
@@ -190,7 +203,7 @@ def _deepspeed(t: Topology, shape, half: bool, b: Buckets) -> list[Part]:
         buffers = [Part("buffers", b.reduce * cw, note="reduce bucket", phase=BACKWARD)]
         if host_opt:  # the 16-bit copy of the partition the CPU optimizer writes back through
             buffers.append(Part("buffers", w * trainable / n, True, "offload write-back buffer"))
-        return [Part("parameters", total * w), *grads, *master, *states, *buffers]
+        return [_weights(shape, total, w), *grads, *master, *states, *buffers]
     persistent = shape.small_params(b.persistence_threshold)  # kept whole on every rank
     params = Part("parameters", (total - persistent) * w / n + persistent * w, t.offload_params, "partitioned")
     parts = [params, Part("gradients", 4 * trainable / n, host_opt, "partition buffer, allocated once")]
