@@ -136,18 +136,24 @@ class Checkpointer:
         if self.writes and error is None:
             error = _attempt(self._write_metadata, tmp, trainer_state)
         self._raise_if_any_failed(error, step, tmp)
-        if self.writes:
-            if os.path.exists(final):  # e.g. a resumed run saving the step it resumed from
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            write_atomic(os.path.join(root, LATEST), f"step_{step}\n")
-            if self.save_total_limit:
-                best = trainer_state.get("best_step")  # finetune.best: never pruned
-                for old_step, path in list_checkpoints(self.output_dir)[: -self.save_total_limit]:
-                    if path != final and old_step != best:
-                        shutil.rmtree(path, ignore_errors=True)
+        # Named complete by the writer; its error (a full disk at `latest`, a network filesystem's) ends every rank
+        # with the same message, not the writer alone while the others wait
+        self._raise_if_any_failed(_attempt(self._publish, tmp, final, step) if self.writes else None, step, tmp)
+        if self.writes and self.save_total_limit:
+            best = trainer_state.get("best_step")  # finetune.best: never pruned
+            for old_step, path in list_checkpoints(self.output_dir)[: -self.save_total_limit]:
+                if path != final and old_step != best:
+                    shutil.rmtree(path, ignore_errors=True)
         host_wait()
         return final
+
+    def _publish(self, tmp: str, final: str, step: int) -> None:
+        """The written checkpoint in place, then `latest` naming it (each step atomic)."""
+        if os.path.exists(final):  # e.g. a resumed run saving the step it resumed from
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fault_point("enospc-naming-checkpoint", step)
+        write_atomic(os.path.join(os.path.dirname(final), LATEST), f"step_{step}\n")
 
     def _write_metadata(self, tmp: str, trainer_state: dict[str, Any]) -> None:
         """The run config, the manifest of every file (size and SHA-256, verified at resume), and last the

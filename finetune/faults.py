@@ -9,15 +9,18 @@ from finetune.stop import STOP
 
 
 def fault_point(name: str, step: int) -> None:
-    """Fault injection for the crash, hang and storage tests: FINETUNE_FAULT=<name>:<step>[:<rank>[:<seconds>]]. A
-    name starting with "hang-" makes that process stop answering (sleep), "slow-" makes it work `seconds` longer
-    there (a large model's write), "enospc-" raises the error a full disk gives; any other name kills it (SIGKILL)
-    there."""
-    spec = os.environ.get("FINETUNE_FAULT", "").split(":")
-    if len(spec) < 2 or spec[0] != name or int(spec[1]) != step:
-        return
-    if len(spec) >= 3 and spec[2] != os.environ.get("RANK", "0"):
-        return
+    """Fault injection for the crash, hang and storage tests: FINETUNE_FAULT=<name>:<step>[:<rank>[:<seconds>]],
+    several comma-separated. A name starting with "hang-" makes that process stop answering (sleep), "slow-" makes
+    it work `seconds` longer there (a large model's write), "enospc-" raises the error a full disk gives; any other
+    name kills it (SIGKILL) there."""
+    for fault in os.environ.get("FINETUNE_FAULT", "").split(","):
+        spec = fault.split(":")
+        if len(spec) >= 2 and spec[0] == name and int(spec[1]) == step:
+            if len(spec) < 3 or spec[2] == os.environ.get("RANK", "0"):
+                _inject(name, step, spec)
+
+
+def _inject(name: str, step: int, spec: list[str]) -> None:
     if name.startswith("hang-"):  # until the launcher stops the job (SIGTERM), as it would kill a stuck process
         while not STOP.requested:
             time.sleep(0.2)

@@ -389,10 +389,11 @@ def test_a_stuck_rank_is_named_and_every_live_rank_leaves_its_stack(assets, tmp_
     assert "train_step" in waiting, waiting
 
 
-def test_one_rank_writing_longer_than_ddp_timeout_is_waited_for(assets, tmp_path):
-    """Rank 0 checksums its checkpoint for 3 x ddp_timeout (FINETUNE_FAULT=slow-checksum: what hundreds of GB
-    take): rank 1 waits on the host group (host_wait_timeout), not on a collective that gives up after
-    ddp_timeout, and the run finishes with both checkpoints. The start log shows the waits torch holds."""
+def test_the_writer_alone_slow_then_failing_to_name_a_checkpoint(assets, tmp_path):
+    """Rank 0 alone checksums step 2 for 3 x ddp_timeout (FINETUNE_FAULT slow-checksum: what hundreds of GB take):
+    rank 1 waits on the host group (host_wait_timeout), not in a collective that gives up after ddp_timeout. Then
+    rank 0 alone fails to name step 4 `latest` (a full disk): every rank stops with the one message (exit 1, no
+    traceback), `latest` still names step 2. The start log shows the waits torch holds."""
     args = base_args(assets.llama, assets.instruction, "--max_steps", "4", "--save_steps", "2", "--eval_fraction", "0")
     res = finetune(
         tmp_path / "run",
@@ -401,14 +402,18 @@ def test_one_rank_writing_longer_than_ddp_timeout_is_waited_for(assets, tmp_path
         "8",
         launcher="ddp",
         timeout=180,
-        extra_env={"FINETUNE_FAULT": "slow-checksum:2:0:24"},
+        expect_ok=False,
+        extra_env={"FINETUNE_FAULT": "slow-checksum:2:0:24,enospc-naming-checkpoint:4:0"},
     )
     assert "collectives wait 8 s for a rank (ddp_timeout)" in res.output, res.output[-3000:]
     assert "the host waits for one process's work 14400 s" in res.output, res.output[-3000:]
-    ckpts = tmp_path / "run" / "checkpoints"
-    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_2", "step_4"]
-    assert all((ckpts / s / "manifest.json").exists() for s in ("step_2", "step_4"))
     assert [r["step"] for r in res.train_rows] == [1, 2, 3, 4]
+    assert res.returncode == 1 and "Traceback" not in res.output, res.output[-3000:]
+    assert "a collective failed" not in res.output, res.output[-3000:]
+    assert "could not write checkpoint step_4 (rank 0: " in res.output and "No space left" in res.output
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_2"
+    assert (ckpts / "step_2" / "manifest.json").exists() and not (tmp_path / "run" / "final").exists()
 
 
 def test_accelerate_still_drops_a_timeout_equal_to_its_default():
