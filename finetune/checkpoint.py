@@ -123,22 +123,22 @@ class Checkpointer:
         error = None
         if self.writes:
             shutil.rmtree(tmp, ignore_errors=True)
-            error = _attempt(os.makedirs, tmp)
+            error = attempt_write(os.makedirs, tmp)
         host_wait()
         if error is None:
-            error = _attempt(acc.save_state, tmp, safe_serialization=True)
+            error = attempt_write(acc.save_state, tmp, safe_serialization=True)
         if error is None:
-            error = _attempt(self._write_full_tensors, tmp)
+            error = attempt_write(self._write_full_tensors, tmp)
         if error is None:
-            error = _attempt(fault_point, "enospc-in-checkpoint", step)
+            error = attempt_write(fault_point, "enospc-in-checkpoint", step)
         fault_point("in-checkpoint", step)
         host_wait()
         if self.writes and error is None:
-            error = _attempt(self._write_metadata, tmp, trainer_state)
+            error = attempt_write(self._write_metadata, tmp, trainer_state)
         self._raise_if_any_failed(error, step, tmp)
         # Named complete by the writer; its error (a full disk at `latest`, a network filesystem's) ends every rank
         # with the same message, not the writer alone while the others wait
-        self._raise_if_any_failed(_attempt(self._publish, tmp, final, step) if self.writes else None, step, tmp)
+        self._raise_if_any_failed(attempt_write(self._publish, tmp, final, step) if self.writes else None, step, tmp)
         if self.writes and self.save_total_limit:
             best = trainer_state.get("best_step")  # finetune.best: never pruned
             for old_step, path in list_checkpoints(self.output_dir)[: -self.save_total_limit]:
@@ -212,12 +212,16 @@ class Checkpointer:
             save_file(tensors, os.path.join(out, "optimizer.safetensors"))
 
 
-class CheckpointWriteError(Exception):
-    """A checkpoint could not be written (a full disk, an I/O error); the previous one is intact."""
+class WriteError(Exception):
+    """An output of the run could not be written (a full disk, an I/O error); the message says what is intact."""
 
 
-def _attempt(fn, *args, **kwargs) -> OSError | None:
-    """Run a step of writing a checkpoint; the OSError it raised, if any (collected from every rank)."""
+class CheckpointWriteError(WriteError):
+    """A checkpoint could not be written; the previous one is intact."""
+
+
+def attempt_write(fn, *args, **kwargs) -> OSError | None:
+    """Run a step of writing a checkpoint or final/; the OSError it raised, if any (collected from every rank)."""
     try:
         fn(*args, **kwargs)
     except Exception as e:

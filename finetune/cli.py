@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 
-from finetune.checkpoint import CheckpointWriteError
+from finetune.checkpoint import WriteError
 from finetune.config import ConfigError
 from finetune.config.load import parse
 from finetune.launcher_report import write_error_file
@@ -90,7 +90,7 @@ def _stopping(e: BaseException, rank: str, cfg) -> int | None:
         )
         _stop_with(message)
         return 128 + signal.Signals[e.signame].value
-    if isinstance(e, (Diverged, PushFailed, CheckpointWriteError)):  # the run failed for a reason it can name
+    if isinstance(e, (Diverged, PushFailed, WriteError)):  # the run failed for a reason it can name
         _stop_with(f"finetune: {e}")
         return 1
     if isinstance(e, KeyboardInterrupt):
@@ -107,7 +107,8 @@ def _stopping(e: BaseException, rank: str, cfg) -> int | None:
     first = (str(e).strip().splitlines() or [""])[0][:300]
     message = (
         f"finetune rank {rank}: a collective failed because another rank died or did not answer within "
-        f"ddp_timeout ({type(e).__name__}: {first}). {explain_hang()} {_hint(cfg)}"
+        f"ddp_timeout (host_wait_timeout while one process worked alone) ({type(e).__name__}: {first}). "
+        f"{explain_hang()} {_hint(cfg)}"
     )
     _stop_with(message, every_rank=True)  # each rank says what it saw
     return 1

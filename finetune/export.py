@@ -15,9 +15,10 @@ from typing import Any
 
 import yaml
 
-from finetune.checkpoint import CONFIG_FILE, write_atomic
-from finetune.cluster import host_wait
+from finetune.checkpoint import CONFIG_FILE, WriteError, attempt_write, resume_hint, write_atomic
+from finetune.cluster import host_gather, host_wait
 from finetune.config import ConfigError
+from finetune.faults import fault_point
 from finetune.model import DTYPES, model_config, quantized_base, save_dtype
 
 LABELS_FILE = "labels.json"
@@ -38,28 +39,45 @@ def export(
     weights_from: write the weights from elsewhere instead (one process: the best checkpoint, finetune.best)."""
     final = os.path.join(output_dir, "final")
     tmp = os.path.join(output_dir, ".tmp_final")
-    if accelerator.is_main_process:
+    main = accelerator.is_main_process
+    if main:
         shutil.rmtree(tmp, ignore_errors=True)
     host_wait()
     if weights_from is None:
-        backend.save_pretrained(model, tmp, DTYPES[dtype])  # every rank takes part
-    elif accelerator.is_main_process:
-        with backend.one_process_loading():
-            weights_from(tmp)
-    if accelerator.is_main_process:
-        net = backend.hf_model(model)
-        stamp_dtype(tmp, dtype)
-        tokenizer.save_pretrained(tmp)
-        write_atomic(os.path.join(tmp, CONFIG_FILE), yaml.safe_dump(run_config, sort_keys=False))
-        id2label = getattr(net.config, "id2label", None)
-        if os.path.exists(os.path.join(tmp, "adapter_config.json")) and run_config.get("task") == "classification":
-            # the classes a classifier adapter was trained for: `finetune merge` rebuilds the head from them
-            write_atomic(os.path.join(tmp, LABELS_FILE), json.dumps([id2label[i] for i in sorted(id2label)]))
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    host_wait()
+        error = attempt_write(backend.save_pretrained, model, tmp, DTYPES[dtype])  # every rank takes part
+    else:
+        error = attempt_write(_one_process, backend, weights_from, tmp) if main else None
+    if main and error is None:
+        error = attempt_write(_finish, backend.hf_model(model), tokenizer, run_config, tmp, final, dtype)
+    failed = [text for text in host_gather(error and str(error)) if text]
+    if failed:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise WriteError(
+            f"could not write {final} ({failed[0]}); {'a previous' if os.path.exists(final) else 'no'} final/ is "
+            f"there. Free space or fix the filesystem, then write it from the run's end: {resume_hint(output_dir)}"
+        )
     return final
+
+
+def _one_process(backend, weights_from: Callable[[str], None], tmp: str) -> None:
+    with backend.one_process_loading():
+        weights_from(tmp)
+
+
+def _finish(net, tokenizer, run_config: dict[str, Any], tmp: str, final: str, dtype: str) -> None:
+    """The main process: what final/ holds beside the weights, then final/ in place."""
+    stamp_dtype(tmp, dtype)
+    tokenizer.save_pretrained(tmp)
+    write_atomic(os.path.join(tmp, CONFIG_FILE), yaml.safe_dump(run_config, sort_keys=False))
+    id2label = getattr(net.config, "id2label", None)
+    if os.path.exists(os.path.join(tmp, "adapter_config.json")) and run_config.get("task") == "classification":
+        # the classes a classifier adapter was trained for: `finetune merge` rebuilds the head from them
+        write_atomic(os.path.join(tmp, LABELS_FILE), json.dumps([id2label[i] for i in sorted(id2label)]))
+    fault_point("enospc-in-export", 0)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.replace(tmp, final)
 
 
 def stamp_dtype(directory: str, dtype: str) -> None:

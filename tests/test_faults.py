@@ -431,8 +431,9 @@ def test_accelerate_still_drops_a_timeout_equal_to_its_default():
 
 def test_full_disk_while_saving_then_a_damaged_checkpoint(assets, tmp_path):
     """A write error while saving step 4 (what a full disk raises): one message, exit 1, the half-written
-    checkpoint removed, `latest` still step 2, which resumes. Then step 6 gets damaged on disk: `latest`
-    skips it (and says so) for step 4; naming it explicitly is refused with exit 2."""
+    checkpoint removed, `latest` still step 2, which resumes to the end, where writing final/ fails: one message
+    naming step 6 to continue from. Then step 6 gets damaged on disk: `latest` skips it (and says so) for step 4;
+    naming it explicitly is refused with exit 2."""
     args = base_args(assets.gpt2, assets.text, "--max_steps", "6", "--save_steps", "2", "--eval_fraction", "0")
     out = tmp_path / "run"
     ckpts = out / "checkpoints"
@@ -450,7 +451,20 @@ def test_full_disk_while_saving_then_a_damaged_checkpoint(assets, tmp_path):
     assert said and 1 <= float(said.group(1)) < 1000, full.output[-2000:]
     scale = {"GB": 1e9, "MB": 1e6, "KB": 1e3, "bytes": 1}[said.group(2)]
     assert abs(float(said.group(1)) * scale / size - 1) < 0.01
-    finetune(out, *args, "--resume_from_checkpoint", "latest", launcher="python")
+    # the resume trains to the end, checkpoints step 6, and the disk fills while final/ is written
+    ended = finetune(
+        out,
+        *args,
+        "--resume_from_checkpoint",
+        "latest",
+        launcher="python",
+        expect_ok=False,
+        extra_env={"FINETUNE_FAULT": "enospc-in-export:0"},
+    )
+    assert ended.returncode == 1 and "Traceback" not in ended.output, ended.output[-3000:]
+    assert f"finetune: could not write {out / 'final'} (" in ended.output and "No space left" in ended.output
+    assert f"Last complete checkpoint: {ckpts / 'step_6'}" in ended.output
+    assert not (out / "final").exists() and not (out / ".tmp_final").exists()
     assert json.loads((ckpts / "step_6" / "manifest.json").read_text())["model.safetensors"][0] > 0
     weights = ckpts / "step_6" / "model.safetensors"
     data = bytearray(weights.read_bytes())
@@ -464,6 +478,7 @@ def test_full_disk_while_saving_then_a_damaged_checkpoint(assets, tmp_path):
         "skipped checkpoint" in again.output and "step_6: model.safetensors does not match its checksum" in again.output
     )
     assert f"resumed from {ckpts / 'step_4'}" in again.output
+    assert (out / "final" / "model.safetensors").exists()
 
 
 @pytest.mark.parametrize("launcher", ["ddp", "zero3", "fsdp2", "tp2"])
@@ -579,14 +594,14 @@ def test_a_full_disk_under_safetensors_is_a_write_error():
     def full(*_):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    error = checkpoint._attempt(full)
+    error = checkpoint.attempt_write(full)
     assert isinstance(error, OSError) and error.errno == 28 and "No space left" in error.strerror
 
     def bug(*_):
         raise SafetensorError("Error while serializing: a tensor is not contiguous")
 
     with pytest.raises(SafetensorError):  # not a write error: surfaces as itself
-        checkpoint._attempt(bug)
+        checkpoint.attempt_write(bug)
 
 
 def run_cli_script(script, setup: str) -> tuple[subprocess.CompletedProcess, str]:
