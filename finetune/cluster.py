@@ -2,7 +2,8 @@
 
   host_wait(), host_gather(value)
                        the ranks wait for, or agree with, a process that works alone on the host (writing a
-                       checkpoint, final/, a merge; preparing data): on a gloo group with host_wait_timeout
+                       checkpoint, final/, a merge; preparing data), and every exchange of Python objects between
+                       them: on a gloo group with host_wait_timeout, never through the device
   node_first(acc)      a block run by the global main first, then by each machine's local main (from
                        the global main's shared cache, or into its own node-local one), then by the rest
   fetch_model(...)     Hub downloads: each machine's local main first, the others from its cache
@@ -161,9 +162,7 @@ def probe_storage(acc, output_dir: str, num_machines: int) -> Storage:
     """
     if num_machines <= 1:
         return Storage("one machine", acc.is_main_process)
-    from accelerate.utils import broadcast_object_list, gather_object
-
-    token = broadcast_object_list([uuid.uuid4().hex[:12] if acc.is_main_process else None])[0]
+    token = host_gather(uuid.uuid4().hex[:12] if acc.is_main_process else None)[0]
     mine = os.path.join(output_dir, f".finetune_probe_{token}_machine{machine_rank()}")
     error = None
     if acc.is_local_main_process:
@@ -173,14 +172,13 @@ def probe_storage(acc, output_dir: str, num_machines: int) -> Storage:
                 f.write(socket.gethostname())
         except OSError as e:
             error = f"{type(e).__name__}: {e}"
-    acc.wait_for_everyone()
+    host_wait()
     seen = None
     if acc.is_local_main_process and error is None:
         seen = sum(
             os.path.exists(os.path.join(output_dir, f".finetune_probe_{token}_machine{m}")) for m in range(num_machines)
         )
-    reports = gather_object([(machine_rank(), socket.gethostname(), acc.is_local_main_process, error, seen)])
-    acc.wait_for_everyone()
+    reports = host_gather((machine_rank(), socket.gethostname(), acc.is_local_main_process, error, seen))
     if acc.is_local_main_process and error is None:
         os.remove(mine)
     writers = [r for r in reports if r[2]]
@@ -215,12 +213,10 @@ def describe_storage(storage: Storage, output_dir: str, num_machines: int) -> st
 def agree_on_resume(acc, path: str | None) -> None:
     """Every machine must continue from the same step; a node-local copy can lag (a machine's disk was
     full, its copy was deleted)."""
-    from accelerate.utils import gather_object
-
     if acc.num_processes == 1:
         return
     mine = os.path.basename(path) if path else "a fresh start"
-    views = gather_object([(machine_rank(), socket.gethostname(), mine)])
+    views = host_gather((machine_rank(), socket.gethostname(), mine))
     if len({v for *_, v in views}) > 1:
         found = "; ".join(sorted({f"machine {m} ({h}): {v}" for m, h, v in views}))
         raise ConfigError(
@@ -255,9 +251,7 @@ def from_writer(acc, storage: Storage, compute):
 
 def describe(acc, num_machines: int) -> str:
     """Machines, processes per machine, hosts and rendezvous: one line for the start log."""
-    from accelerate.utils import gather_object
-
-    hosts = gather_object([(machine_rank(), socket.gethostname())])
+    hosts = host_gather((machine_rank(), socket.gethostname()))
     by_machine: dict[int, set[str]] = {}
     for m, host in hosts:
         by_machine.setdefault(m, set()).add(host)

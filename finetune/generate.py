@@ -74,7 +74,7 @@ class GenerationEval:
 
     def evaluate(self, run, step: int) -> dict[str, float]:
         """Scores of this eval (every rank takes part); writes the samples row."""
-        from accelerate.utils import gather_object
+        from finetune.cluster import host_gather
 
         topo = run.backend.topology
         n, size = len(self.examples), self.batch_size
@@ -90,7 +90,7 @@ class GenerationEval:
             if real:
                 mine += [(start + j, text) for j, text in enumerate(texts)]
         run.model.train()
-        generated = dict(gather_object(mine))  # replicas of one batch (tensor parallel) give the same text
+        generated = dict(pair for rank in host_gather(mine) for pair in rank)  # TP replicas give the same text
         predictions = [generated[i] for i in range(n)]
         references = [e.reference for e in self.examples]
         scores: dict[str, float] = {}

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from finetune.best import BestRule
 from finetune.checkpoint import Checkpointer
+from finetune.cluster import host_gather
 from finetune.config import TrainArgs
 from finetune.data import BATCH_FACTS, StreamedRows
 from finetune.faults import fault_point
@@ -442,11 +443,7 @@ def _log_eval(run: Run, state: TrainState, bar) -> dict[str, float]:
 def _judge(run: Run, state: TrainState, result: dict[str, float]):
     """Best checkpoint and early stopping (finetune.best) on this evaluation. The gathered metrics are the same
     on every rank; the main process's value is broadcast all the same, so no rank can decide differently."""
-    from accelerate.utils import broadcast_object_list
-
-    value = run.best.value_of(result)
-    if run.accelerator.num_processes > 1:
-        value = broadcast_object_list([value])[0]
+    value = host_gather(run.best.value_of(result))[0]  # the main process's
     verdict = run.best.update(state, value)
     if verdict.stop:
         logger.info(

@@ -110,12 +110,12 @@ def peak_memory(device: torch.device) -> dict[str, float]:
 def report_memory(accelerator, log, step: int, startup: dict, training: dict, estimate: dict | None = None) -> None:
     """Every rank's peak memory per phase (loading/preparing, training, save and export): logged and in metrics.jsonl,
     with the run's own estimate of the training peak next to them (estimate_train_peak_gb, finetune/memory/)."""
-    from accelerate.utils import gather_object
+    from finetune.cluster import host_gather
 
     phases = {"startup": startup, "train": training, "save_export": peak_memory(accelerator.device)}
     mine = {f"{phase}_{k}": v for phase, m in phases.items() for k, v in m.items()}
     mine.update(estimate or {})
-    memories = gather_object([{"rank": accelerator.process_index, **mine}])
+    memories = host_gather({"rank": accelerator.process_index, **mine})
     log.write({"step": step, "peak_memory": memories})
     for m in memories:
         text = ", ".join(f"{k.removesuffix('_gb')} {v:.2f}" for k, v in m.items() if k != "rank")

@@ -276,9 +276,8 @@ def set_cpu_allocator(mode: str) -> str:
 def describe(accelerator) -> dict:
     """Facts every run logs at start (and tests assert): no silent fallback to one process, the waits torch holds."""
     import torch
-    from accelerate.utils import gather_object
 
-    from finetune.cluster import host_group
+    from finetune.cluster import host_gather, host_group
 
     state = accelerator.state
     launcher = Launcher.read()
@@ -289,7 +288,7 @@ def describe(accelerator) -> dict:
         "world_size": accelerator.num_processes,
         "backend": state.backend or "none",
         "mixed_precision": accelerator.mixed_precision,
-        "devices": gather_object([f"rank{accelerator.process_index}:{accelerator.device}"]),
+        "devices": host_gather(f"rank{accelerator.process_index}:{accelerator.device}"),
         "collective_timeout_s": group_timeout_s(accelerator.device),
         "host_wait_timeout_s": group_timeout_s(torch.device("cpu"), host_group()),
     }
