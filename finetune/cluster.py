@@ -79,22 +79,27 @@ def host_wait() -> None:
         dist.barrier(group=group)
 
 
-def host_gather(value, main_only: bool = False) -> list:
-    """Every rank's value (a picklable object), in rank order, on every rank; main_only: on the main process only
-    (the others get []), for large values (a model's weights) that only it writes. Over the host: a device
-    group's object collectives would stage the pickled bytes, world size times the largest, on each GPU."""
+def host_gather(value, to: int | None = None) -> list:
+    """Every rank's value (a picklable object), in rank order, on every rank; to: on that global rank only (the
+    others get []), for large values (a model's weights) that one process writes. Over the host: a device group's
+    object collectives would stage the pickled bytes, world size times the largest, on each GPU."""
     import torch.distributed as dist
 
     group = host_group()
     if group is None:
         return [value]
     out = [None] * dist.get_world_size(group)
-    if not main_only:
+    if to is None:
         dist.all_gather_object(out, value, group=group)
         return out
-    main = dist.get_rank() == 0
-    dist.gather_object(value, out if main else None, dst=0, group=group)
-    return out if main else []
+    dist.gather_object(value, out if dist.get_rank() == to else None, dst=to, group=group)
+    return out if dist.get_rank() == to else []
+
+
+def main_rank(acc) -> int:
+    """The main process's global rank, as the ranks find it (under Megatron-LM accelerate's main is the last
+    rank). A collective."""
+    return host_gather(acc.is_main_process).index(True)
 
 
 @contextmanager

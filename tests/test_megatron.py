@@ -197,6 +197,25 @@ def test_transformer_engine_without_apex_builds_without_the_fused_weight_gradien
         assert "if config.gradient_accumulation_fusion and not _grad_accum_fusion_available:" in text
 
 
+def test_transformers_still_saves_on_rank_0_only(assets, monkeypatch, tmp_path):
+    """The reason for parallel.base.save_from_this_process: under torch.distributed, save_pretrained writes on rank
+    0 only, whatever is_main_process says (accelerate's main process under Megatron-LM is the last rank). When the
+    first assertion fails, transformers leaves it to the caller: delete the workaround."""
+    import transformers.distributed.mixin as mixin
+    from transformers import AutoModelForCausalLM
+
+    from finetune.parallel.base import save_from_this_process
+
+    monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True)
+    monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1)  # the last of 2 ranks
+    net = AutoModelForCausalLM.from_pretrained(assets.llama)
+    net.save_pretrained(tmp_path / "plain", is_main_process=True)
+    assert not (tmp_path / "plain" / "model.safetensors").exists()
+    save_from_this_process(net, tmp_path / "ours")
+    assert (tmp_path / "ours" / "model.safetensors").exists() and (tmp_path / "ours" / "config.json").exists()
+    assert "should_save_on_this_rank" not in vars(net)
+
+
 def test_gpt_inputs_supervise_what_the_other_backends_supervise(assets):
     """Megatron's (tokens, labels, loss_mask) from our batch: the same supervised next-token targets as the HF
     loss (labels shifted inside the model), padded to the fixed sequence length."""

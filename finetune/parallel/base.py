@@ -97,6 +97,21 @@ def _attempt_rendezvous(url: str, **kwargs):
     yield dist.PrefixStore(f"finetune/attempt_{Launcher.read().restart}", store), rank, world_size
 
 
+def save_from_this_process(net, directory: str, **kwargs) -> None:
+    """net.save_pretrained(directory, **kwargs), written by the process that calls it.
+
+    Workaround (transformers 5.23): save_pretrained writes only on torch.distributed's rank 0
+    (distributed/mixin.py should_save_on_this_rank), whatever its is_main_process says. accelerate's main process
+    is the last rank under Megatron-LM, so its final/ got the tokenizer and no weights or config.
+    tests/test_megatron.py::test_transformers_still_saves_on_rank_0_only fails once transformers leaves the
+    choice to the caller."""
+    net.should_save_on_this_rank = lambda is_main_process: is_main_process  # on this instance, for this call
+    try:
+        net.save_pretrained(directory, **kwargs)
+    finally:
+        del net.should_save_on_this_rank
+
+
 def unwrap(accelerator, model):
     """The model inside accelerate's wrappers (DDP, DeepSpeed's engine, FSDP, torch_compile's compiled regions):
     the transformers (or PEFT) model whose parameters, config and save_pretrained are the run's. Not accelerate's

@@ -19,6 +19,7 @@ from finetune.parallel.base import (
     has_accelerator_device,
     local_fraction,
     prepare_all,
+    save_from_this_process,
     trainable_parameters,
     unwrap,
     unwrap_without_deepspeed,
@@ -219,7 +220,7 @@ class Backend:
         weights = self.full_state_dict(model)
         if self.acc.is_main_process:
             weights = cast_floating(weights, dtype)
-            self.hf_model(model).save_pretrained(directory, state_dict=weights, safe_serialization=True)
+            save_from_this_process(self.hf_model(model), directory, state_dict=weights, safe_serialization=True)
 
     def full_state_dict(self, model) -> dict[str, torch.Tensor]:
         """The whole model's weights (main process; a collective on every backend), in full precision: the

@@ -753,7 +753,8 @@ class Backend(ddp.Backend):
         (MegatronEngine.get_batch_data_iterator), so a short last batch is filled up with rows that supervise
         nothing; and under data parallelism accelerate fills the last round of batches with rows from the start
         of the eval set, which are unsupervised here so that every row counts once (as gather_for_metrics drops
-        them on the other backends)."""
+        them on the other backends); with one replica too, where accelerate shards the loader all the same
+        (prepare_data_loader under MEGATRON_LM, whatever the number of processes)."""
         import torch
         from megatron.core import mpu
         from megatron.training import get_args
@@ -762,7 +763,7 @@ class Backend(ddp.Backend):
         rows = args.micro_batch_size * args.num_micro_batches
         state = self.acc.gradient_state
         real = labels.shape[0]
-        if state.end_of_dataloader and state.remainder > 0 and mpu.get_data_parallel_world_size() > 1:
+        if state.end_of_dataloader and state.remainder > 0:  # (one replica too: accelerate shards for Megatron)
             real = min(max(state.remainder - mpu.get_data_parallel_rank() * rows, 0), real)
         labels = labels.clone()
         labels[real:] = IGNORE
@@ -800,14 +801,14 @@ class Backend(ddp.Backend):
         from megatron.core import mpu
         from megatron.core.utils import unwrap_model
 
-        from finetune.cluster import host_gather
+        from finetune.cluster import host_gather, main_rank
 
         mine = {}
         if mpu.get_data_parallel_rank() == 0:
             for chunk in unwrap_model(model.module):
                 for name, p in chunk.named_parameters():
                     mine[_global_layer_name(chunk, name)] = p.detach().float().cpu()
-        shards = host_gather((mpu.get_tensor_model_parallel_rank(), mine), main_only=True)
+        shards = host_gather((mpu.get_tensor_model_parallel_rank(), mine), to=main_rank(self.acc))  # the last rank
         if not self.acc.is_main_process:
             return {}
         by_tp: dict[int, dict[str, torch.Tensor]] = {}

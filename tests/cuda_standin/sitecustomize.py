@@ -154,6 +154,9 @@ if os.environ.get("FINETUNE_CUDA_STANDIN") == "1" and "LOCAL_RANK" in os.environ
                     self.megatron_lm_plugin = megatron_lm_plugin
                 if getattr(self, "megatron_lm_plugin", None) is not None:
                     self.distributed_type = m.DistributedType.MEGATRON_LM
+                    # as AcceleratorState copies it on a GPU (state.py ~1037): PartialState's too, which makes the
+                    # last rank accelerate's main process (is_main_process), as on a GPU
+                    m.PartialState._shared_state["distributed_type"] = m.DistributedType.MEGATRON_LM
 
         m.AcceleratorState.__init__ = __init__
 
