@@ -216,7 +216,9 @@ class Backend:
 
     def save_pretrained(self, model, directory: str, dtype: torch.dtype) -> None:
         """The whole trained model (or adapter) as a from_pretrained directory, written by the main process, every
-        floating tensor cast once to dtype. A collective: every rank calls it (the weights are gathered)."""
+        floating tensor cast once to dtype. A collective: every rank calls it (the weights are gathered). A write
+        error is an OSError only where no collective follows the write (export.export gathers those; a backend
+        whose ranks still wait in a collective raises another error, which ends the rank and so the job)."""
         weights = self.full_state_dict(model)
         if self.acc.is_main_process:
             weights = cast_floating(weights, dtype)

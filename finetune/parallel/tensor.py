@@ -148,9 +148,12 @@ class Backend(ddp.Backend):
         cast to dtype shard by shard, before the gather."""
         net = base.unwrap(self.acc, model)
         weights = base.cast_floating(net.state_dict(), dtype)
-        net.save_pretrained(
-            directory, state_dict=weights, is_main_process=self.acc.is_main_process, safe_serialization=True
-        )
+        try:
+            net.save_pretrained(
+                directory, state_dict=weights, is_main_process=self.acc.is_main_process, safe_serialization=True
+            )
+        except OSError as e:  # the main process's write; the others wait in transformers' barrier after it
+            raise RuntimeError(f"writing {directory} failed inside transformers' save_pretrained: {e}") from e
 
     def full_adam_moments(self, model, optimizer):
         return full_adam_moments(base.unwrap(self.acc, model), optimizer)
