@@ -203,7 +203,8 @@ class Checkpointer:
         moments = self.backend.full_adam_moments(self.model, self.optimizer)
         if self.acc.is_main_process:  # (without a shared output_dir: machine 0's copy only)
             out = os.path.join(tmp, PORTABLE)
-            net.save_pretrained(out, state_dict=weights, safe_serialization=True)
+            # a copy: save_pretrained removes entries from the dict it is given (tied names; every one it writes)
+            net.save_pretrained(out, state_dict=dict(weights), safe_serialization=True)
             # The fp32 masters are the full state dict's trainable weights (gathered once, not again with the moments)
             tensors = {f"param/{n}": weights[n].detach().float().cpu().contiguous() for n in moments}
             tensors |= {
