@@ -256,8 +256,9 @@ class Backend:
             p = named[n]
             inner.state[p] = {
                 "step": torch.tensor(float(step), dtype=torch.float32, device=p.device if on_device else "cpu"),
-                "exp_avg": s["exp_avg"].to(p.device, p.dtype),
-                "exp_avg_sq": s["exp_avg_sq"].to(p.device, p.dtype),
+                # copies: on the CPU .to would keep the checkpoint file's mapped pages (Resume.full_state) as the state
+                "exp_avg": s["exp_avg"].to(p.device, p.dtype, copy=True),
+                "exp_avg_sq": s["exp_avg_sq"].to(p.device, p.dtype, copy=True),
             }
 
     def one_process_loading(self):

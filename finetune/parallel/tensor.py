@@ -201,9 +201,12 @@ def set_full_optimizer_state(net, optimizer, state: dict[str, dict[str, torch.Te
     # The groups (parameter names, lr, betas...) from the rank's own shards: a full state dict would gather every
     # moment onto every rank's device only to read them (8 bytes per parameter on each GPU).
     groups = get_optimizer_state_dict(net, inner, options=StateDictOptions())["param_groups"]
+    # On the CPU the shards can be views of the full tensors, which are the checkpoint file's mapped pages
+    # (Resume.full_state): copies, so that the run holds no file of the checkpoint open (one a later save replaces)
+    own = (lambda t: t.clone()) if next(net.parameters()).device.type == "cpu" else (lambda t: t)
     full = {
         "state": {
-            n: {"step": torch.tensor(float(step)), "exp_avg": s["exp_avg"], "exp_avg_sq": s["exp_avg_sq"]}
+            n: {"step": torch.tensor(float(step)), "exp_avg": own(s["exp_avg"]), "exp_avg_sq": own(s["exp_avg_sq"])}
             for n, s in state.items()
         },
         "param_groups": groups,
