@@ -123,11 +123,11 @@ class Checkpointer:
         error = None
         if self.writes:
             shutil.rmtree(tmp, ignore_errors=True)
-            error = attempt_write(os.makedirs, tmp)
-        host_wait()
-        if error is None:
+            error = attempt_write(os.makedirs, tmp) or attempt_write(fault_point, "enospc-making-checkpoint", step)
+        # save_state and _write_full_tensors hold collectives: every rank enters each, or none after an error
+        if _none_failed(error):
             error = attempt_write(acc.save_state, tmp, safe_serialization=True)
-        if error is None:
+        if _none_failed(error):
             error = attempt_write(self._write_full_tensors, tmp)
         if error is None:
             error = attempt_write(fault_point, "enospc-in-checkpoint", step)
@@ -219,6 +219,11 @@ class WriteError(Exception):
 
 class CheckpointWriteError(WriteError):
     """A checkpoint could not be written; the previous one is intact."""
+
+
+def _none_failed(error: OSError | None) -> bool:
+    """Whether no rank has a write error so far (every rank asks: a barrier)."""
+    return not any(host_gather(error is not None))
 
 
 def attempt_write(fn, *args, **kwargs) -> OSError | None:

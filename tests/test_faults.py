@@ -416,6 +416,25 @@ def test_the_writer_alone_slow_then_failing_to_name_a_checkpoint(assets, tmp_pat
     assert (ckpts / "step_2" / "manifest.json").exists() and not (tmp_path / "run" / "final").exists()
 
 
+def test_a_write_error_before_a_sharded_save_stops_every_rank_at_once(assets, tmp_path):
+    """FSDP2's save_state and the portable copy's gathers are collectives: the writer's error making the
+    checkpoint's folder (FINETUNE_FAULT enospc-making-checkpoint) keeps every rank out of them, and all stop with
+    the one message; rank 1 entering them alone would wait out ddp_timeout (600 s) instead."""
+    args = base_args(assets.llama, assets.instruction, "--max_steps", "2", "--save_steps", "2", "--eval_fraction", "0")
+    res = finetune(
+        tmp_path / "run",
+        *args,
+        launcher="fsdp2",
+        timeout=120,
+        expect_ok=False,
+        extra_env={"FINETUNE_FAULT": "enospc-making-checkpoint:2:0"},
+    )
+    assert res.returncode == 1 and "Traceback" not in res.output, res.output[-3000:]
+    assert "could not write checkpoint step_2 (rank 0: " in res.output, res.output[-3000:]
+    assert "a collective failed" not in res.output, res.output[-3000:]
+    assert not (tmp_path / "run" / "checkpoints" / ".tmp_step_2").exists()
+
+
 def test_accelerate_still_drops_a_timeout_equal_to_its_default():
     """The reason for finetune.parallel.environment.start_process_group starting the process group itself:
     accelerate's InitProcessGroupKwargs passes on only values that differ from its class defaults (nccl's 600 s),
