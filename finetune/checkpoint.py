@@ -37,7 +37,7 @@ from finetune.cluster import host_gather, host_wait
 from finetune.config import ConfigError
 from finetune.config.preflight import LATEST, resolve_resume
 from finetune.faults import fault_point
-from finetune.parallel.base import unwrap
+from finetune.parallel.base import save_from_this_process, unwrap
 from finetune.parallel.topology import has_portable_copy, resumes_across_layouts, writes_whole_tensors
 
 STATE_FILE = "trainer_state.json"
@@ -204,7 +204,7 @@ class Checkpointer:
         if self.acc.is_main_process:  # (without a shared output_dir: machine 0's copy only)
             out = os.path.join(tmp, PORTABLE)
             # a copy: save_pretrained removes entries from the dict it is given (tied names; every one it writes)
-            net.save_pretrained(out, state_dict=dict(weights), safe_serialization=True)
+            save_from_this_process(net, out, state_dict=dict(weights), safe_serialization=True)
             # The fp32 masters are the full state dict's trainable weights (gathered once, not again with the moments)
             tensors = {f"param/{n}": weights[n].detach().float().cpu().contiguous() for n in moments}
             tensors |= {

@@ -96,10 +96,17 @@ def host_gather(value, to: int | None = None) -> list:
     return out if dist.get_rank() == to else []
 
 
+def from_main(acc, value):
+    """The main process's value, on every rank (under Megatron-LM accelerate's main process is the last rank, not
+    rank 0). A collective."""
+    return next(v for is_main, v in host_gather((acc.is_main_process, value)) if is_main)
+
+
 def main_rank(acc) -> int:
-    """The main process's global rank, as the ranks find it (under Megatron-LM accelerate's main is the last
-    rank). A collective."""
-    return host_gather(acc.is_main_process).index(True)
+    """The main process's global rank. A collective."""
+    import torch.distributed as dist
+
+    return from_main(acc, dist.get_rank() if dist.is_initialized() else 0)
 
 
 @contextmanager
@@ -167,7 +174,7 @@ def probe_storage(acc, output_dir: str, num_machines: int) -> Storage:
     """
     if num_machines <= 1:
         return Storage("one machine", acc.is_main_process)
-    token = host_gather(uuid.uuid4().hex[:12] if acc.is_main_process else None)[0]
+    token = from_main(acc, uuid.uuid4().hex[:12])
     mine = os.path.join(output_dir, f".finetune_probe_{token}_machine{machine_rank()}")
     error = None
     if acc.is_local_main_process:

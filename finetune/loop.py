@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from finetune.best import BestRule
 from finetune.checkpoint import Checkpointer
-from finetune.cluster import host_gather
+from finetune.cluster import from_main
 from finetune.config import TrainArgs
 from finetune.data import BATCH_FACTS, StreamedRows
 from finetune.faults import fault_point
@@ -443,7 +443,7 @@ def _log_eval(run: Run, state: TrainState, bar) -> dict[str, float]:
 def _judge(run: Run, state: TrainState, result: dict[str, float]):
     """Best checkpoint and early stopping (finetune.best) on this evaluation. The gathered metrics are the same
     on every rank; the main process's value is broadcast all the same, so no rank can decide differently."""
-    value = host_gather(run.best.value_of(result))[0]  # the main process's
+    value = from_main(run.accelerator, run.best.value_of(result))
     verdict = run.best.update(state, value)
     if verdict.stop:
         logger.info(

@@ -436,7 +436,7 @@ def test_a_write_error_before_a_sharded_save_stops_every_rank_at_once(assets, tm
 
 
 def test_accelerate_still_drops_a_timeout_equal_to_its_default():
-    """The reason for finetune.parallel.environment.start_process_group starting the process group itself:
+    """The reason for finetune.parallel.base.start_process_group starting the process group itself:
     accelerate's InitProcessGroupKwargs passes on only values that differ from its class defaults (nccl's 600 s),
     so gloo with 600 s (finetune's CPU default) reached torch without a timeout (torch's 1800 s). When this fails,
     accelerate passes it: InitProcessGroupKwargs can serve again."""
