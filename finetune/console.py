@@ -218,7 +218,7 @@ def quiet_import(module: str) -> None:
 @contextlib.contextmanager
 def printed_to_log():
     """What third-party code prints meanwhile goes to the rank's log (every rank): Accelerator() under DeepSpeed
-    prints "DeepSpeed ...shm_comm_op built successfully" on each start. Exceptions pass through."""
+    prints "DeepSpeed <op> built successfully" for an op it builds as it starts. Exceptions pass through."""
     if _State.log is None:
         yield
         return

@@ -210,6 +210,40 @@ def test_deepspeed_still_compiles_at_import(tmp_path):
     assert "muon imported True" in out["finetune"] and "compiler loaded False" in out["finetune"], out
 
 
+SHM_SCRIPT = """
+import os, sys, deepspeed
+from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+built = []
+class Op:  # what the built op answers, without building it
+    def initialize(self, *args): pass
+    def vector_kernel_level(self): return 0
+ShareMemCommBuilder.load = lambda self, *a, **k: built.append(self.NAME) or Op()
+if sys.argv[1] == "finetune":
+    from finetune.parallel.deepspeed import skip_inference_shm_op
+    skip_inference_shm_op()
+deepspeed.init_distributed(dist_backend="gloo")  # what accelerate's DeepSpeed path calls in every rank
+print("built", built)
+print("ok")
+"""
+
+
+def test_deepspeed_still_builds_its_inference_shm_op(tmp_path):
+    """finetune.parallel.deepspeed.skip_inference_shm_op: on CPU processes, starting DeepSpeed's communication
+    backend builds (a minute's C++ build on a machine's first run) and loads its shared-memory all-reduce op, which
+    only DeepSpeed's inference path calls. With the workaround it is not built. When DeepSpeed stops building it
+    for every start, the first assertion fails: delete the workaround and this test."""
+    script = tmp_path / "shm_op.py"
+    script.write_text(SHM_SCRIPT)
+    out = {}
+    for mode in ("deepspeed", "finetune"):
+        proc = run_killing_the_group([sys.executable, str(script), mode], {**os.environ, "OMP_NUM_THREADS": "1"}, 300)
+        assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-3000:] + proc.stderr[-3000:]
+        out[mode] = proc.stdout
+    assert "built ['deepspeed_shm_comm']" in out["deepspeed"], out
+    assert "built []" in out["finetune"], out
+
+
 GLOO_SCRIPT = """
 import os, sys, torch, torch.distributed as dist
 from deepspeed.runtime.comm import coalesced_collectives

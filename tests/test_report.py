@@ -415,7 +415,7 @@ def test_zero2_run_console_and_card(assets, tmp_path):
     for rank in (0, 1):
         log = (out / "logs" / f"rank{rank}.log").read_text()
         assert "Setting accelerator to CPU" in log and "LOAD REPORT" in log, rank
-        assert "shm_comm_op built successfully" in log, rank
+        assert "built successfully" not in log, rank  # DeepSpeed's inference-only shm op is not built on CPUs
     card = (out / "final" / "README.md").read_text()
     assert "deepspeed, ZeRO-2; data parallel 2" in card and "distributed type: DEEPSPEED, world size: 2" in card
     assert f"| eval_accuracy | {res.eval_rows[-1]['eval_accuracy']:.4f} |" in card

@@ -3,7 +3,9 @@
 What differs from DDP, and why:
 - The DeepSpeed JSON (ds_configs/) leaves every value the run config owns to "auto"; a JSON that
   contradicts the run config, or brings its own optimizer or scheduler, is refused before anything starts.
-- DeepSpeed compiles C++ ops on first use (a minute each): said once, cached in the project's .cache/.
+- DeepSpeed compiles C++ ops on first use (a minute each): said once, cached in the project's .cache/. On CPU
+  processes it would also build its shared-memory all-reduce op, which only its inference path uses: not built
+  (skip_inference_shm_op).
 - accelerate fills the "auto" micro batch from the loader's batch_size; length-aware batching has none.
 - ZeRO-3 partitions parameters at load (zero.Init): sizes come from `ds_numel`; PEFT with gradient
   checkpointing needs reentrant checkpointing; adapter weights are set inside GatheredParameters.
@@ -49,6 +51,7 @@ def environment(cfg: RunConfig) -> None:
     announce_op_builds()
     compile_on_first_call()
     if not base.has_accelerator_device():
+        skip_inference_shm_op()
         gloo_collectives_by_all_reduce()
     # DeepSpeed runs on the CPU through its own init path (gloo, see environment.make_accelerator); forcing
     # accelerate's CPU mode (ACCELERATE_USE_CPU) would silently turn a DeepSpeed config into plain MULTI_CPU.
@@ -114,23 +117,20 @@ def accelerator_kwargs(cfg: RunConfig) -> dict:
 
 
 def announce_op_builds() -> None:
-    """DeepSpeed compiles C++ ops on first use (a minute or so, silently). Say so, once, on rank 0."""
+    """DeepSpeed compiles C++ ops on first use (a minute or so, silently): its CPU Adam, for a config that offloads
+    the optimizer. Say so, once, on rank 0."""
     launcher = Launcher.read()
     if (launcher.local_rank or 0) != 0:
         return
-    cache = Path(os.environ["TORCH_EXTENSIONS_DIR"])
-    needed = [] if base.has_accelerator_device() else ["deepspeed_shm_comm"]
     try:
         with open(launcher.deepspeed_config_file or "") as f:
-            if "offload_optimizer" in json.dumps(json.load(f).get("zero_optimization", {})):
-                needed.append("cpu_adam")
+            offload = "offload_optimizer" in json.dumps(json.load(f).get("zero_optimization", {}))
     except (OSError, json.JSONDecodeError):
-        pass
-    missing = [op for op in needed if not any(cache.glob(f"**/{op}*.so"))]
-    if missing:
+        return
+    cache = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    if offload and not any(cache.glob("**/cpu_adam*.so")):
         print(
-            f"[finetune] DeepSpeed compiles {', '.join(missing)} on first use (about a minute each); "
-            f"cached in {cache} for later runs",
+            f"[finetune] DeepSpeed compiles cpu_adam on first use (about a minute); cached in {cache} for later runs",
             flush=True,
         )
 
@@ -431,6 +431,21 @@ def compile_on_first_call() -> None:
 
     compile.finetune_workaround = True
     compiler.compile = compile
+
+
+def skip_inference_shm_op() -> None:
+    """Workaround (DeepSpeed 0.19.8, CPU processes): every DeepSpeed start on CPUs builds and loads its shared-memory
+    all-reduce op (comm/torch.py TorchBackend.__init__ -> build_shm_op: a C++ build of about a minute on the first
+    run of a machine, on 2 cores; then a load and a shared-memory segment per rank), which only its inference
+    path calls (inference_all_reduce, used by module_inject's tensor-parallel inference layers); training's
+    collectives are torch.distributed's. Marking the op incompatible, in the table DeepSpeed probes once and
+    keeps (deepspeed.ops.__compatible_ops__), makes build_shm_op return None, and inference_all_reduce would fall
+    back to torch's all_reduce. tests/test_deepspeed.py::test_deepspeed_still_builds_its_inference_shm_op fails
+    once DeepSpeed stops building it for training."""
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
 
 
 def gloo_collectives_by_all_reduce() -> None:

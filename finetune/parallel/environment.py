@@ -61,7 +61,7 @@ def make_accelerator(cfg: RunConfig):
         DistributedDataParallelKwargs(find_unused_parameters=t.ddp_find_unused_parameters, gradient_as_bucket_view=True)
     ]
     try:
-        with console.printed_to_log():  # DeepSpeed prints "...op built successfully" at every start
+        with console.printed_to_log():  # what DeepSpeed prints as it starts (an op it builds: "... built successfully")
             if Launcher.read().distributed:
                 start_process_group(t)
             return Accelerator(
