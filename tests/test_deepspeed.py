@@ -117,8 +117,9 @@ def test_deepspeed_still_needs_the_relink(assets, tmp_path):
 MASTER_COPY_SCRIPT = """
 import os, sys, torch, deepspeed
 from deepspeed.utils import safe_get_full_fp32_param
-from finetune.parallel.deepspeed import _master_and_weights, share_fp32_master_weights
+from finetune.parallel.deepspeed import _master_and_weights, share_fp32_master_weights, skip_inference_shm_op
 os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+skip_inference_shm_op()  # as finetune's ranks do (its build is a minute on a fresh machine)
 deepspeed.init_distributed(dist_backend="gloo")
 for stage in (1, 2, 3):
     torch.manual_seed(0)
@@ -169,6 +170,8 @@ def test_deepspeed_still_copies_fp32_master_weights(tmp_path):
 COMPILE_SCRIPT = """
 import os, sys, torch, deepspeed
 os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+from finetune.parallel.deepspeed import skip_inference_shm_op
+skip_inference_shm_op()  # as finetune's ranks do (its build is a minute on a fresh machine)
 if sys.argv[1] == "finetune":
     from finetune.parallel.deepspeed import compile_on_first_call
     compile_on_first_call()
