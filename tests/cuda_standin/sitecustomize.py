@@ -110,7 +110,10 @@ if os.environ.get("FINETUNE_CUDA_STANDIN") == "1" and "LOCAL_RANK" in os.environ
         "memory_reserved": lambda d=None: 0,
         "max_memory_reserved": lambda d=None: 0,
         "reset_peak_memory_stats": lambda d=None: None,
-        "FloatTensor": lambda *a: torch.FloatTensor(*a),
+        # the legacy tensor types, as classes: Megatron's Float16Module tests isinstance(x, torch.cuda.FloatTensor)
+        "FloatTensor": torch.FloatTensor,
+        "HalfTensor": torch.HalfTensor,
+        "BFloat16Tensor": torch.BFloat16Tensor,
     }
     for name, answer in answers.items():
         setattr(cuda, name, answer)
