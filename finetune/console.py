@@ -86,9 +86,9 @@ class ScreenFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.screen = record.getMessage()
         ours = record.name == OURS or record.name.startswith(OURS + ".")
-        if not self.main:
+        if not self.main:  # errors, and what only one rank does that the job should see (extra every_rank)
             record.prefix = f"[finetune rank{self.rank}]" if ours else f"[{record.name.split('.')[0]} rank{self.rank}]"
-            return record.levelno >= logging.ERROR
+            return record.levelno >= logging.ERROR or getattr(record, "every_rank", False)
         if ours:
             record.prefix = "[finetune]"
             return record.levelno >= logging.INFO
@@ -190,7 +190,16 @@ def _log_warning(message, category, filename, lineno, file=None, line=None) -> N
 
 def adopt_library_loggers() -> None:
     """Libraries that print through their own console handler (transformers, datasets, DeepSpeed) log through
-    ours instead: the handler goes, the records propagate to the root's screen filter and rank log."""
+    ours instead: the handler goes, the records propagate to the root's screen filter and rank log. A console
+    handler a library put on the root logger goes too: Megatron-LM's training.py, imported with accelerate, calls
+    logging.basicConfig with a handler that prints every record at INFO to stdout, so on every rank each of
+    finetune's lines came a second time ("INFO:finetune:...") with every library's INFO records."""
+    root = logging.getLogger()
+    consoles = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+    for h in root.handlers[:]:
+        ours = isinstance(h, RankLog) or any(isinstance(f, ScreenFilter) for f in h.filters)
+        if not ours and isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) in consoles:
+            root.removeHandler(h)
     for name, lib in list(logging.Logger.manager.loggerDict.items()):
         if not isinstance(lib, logging.Logger) or name == OURS or name.startswith(OURS + "."):
             continue

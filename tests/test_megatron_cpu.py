@@ -173,6 +173,8 @@ def test_tp2_sequence_parallel_equals_one_process_and_resumes(megatron_lm, asset
     assert sorted(r["tp_rank"] for r in layouts) == [0, 1]
     assert all(0.45 <= r["parameter_shard"] <= 0.55 for r in layouts), layouts  # each rank about half
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1 (tensor parallelism" in tp.output
+    # Megatron-LM's root console handler (logging.basicConfig at import) printed every rank's lines once more
+    assert "INFO:finetune:" not in tp.output and "INFO:accelerate" not in tp.output, tp.output[-3000:]
     assert "to Megatron-LM's layout (TP 2 x PP 1)" in tp.output
     assert "successfully loaded checkpoint from" in megatron_printed(tp)  # the converted weights, not random ones
     compare(single, tp, table, "tp2_sp")

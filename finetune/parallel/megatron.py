@@ -179,7 +179,9 @@ def ensure_converted(cfg: RunConfig, layout: MegatronLayout) -> str:
             f.write(stamp)
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
-        NOTES.append(f"converted {source} to Megatron-LM's layout (TP {layout.tp} x PP {layout.pp}) in {out}")
+        # said by the rank that converted, whichever it is (the screen is the main process's: the last rank)
+        note = f"megatron: converted {source} to Megatron-LM's layout (TP {layout.tp} x PP {layout.pp}) in {out}"
+        logger.info(note, extra={"every_rank": True})
     return out
 
 
