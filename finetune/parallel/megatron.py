@@ -799,11 +799,11 @@ class Backend(ddp.Backend):
     def full_state_dict(self, model):
         """The trained weights under HF names (main process), in fp32: under bf16/fp16 the fp32 main weights of
         Megatron's optimizer, not the 16-bit copies the model computes with (what every other backend exports:
-        its fp32 master weights). Every rank of data-parallel replica 0 sends its TP x PP shard, and every rank the
-        main weights it holds (all of a shard's, or with the distributed optimizer its data-parallel slice of it),
-        to the main process over the host (cluster.host_gather: an object gather on the NCCL group stages world
-        size x the largest shard on every GPU, an OOM at the end of a 7B run), which joins them (`megatron_to_hf`).
-        A collective."""
+        its fp32 master weights). Every rank sends the main weights it holds (whole parameters, or with the
+        distributed optimizer its data-parallel slice of them), and the ranks of data-parallel replica 0 the
+        parameters that have none (fp32 runs: all), to the main process over the host (cluster.host_gather: an
+        object gather on the NCCL group stages world size x the largest shard on every GPU, an OOM at the end of a
+        7B run), which joins each tensor/pipeline shard and then the shards (`megatron_to_hf`). A collective."""
         import torch
         from megatron.core import mpu
         from megatron.core.utils import unwrap_model
@@ -811,33 +811,34 @@ class Backend(ddp.Backend):
         from finetune.cluster import host_gather, main_rank
 
         weights, main = {}, {}
-        pieces = main_weight_pieces(self.optimizer)
+        pieces = main_weight_pieces(self.optimizer, mpu.get_data_parallel_rank())
         for chunk in unwrap_model(model.module):
             for name, p in chunk.named_parameters():
                 name = _global_layer_name(chunk, name)
-                if mpu.get_data_parallel_rank() == 0:
-                    weights[name] = p.detach().float().cpu()
                 if id(p) in pieces:
-                    main[name] = pieces[id(p)]
-        mine = (mpu.get_tensor_model_parallel_rank(), weights, main)
-        shards = host_gather(mine, to=main_rank(self.acc))  # the last rank
-        if not self.acc.is_main_process:
+                    main[name] = (tuple(p.shape), *pieces[id(p)])
+                elif mpu.get_data_parallel_rank() == 0:
+                    weights[name] = p.detach().float().cpu()
+        shards = host_gather((mpu.get_tensor_model_parallel_rank(), weights, main), to=main_rank(self.acc))
+        if not self.acc.is_main_process:  # (the main process is the last rank)
             return {}
         by_tp: dict[int, dict[str, torch.Tensor]] = {}
         for tp_rank, part, _ in shards:
             by_tp.setdefault(tp_rank, {}).update(part)
-        for tp_rank, _, part in shards:  # the fp32 main weights over the 16-bit copies, slice by slice
-            for name, (start, values) in part.items():
-                by_tp[tp_rank][name].view(-1)[start : start + values.numel()] = values
+        for tp_rank, _, part in shards:  # main weights slice by slice: the slices of the replicas cover each tensor
+            for name, (shape, start, values) in part.items():
+                full = by_tp[tp_rank].setdefault(name, torch.empty(shape))
+                full.view(-1)[start : start + values.numel()] = values
         return megatron_to_hf([by_tp[r] for r in sorted(by_tp)], self.hf.config)
 
 
-def main_weight_pieces(optimizer) -> dict:
-    """The fp32 main weights this rank's Megatron optimizer keeps for 16-bit model parameters (bf16/fp16 runs;
-    empty in fp32, where the parameters are the weights): id(parameter) -> (offset into the flattened parameter,
-    fp32 values on the host). Megatron's Float16OptimizerWithFloat16Params keeps whole parameters
-    (fp32_from_float16_groups beside float16_groups); its DistributedOptimizer keeps this data-parallel rank's
-    slice (shard_fp32_from_float16_groups beside model_float16_groups, at the parameter's "param" range)."""
+def main_weight_pieces(optimizer, dp_rank: int) -> dict:
+    """The fp32 main weights this rank sends for the export, of those its Megatron optimizer keeps for 16-bit model
+    parameters (bf16/fp16 runs; none in fp32, where the parameters are the weights): id(parameter) -> (offset into
+    the flattened parameter, fp32 values on the host). Megatron's DistributedOptimizer keeps this data-parallel
+    rank's slice (shard_fp32_from_float16_groups beside model_float16_groups, at the parameter's "param" range):
+    every rank sends its slices. Its Float16OptimizerWithFloat16Params keeps whole parameters on every replica
+    (fp32_from_float16_groups beside float16_groups): replica 0 sends them, the others nothing."""
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's MegatronLMOptimizerWrapper
     pieces = {}
     for opt in getattr(inner, "chained_optimizers", [inner]):
@@ -846,7 +847,7 @@ def main_weight_pieces(optimizer) -> dict:
                 for p, m in zip(params, mains):
                     start = opt._get_model_param_range_map(p)["param"].start
                     pieces[id(p)] = (start, m.detach().float().cpu().view(-1))
-        elif hasattr(opt, "fp32_from_float16_groups"):
+        elif hasattr(opt, "fp32_from_float16_groups") and dp_rank == 0:
             for params, mains in zip(opt.float16_groups, opt.fp32_from_float16_groups):
                 for p, m in zip(params, mains):
                     pieces[id(p)] = (0, m.detach().float().cpu().view(-1))
