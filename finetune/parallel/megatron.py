@@ -810,15 +810,15 @@ class Backend(ddp.Backend):
 
         from finetune.cluster import host_gather, main_rank
 
-        weights, main = {}, {}
-        pieces = main_weight_pieces(self.optimizer, mpu.get_data_parallel_rank())
+        weights, main, sixteen = {}, {}, (torch.bfloat16, torch.float16)
+        pieces, sliced = main_weight_pieces(self.optimizer, mpu.get_data_parallel_rank())
         for chunk in unwrap_model(model.module):
             for name, p in chunk.named_parameters():
                 name = _global_layer_name(chunk, name)
                 if id(p) in pieces:
                     main[name] = (tuple(p.shape), *pieces[id(p)])
-                elif mpu.get_data_parallel_rank() == 0:
-                    weights[name] = p.detach().float().cpu()
+                elif mpu.get_data_parallel_rank() == 0 and not (sliced and p.requires_grad and p.dtype in sixteen):
+                    weights[name] = p.detach().float().cpu()  # (a 16-bit one is in the replicas' slices)
         shards = host_gather((mpu.get_tensor_model_parallel_rank(), weights, main), to=main_rank(self.acc))
         if not self.acc.is_main_process:  # (the main process is the last rank)
             return {}
@@ -827,22 +827,29 @@ class Backend(ddp.Backend):
             by_tp.setdefault(tp_rank, {}).update(part)
         for tp_rank, _, part in shards:  # main weights slice by slice: the slices of the replicas cover each tensor
             for name, (shape, start, values) in part.items():
-                full = by_tp[tp_rank].setdefault(name, torch.empty(shape))
-                full.view(-1)[start : start + values.numel()] = values
+                if name not in by_tp.setdefault(tp_rank, {}):
+                    by_tp[tp_rank][name] = torch.empty(shape)
+                by_tp[tp_rank][name].view(-1)[start : start + values.numel()] = values
         return megatron_to_hf([by_tp[r] for r in sorted(by_tp)], self.hf.config)
 
 
-def main_weight_pieces(optimizer, dp_rank: int) -> dict:
+def main_weight_pieces(optimizer, dp_rank: int) -> tuple[dict, bool]:
     """The fp32 main weights this rank sends for the export, of those its Megatron optimizer keeps for 16-bit model
     parameters (bf16/fp16 runs; none in fp32, where the parameters are the weights): id(parameter) -> (offset into
-    the flattened parameter, fp32 values on the host). Megatron's DistributedOptimizer keeps this data-parallel
-    rank's slice (shard_fp32_from_float16_groups beside model_float16_groups, at the parameter's "param" range):
-    every rank sends its slices. Its Float16OptimizerWithFloat16Params keeps whole parameters on every replica
-    (fp32_from_float16_groups beside float16_groups): replica 0 sends them, the others nothing."""
+    the flattened parameter, fp32 values on the host); and whether they are slices (the distributed optimizer),
+    whose union over the data-parallel replicas covers every trainable 16-bit parameter. Megatron's
+    DistributedOptimizer keeps this data-parallel rank's slice (shard_fp32_from_float16_groups beside
+    model_float16_groups, at the parameter's "param" range): every rank sends its slices. Its
+    Float16OptimizerWithFloat16Params keeps whole parameters on every replica (fp32_from_float16_groups beside
+    float16_groups): replica 0 sends them, the others nothing. A precision-aware optimizer (other_megatron_args)
+    keeps them inside the optimizer's state: none here, the 16-bit parameters are exported."""
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's MegatronLMOptimizerWrapper
-    pieces = {}
+    pieces, sliced = {}, False
     for opt in getattr(inner, "chained_optimizers", [inner]):
+        if getattr(getattr(opt, "config", None), "use_precision_aware_optimizer", False):
+            continue
         if hasattr(opt, "shard_fp32_from_float16_groups"):
+            sliced = True
             for params, mains in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups):
                 for p, m in zip(params, mains):
                     start = opt._get_model_param_range_map(p)["param"].start
@@ -851,7 +858,7 @@ def main_weight_pieces(optimizer, dp_rank: int) -> dict:
             for params, mains in zip(opt.float16_groups, opt.fp32_from_float16_groups):
                 for p, m in zip(params, mains):
                     pieces[id(p)] = (0, m.detach().float().cpu().view(-1))
-    return pieces
+    return pieces, sliced
 
 
 def _fill_rows(t, rows: int, value):
