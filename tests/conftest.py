@@ -241,6 +241,14 @@ def run_killing_the_group(cmd: list[str], env: dict, timeout: int) -> subprocess
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+# Four tests have a grid too slow for the suite's 25 minutes: each runs the cases it names by default, and every case
+# when its variable is set (FINETUNE_BAD_INPUT_GRID, FINETUNE_CONFIG_GRID, FINETUNE_FAULT_GRID, FINETUNE_MEMORY_GRID).
+def grid_param(*values, default: bool, grid: str, id: str | None = None, marks=()) -> object:
+    """`pytest.param(*values)`, skipped unless it is one of the `default` cases or `grid`=1 asks for every case."""
+    skip = () if default or os.environ.get(grid) else (pytest.mark.skip(reason=f"{grid}=1 runs every case"),)
+    return pytest.param(*values, id=id, marks=(*marks, *skip))
+
+
 def free_port() -> int:
     """A TCP port nobody listens on now, on 127.0.0.1. Another process may take it before the launcher binds it:
     two_machines checks who listens (listening_on) and tries another port."""

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import EXPECTED
+from conftest import EXPECTED, grid_param
 
 from finetune.demo import write_jsonl
 
@@ -828,13 +828,9 @@ ONE_PROCESS_CASES = (  # accelerate's simple launcher: one case per place a prob
 )
 
 
-def launched_by_default(case: Case) -> bool:
-    return case.id in LAUNCHED_CASES or bool(os.environ.get("FINETUNE_BAD_INPUT_GRID"))
-
-
-GRID_ONLY = pytest.mark.skip(reason="FINETUNE_BAD_INPUT_GRID=1 launches every case")
 LAUNCHES = [
-    pytest.param(c, "ddp", id=c.id, marks=(*c.marks, *(() if launched_by_default(c) else (GRID_ONLY,)))) for c in CASES
+    grid_param(c, "ddp", id=c.id, marks=c.marks, default=c.id in LAUNCHED_CASES, grid="FINETUNE_BAD_INPUT_GRID")
+    for c in CASES
 ]
 LAUNCHES += [pytest.param(c, "single", id=f"single-{c.id}", marks=c.marks) for c in CASES if c.id in ONE_PROCESS_CASES]
 

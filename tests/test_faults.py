@@ -20,7 +20,7 @@ from pathlib import Path
 import conftest
 import psutil
 import pytest
-from conftest import ROOT, base_args, crash_after, finetune, max_rel_diff, max_weight_diff
+from conftest import ROOT, base_args, crash_after, finetune, grid_param, max_rel_diff, max_weight_diff
 
 from finetune.launching import kill_job
 
@@ -530,17 +530,7 @@ def damage(checkpoint) -> str:
 # By default one layout per checkpoint writer: DeepSpeed's own (zero3), torch distributed checkpoint (fsdp2), and
 # whole tensors gathered from DTensors (tp2). DDP writes the same whole-tensor checkpoint as tp2 without the gathers
 # (about 50 s of a 2-core machine): FINETUNE_FAULT_GRID=1 runs it too.
-STORAGE_FAULT_LAYOUTS = [
-    "zero3",
-    "fsdp2",
-    "tp2",
-    pytest.param(
-        "ddp",
-        marks=[]
-        if os.environ.get("FINETUNE_FAULT_GRID")
-        else [pytest.mark.skip(reason="FINETUNE_FAULT_GRID=1 runs every layout")],
-    ),
-]
+STORAGE_FAULT_LAYOUTS = ["zero3", "fsdp2", "tp2", grid_param("ddp", default=False, grid="FINETUNE_FAULT_GRID")]
 
 
 @pytest.mark.parametrize("launcher", STORAGE_FAULT_LAYOUTS)

@@ -4,12 +4,11 @@ the recommendation logic on invented clusters, and bad input."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, base_args, finetune
+from conftest import ROOT, base_args, finetune, grid_param
 
 from finetune import memory
 from finetune.cli import run_cli
@@ -262,15 +261,7 @@ def test_a_preference_pair_is_two_rows_of_activations_and_logits(assets):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "size,config,precision",
-    [
-        pytest.param(
-            *case,
-            marks=[]
-            if case in DEFAULT or os.environ.get("FINETUNE_MEMORY_GRID")
-            else [pytest.mark.skip(reason="the full grid runs with FINETUNE_MEMORY_GRID=1")],
-        )
-        for case in GRID
-    ],
+    [grid_param(*case, default=case in DEFAULT, grid="FINETUNE_MEMORY_GRID") for case in GRID],
 )
 def test_estimate_is_within_15_percent_of_the_measured_peak(sized_models, tmp_path, size, config, precision):
     """A real 2-rank run logs the planner's estimate at start and its measured training-phase peak RSS at the end;

@@ -5,10 +5,8 @@ device with CPU offload; it crashed in Topology.read before.)"""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from conftest import ROOT, base_args, finetune
+from conftest import ROOT, base_args, finetune, grid_param
 
 # config -> (distributed type, facts the run's metrics rows must show); one process of it trains
 TRAINS = {
@@ -40,15 +38,7 @@ def test_every_single_node_config_is_covered():
 
 @pytest.mark.parametrize(
     "config",
-    [
-        pytest.param(
-            c,
-            marks=[]
-            if c in DEFAULT or os.environ.get("FINETUNE_CONFIG_GRID")
-            else [pytest.mark.skip(reason="FINETUNE_CONFIG_GRID=1 runs every config")],
-        )  # fmt: skip
-        for c in [*TRAINS, *REFUSES]
-    ],
+    [grid_param(c, default=c in DEFAULT, grid="FINETUNE_CONFIG_GRID") for c in [*TRAINS, *REFUSES]],
 )
 def test_one_process_of_a_shipped_config_trains_or_refuses_clearly(assets, tmp_path, config):
     args = base_args(assets.llama, assets.instruction, "--max_steps", "2", "--eval_fraction", "0")
