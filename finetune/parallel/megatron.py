@@ -823,13 +823,13 @@ class Backend(ddp.Backend):
         if not self.acc.is_main_process:  # (the main process is the last rank)
             return {}
         by_tp: dict[int, dict[str, torch.Tensor]] = {}
-        for tp_rank, part, _ in shards:
-            by_tp.setdefault(tp_rank, {}).update(part)
-        for tp_rank, _, part in shards:  # main weights slice by slice: the slices of the replicas cover each tensor
-            for name, (shape, start, values) in part.items():
-                if name not in by_tp.setdefault(tp_rank, {}):
-                    by_tp[tp_rank][name] = torch.empty(shape)
-                by_tp[tp_rank][name].view(-1)[start : start + values.numel()] = values
+        for tp_rank, whole, sent in shards:  # (a name is in one of the two, on one replica or sliced over them)
+            shard = by_tp.setdefault(tp_rank, {})
+            shard.update(whole)
+            for name, (shape, start, values) in sent.items():  # slice by slice: the replicas' slices cover it
+                if name not in shard:
+                    shard[name] = torch.empty(shape)
+                shard[name].view(-1)[start : start + values.numel()] = values
         return megatron_to_hf([by_tp[r] for r in sorted(by_tp)], self.hf.config)
 
 
