@@ -24,6 +24,7 @@ adapter's weights by name. Full tensors are in one of two forms:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -171,6 +172,7 @@ class Checkpointer:
             return
         previous = latest_complete(self.output_dir)
         needs = _size_of(previous) if previous else _size_of(tmp)
+        host_wait()  # every rank has measured before the writer removes what it measured
         if self.writes:
             shutil.rmtree(tmp, ignore_errors=True)
         host_wait()
@@ -238,14 +240,23 @@ def attempt_write(fn, *args, **kwargs) -> OSError | None:
     return None
 
 
+# torch.save's zip writer (PyTorchStreamWriter, C++) reports a failed write as a RuntimeError without the errno: on a
+# full disk "basic_ios::clear: iostream error" from the record, then "[enforce fail at inline_container.cc:672] .
+# unexpected pos 743232 vs 743120" from closing the file (seen writing optimizer.bin on a full tmpfs)
+TORCH_WRITER_FAILED = re.compile(r"inline_container\.cc.*unexpected pos|PytorchStreamWriter failed|iostream error")
+
+
 def as_os_error(e: BaseException) -> OSError | None:
     """The OSError behind a failed write. safetensors' Rust writer raises its own SafetensorError for one
-    ("Error while serializing: I/O error: No space left on device (os error 28)"), not an OSError: read back."""
+    ("Error while serializing: I/O error: No space left on device (os error 28)"), and torch.save a RuntimeError
+    (TORCH_WRITER_FAILED), not an OSError: read back."""
     if isinstance(e, OSError):
         return e
     found = re.search(r"I/O error: (.*) \(os error (\d+)\)", str(e))
     if type(e).__name__ == "SafetensorError" and found:
         return OSError(int(found.group(2)), found.group(1))
+    if isinstance(e, RuntimeError) and TORCH_WRITER_FAILED.search(str(e)):
+        return OSError(errno.EIO, f"torch.save could not write a file, a full disk or an I/O error ({e})")
     return None
 
 
