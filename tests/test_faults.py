@@ -537,7 +537,8 @@ STORAGE_FAULT_LAYOUTS = ["zero3", "fsdp2", "tp2", grid_param("ddp", default=Fals
 def test_storage_faults_and_a_preemption_in_one_run(assets, tmp_path, launcher, straight):
     """One run's life under 2 ranks of each layout (each saves its own checkpoint format): rank 1's disk fills
     while step 10 is saved (every rank stops, one message naming rank 1, exit 1, the half-written checkpoint
-    removed, `latest` still step 5); the resume has rank 1 killed (-9) in the middle of writing step 15 (the
+    removed, `latest` still step 5; under ZeRO-3 in the middle of DeepSpeed's save_checkpoint, whose collectives
+    after its writes had left rank 0 waiting for ddp_timeout); the resume has rank 1 killed (-9) in the middle of writing step 15 (the
     others stop, `latest` still step 10, the half-written one hidden); step 10 is then damaged on disk, so the
     next resume skips it for step 5, and is preempted (SIGTERM to the launcher: preempt) at a step after it; the
     last resume finishes equal to the uninterrupted run (weights and losses)."""
@@ -548,7 +549,9 @@ def test_storage_faults_and_a_preemption_in_one_run(assets, tmp_path, launcher, 
         *run_args(assets),
         launcher=launcher,
         expect_ok=False,
-        extra_env={"FINETUNE_FAULT": "enospc-in-checkpoint:10:1"},
+        extra_env={
+            "FINETUNE_FAULT": "enospc-deepspeed-write:10:1" if launcher == "zero3" else "enospc-in-checkpoint:10:1"
+        },
     )
     assert full.returncode == 1 and "Traceback" not in full.output, full.output[-3000:]
     assert "could not write checkpoint step_10 (rank 1: " in full.output, full.output[-3000:]
@@ -627,6 +630,24 @@ def test_a_full_disk_under_safetensors_is_a_write_error():
 
     with pytest.raises(SafetensorError):  # not a write error: surfaces as itself
         checkpoint.attempt_write(bug)
+
+
+@pytest.mark.skipif(not Path("/dev/full").is_char_device(), reason="needs /dev/full (every write: ENOSPC)")
+def test_a_full_disk_under_torch_save_is_a_write_error():
+    """torch.save's zip writer reports a full disk as a RuntimeError without the errno ("unexpected pos ..."): the
+    checkpointer must see a write error, not crash (a DDP or TP checkpoint's optimizer.bin on a full disk did, rank 0
+    with a traceback and the other ranks blaming it for not answering). /dev/full fails every write with ENOSPC."""
+    import torch
+
+    from finetune import checkpoint
+
+    with pytest.raises(RuntimeError) as raised:  # what torch does, unrecognised
+        torch.save({"w": torch.zeros(100_000)}, "/dev/full")
+    assert not isinstance(raised.value, OSError)
+    error = checkpoint.attempt_write(torch.save, {"w": torch.zeros(100_000)}, "/dev/full")
+    assert isinstance(error, OSError) and "torch.save could not write" in str(error), error
+    with pytest.raises(RuntimeError):  # another RuntimeError is not taken for a write error
+        checkpoint.attempt_write(torch.save, {"w": torch.zeros(1)}, "/dev/full/not-a-directory/x.pt")
 
 
 def run_cli_script(script, setup: str) -> tuple[subprocess.CompletedProcess, str]:

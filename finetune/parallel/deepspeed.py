@@ -11,6 +11,8 @@ What differs from DDP, and why:
   checkpointing needs reentrant checkpointing; adapter weights are set inside GatheredParameters.
 - Full weights and Adam state by name go through DeepSpeed's safe_get_full_* / safe_set_full_* API,
   with two named workarounds of DeepSpeed 0.19.8 below.
+- A rank whose checkpoint write fails still goes through the collectives DeepSpeed holds after its writes, so
+  the others are not left waiting (finish_collectives_after_a_write_error).
 - Memory per rank, three more named workarounds: the fp32 master weights are the weights' own partition
   (share_fp32_master_weights), torch's compiler is not loaded for Muon, which finetune never runs
   (compile_on_first_call), and on gloo ZeRO-3's gathers and reduce-scatters do not copy
@@ -256,6 +258,7 @@ class Backend(ddp.Backend):
             plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = plan.micro_batch_size
         prepared = base.prepare_all(self.acc, model, optimizer, train_loader, eval_loader, scheduler)
         share_fp32_master_weights(prepared[1].optimizer)
+        finish_collectives_after_a_write_error(prepared[0])
         return prepared
 
     def clip_grad_norm(self, model, max_norm):
@@ -397,6 +400,55 @@ def share_fp32_master_weights(zero) -> None:
             return out
 
         zero.state_dict = state_dict_with_own_master
+
+
+def finish_collectives_after_a_write_error(engine) -> None:
+    """Workaround (DeepSpeed 0.19.8): engine.save_checkpoint holds collectives after its writes (ZeRO-3's
+    checkpoint_event_epilogue all-gathers the persistent parameters, and a dist.barrier ends it), which a rank whose
+    write raised (its disk full) never reaches: the other ranks waited there for ddp_timeout (30 minutes on GPUs),
+    then ended with a traceback and a message blaming the rank that did not answer. Here the engine's writes (its
+    checkpoint engine's save; the recovery scripts global rank 0 copies) keep their first write error and return,
+    the rank goes through every collective with the others, and save_checkpoint raises the error after its last
+    one: finetune.checkpoint stops every rank with one message naming the rank and the error. DeepSpeed's `latest`
+    file is written after the barrier. tests/test_deepspeed.py::test_deepspeed_still_leaves_ranks_waiting_after_a_
+    write_error fails once DeepSpeed finishes its collectives itself."""
+    from finetune.checkpoint import as_os_error
+    from finetune.faults import fault_point
+
+    save_checkpoint, errors = engine.save_checkpoint, []
+
+    def deferring(write, fault: str | None = None):
+        @functools.wraps(write)
+        def write_or_keep_the_error(*args, **kwargs):
+            if errors:  # (an earlier write of this checkpoint failed: it is not complete anyway)
+                return None
+            try:
+                if fault:
+                    fault_point(fault, engine.global_steps)  # tests: a write of DeepSpeed's that fails
+                return write(*args, **kwargs)
+            except Exception as e:
+                if as_os_error(e) is None:
+                    raise
+                errors.append(as_os_error(e))
+                return None
+
+        return write_or_keep_the_error
+
+    engine.checkpoint_engine.save = deferring(engine.checkpoint_engine.save, "enospc-deepspeed-write")
+    engine._copy_recovery_script = deferring(engine._copy_recovery_script)
+
+    @functools.wraps(save_checkpoint)
+    def save_checkpoint_then_raise(save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
+        errors.clear()
+        save_checkpoint(save_dir, tag, client_state or {}, save_latest=False, **kwargs)
+        if errors:
+            raise errors[0]
+        if save_latest and engine.global_rank == 0:
+            with open(os.path.join(save_dir, "latest"), "w") as f:
+                f.write(str(tag or f"global_step{engine.global_steps}"))
+        return True
+
+    engine.save_checkpoint = save_checkpoint_then_raise
 
 
 def compile_on_first_call() -> None:
