@@ -237,6 +237,19 @@ def attempt_write(fn, *args, **kwargs) -> OSError | None:
         if io is None:
             raise
         return io
+    except BaseException as e:
+        # torch distributed checkpoint (FSDP's) raises on every rank a CheckpointException (a BaseException) holding
+        # each failed rank's exception: this rank's own, if any, is its write error; the others report theirs
+        failures = getattr(e, "failures", None) if type(e).__name__ == "CheckpointException" else None
+        if not isinstance(failures, dict):
+            raise
+        import torch.distributed as dist
+
+        mine = failures.get(dist.get_rank() if dist.is_initialized() else 0)
+        io = mine and as_os_error(mine[0])
+        if mine and io is None:
+            raise
+        return io
     return None
 
 

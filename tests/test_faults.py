@@ -4,6 +4,7 @@ checkpoint, divergence, a stuck rank. Nothing hangs, nothing is lost, one messag
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import random
@@ -648,6 +649,35 @@ def test_a_full_disk_under_torch_save_is_a_write_error():
     assert isinstance(error, OSError) and "torch.save could not write" in str(error), error
     with pytest.raises(RuntimeError):  # another RuntimeError is not taken for a write error
         checkpoint.attempt_write(torch.save, {"w": torch.zeros(1)}, "/dev/full/not-a-directory/x.pt")
+
+
+def test_a_write_error_under_torch_distributed_checkpoint_is_reported_by_its_rank():
+    """FSDP's checkpoints go through torch distributed checkpoint, which raises on every rank one
+    CheckpointException (a BaseException, not an Exception) holding each failed rank's error: the rank whose write
+    failed reports its OSError, the others no error of theirs, and anything else stays a crash (a rank 1 whose
+    disk was full had ended both ranks with tracebacks)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from finetune import checkpoint
+
+    error = checkpoint.attempt_write(dcp.save, {"w": torch.zeros(10)}, checkpoint_id="/dev/null/step_1")  # real
+    assert isinstance(error, OSError) and error.errno == errno.ENOTDIR, error
+
+    def failing_on(rank: int, exc: BaseException):
+        def save():
+            try:
+                raise exc
+            except BaseException as e:
+                raise CheckpointException("save failed", {rank: _wrap_exception(e)}) from None
+
+        return save
+
+    assert checkpoint.attempt_write(failing_on(1, OSError(errno.ENOSPC, "No space left on device"))) is None  # rank 0
+    assert checkpoint.attempt_write(failing_on(0, OSError(errno.ENOSPC, "full"))).errno == errno.ENOSPC
+    with pytest.raises(CheckpointException):
+        checkpoint.attempt_write(failing_on(0, ValueError("a bug, not the disk")))
 
 
 def run_cli_script(script, setup: str) -> tuple[subprocess.CompletedProcess, str]:
