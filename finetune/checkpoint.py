@@ -166,9 +166,8 @@ class Checkpointer:
         write_atomic(os.path.join(tmp, STATE_FILE), json.dumps(state, indent=2))
 
     def _raise_if_any_failed(self, error: OSError | None, step: int, tmp: str) -> None:
-        errors = host_gather((self.acc.process_index, error and str(error)))
-        failed = [(rank, text) for rank, text in errors if text]
-        if not failed:
+        where = which_failed(host_gather(report(self.acc.process_index, error)))
+        if not where:
             return
         previous = latest_complete(self.output_dir)
         needs = _size_of(previous) if previous else _size_of(tmp)
@@ -177,7 +176,6 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
         host_wait()
         free = shutil.disk_usage(self.output_dir).free if os.path.isdir(self.output_dir) else 0
-        where = "; ".join(f"rank {rank}: {text}" for rank, text in failed[:3])
         kept = f"{previous} is intact and `latest` still names it" if previous else "no earlier checkpoint exists"
         raise CheckpointWriteError(
             f"could not write checkpoint step_{step} ({where}). A checkpoint of this run takes about "
@@ -223,6 +221,34 @@ class CheckpointWriteError(WriteError):
     """A checkpoint could not be written; the previous one is intact."""
 
 
+class WriteFailedElsewhere(OSError):
+    """What a rank meets when a checkpoint writer that works across ranks (torch distributed checkpoint, Megatron-LM's)
+    raises on it for another rank's write error: `rank` is that rank where the writer said (else None)."""
+
+    def __init__(self, rank: int | None, text: str):
+        super().__init__(errno.EIO, text)
+        self.rank = rank
+
+
+def report(process_index: int, error: OSError | None) -> tuple[int | None, str, bool] | None:
+    """What a rank says of its write step, for which_failed: (the rank that failed, its error, whether first-hand)."""
+    if error is None:
+        return None
+    if isinstance(error, WriteFailedElsewhere):
+        return error.rank, error.strerror, False
+    return process_index, str(error), True
+
+
+def which_failed(reports: list) -> str:
+    """ "rank N: error; ..." from every rank's report (empty: none failed). The ranks' own errors; where none has its own
+    (a writer that told one rank of another's failure), what they were told."""
+    said = [r for r in reports if r]
+    first_hand = [(rank, text) for rank, text, own in said if own]
+    told = list(dict.fromkeys((rank, text) for rank, text, own in said if not own and rank is not None))
+    failed = first_hand or told or [(None, text) for _, text, _ in said[:1]]
+    return "; ".join(text if rank is None else f"rank {rank}: {text}" for rank, text in failed[:3])
+
+
 def _none_failed(error: OSError | None) -> bool:
     """Whether no rank has a write error so far (every rank asks: a barrier)."""
     return not any(host_gather(error is not None))
@@ -238,18 +264,23 @@ def attempt_write(fn, *args, **kwargs) -> OSError | None:
             raise
         return io
     except BaseException as e:
-        # torch distributed checkpoint (FSDP's) raises on every rank a CheckpointException (a BaseException) holding
-        # each failed rank's exception: this rank's own, if any, is its write error; the others report theirs
+        # torch distributed checkpoint (FSDP's, Megatron-LM's) raises a CheckpointException (a BaseException) on every
+        # rank, holding each failed rank's exception (torch's: on every rank; Megatron's: on the coordinator only):
+        # this rank's own is its write error; another's, the write error of that rank (WriteFailedElsewhere)
         failures = getattr(e, "failures", None) if type(e).__name__ == "CheckpointException" else None
         if not isinstance(failures, dict):
             raise
         import torch.distributed as dist
 
-        mine = failures.get(dist.get_rank() if dist.is_initialized() else 0)
-        io = mine and as_os_error(mine[0])
-        if mine and io is None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        errors = {r: as_os_error(wrapped[0]) for r, wrapped in failures.items()}
+        if None in errors.values():  # not a write error: a crash
             raise
-        return io
+        if rank in errors:
+            return errors[rank]
+        if errors:
+            return WriteFailedElsewhere(*next((r, str(io)) for r, io in errors.items()))
+        return WriteFailedElsewhere(None, "a checkpoint write failed on another rank (the writer did not say which)")
     return None
 
 
@@ -262,7 +293,8 @@ TORCH_WRITER_FAILED = re.compile(r"inline_container\.cc.*unexpected pos|PytorchS
 def as_os_error(e: BaseException) -> OSError | None:
     """The OSError behind a failed write. safetensors' Rust writer raises its own SafetensorError for one
     ("Error while serializing: I/O error: No space left on device (os error 28)"), and torch.save a RuntimeError
-    (TORCH_WRITER_FAILED), not an OSError: read back."""
+    (TORCH_WRITER_FAILED), not an OSError: read back; as is one raised from an OSError, and Megatron-LM's report of its
+    writer processes' ("Worker failure: [Errno 28] No space left on device: ...", gathered without its cause)."""
     if isinstance(e, OSError):
         return e
     found = re.search(r"I/O error: (.*) \(os error (\d+)\)", str(e))
@@ -270,7 +302,10 @@ def as_os_error(e: BaseException) -> OSError | None:
         return OSError(int(found.group(2)), found.group(1))
     if isinstance(e, RuntimeError) and TORCH_WRITER_FAILED.search(str(e)):
         return OSError(errno.EIO, f"torch.save could not write a file, a full disk or an I/O error ({e})")
-    return None
+    worker = re.match(r"Worker failure: \[Errno (\d+)\] (.*)", str(e), re.S)
+    if isinstance(e, RuntimeError) and worker:
+        return OSError(int(worker.group(1)), worker.group(2))
+    return as_os_error(e.__cause__) if e.__cause__ is not None else None
 
 
 def _in_units(n: int) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from finetune.checkpoint import CONFIG_FILE, WriteError, attempt_write, resume_hint, write_atomic
+from finetune.checkpoint import CONFIG_FILE, WriteError, attempt_write, report, resume_hint, which_failed, write_atomic
 from finetune.cluster import host_gather, host_wait
 from finetune.config import ConfigError
 from finetune.faults import fault_point
@@ -49,12 +49,12 @@ def export(
         error = attempt_write(_one_process, backend, weights_from, tmp) if main else None
     if main and error is None:
         error = attempt_write(_finish, backend.hf_model(model), tokenizer, run_config, tmp, final, dtype)
-    failed = [text for text in host_gather(error and str(error)) if text]
+    failed = which_failed(host_gather(report(accelerator.process_index, error)))
     if failed:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
         raise WriteError(
-            f"could not write {final} ({failed[0]}); {'a previous' if os.path.exists(final) else 'no'} final/ is "
+            f"could not write {final} ({failed}); {'a previous' if os.path.exists(final) else 'no'} final/ is "
             f"there. Free space or fix the filesystem, then write it from the run's end: {resume_hint(output_dir)}"
         )
     return final

@@ -651,11 +651,13 @@ def test_a_full_disk_under_torch_save_is_a_write_error():
         checkpoint.attempt_write(torch.save, {"w": torch.zeros(1)}, "/dev/full/not-a-directory/x.pt")
 
 
-def test_a_write_error_under_torch_distributed_checkpoint_is_reported_by_its_rank():
-    """FSDP's checkpoints go through torch distributed checkpoint, which raises on every rank one
-    CheckpointException (a BaseException, not an Exception) holding each failed rank's error: the rank whose write
-    failed reports its OSError, the others no error of theirs, and anything else stays a crash (a rank 1 whose
-    disk was full had ended both ranks with tracebacks)."""
+def test_a_write_error_under_a_distributed_checkpoint_writer_names_the_rank_that_failed():
+    """FSDP's checkpoints go through torch distributed checkpoint and Megatron-LM's through its own on top of it; both
+    raise one CheckpointException (a BaseException, not an Exception) on every rank for any rank's failed write:
+    torch's holding every failed rank's error on every rank, Megatron's on its coordinator only (wrapped in "Worker
+    failure" RuntimeErrors raised from the OSError). The rank whose write failed reports its own error; a rank
+    told of another's reports that rank's; a rank told nothing says so; anything but a write error stays a crash.
+    The message names the failed rank (a rank 1 whose disk was full had ended both ranks with tracebacks)."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
@@ -665,19 +667,35 @@ def test_a_write_error_under_torch_distributed_checkpoint_is_reported_by_its_ran
     error = checkpoint.attempt_write(dcp.save, {"w": torch.zeros(10)}, checkpoint_id="/dev/null/step_1")  # real
     assert isinstance(error, OSError) and error.errno == errno.ENOTDIR, error
 
-    def failing_on(rank: int, exc: BaseException):
+    def failing(failures: dict):
         def save():
-            try:
-                raise exc
-            except BaseException as e:
-                raise CheckpointException("save failed", {rank: _wrap_exception(e)}) from None
+            wrapped = {}
+            for rank, exc in failures.items():
+                try:
+                    raise exc
+                except BaseException as e:
+                    wrapped[rank] = _wrap_exception(e)
+            raise CheckpointException("write", wrapped)
 
         return save
 
-    assert checkpoint.attempt_write(failing_on(1, OSError(errno.ENOSPC, "No space left on device"))) is None  # rank 0
-    assert checkpoint.attempt_write(failing_on(0, OSError(errno.ENOSPC, "full"))).errno == errno.ENOSPC
+    full = OSError(errno.ENOSPC, "No space left on device")
+    worker = RuntimeError("Worker failure: [Errno 28] No space left on device")  # (gathered: its cause is lost)
+    mine = checkpoint.attempt_write(failing({0: full}))  # (this process is rank 0)
+    told = checkpoint.attempt_write(failing({1: worker}))
+    untold = checkpoint.attempt_write(failing({}))
+    assert mine is full and isinstance(told, checkpoint.WriteFailedElsewhere) and told.rank == 1, (mine, told)
+    assert isinstance(untold, checkpoint.WriteFailedElsewhere) and untold.rank is None, untold
     with pytest.raises(CheckpointException):
-        checkpoint.attempt_write(failing_on(0, ValueError("a bug, not the disk")))
+        checkpoint.attempt_write(failing({0: ValueError("a bug, not the disk")}))
+
+    def reports(*errors):
+        return [checkpoint.report(rank, e) for rank, e in enumerate(errors)]
+
+    assert checkpoint.which_failed(reports(None, None)) == ""
+    assert checkpoint.which_failed(reports(told, full)) == "rank 1: [Errno 28] No space left on device"  # torch's
+    assert checkpoint.which_failed(reports(told, untold)) == "rank 1: [Errno 28] No space left on device"  # Megatron's
+    assert checkpoint.which_failed(reports(untold, untold)).startswith("a checkpoint write failed on another rank")
 
 
 def run_cli_script(script, setup: str) -> tuple[subprocess.CompletedProcess, str]:
