@@ -205,8 +205,9 @@ def _named(sums: dict[str, float]) -> dict[str, float]:
 def live_reference(backend, model, adapter: bool) -> Callable[[dict], torch.Tensor]:
     """reference: live. A batch's (B, 2) reference log-probs, in eval mode (no dropout) and without gradients, from
     `model` as the backend placed it (sharded as training shards it): adapter True, the policy itself with its
-    adapter disabled (the base model, where the adapter started: LoRA's B and DoRA's update start at zero); False, a
-    frozen copy of the starting model (backend.prepare_frozen)."""
+    adapter disabled (the base model, where a new adapter starts: LoRA's B and DoRA's update start at zero; a
+    continued one, peft.adapter, starts elsewhere and is refused by config.rules); False, a frozen copy of the
+    starting model (backend.prepare_frozen)."""
     import contextlib
 
     off = backend.hf_model(model).disable_adapter if adapter else contextlib.nullcontext  # PEFT's, inside wrappers

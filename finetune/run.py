@@ -329,10 +329,12 @@ def with_references(cfg: RunConfig, acc, backend, p: Prepared, ds: data.Datasets
 
 
 def live_reference(cfg: RunConfig, backend, p: Prepared, tokenizer):
-    """reference: live. With an adapter: the policy itself with the adapter disabled. Without: a frozen copy of the
+    """reference: live. With a new adapter: the policy itself with the adapter disabled (a continued one,
+    peft.adapter, is refused at start: disabled, it is not the starting model). Without: a frozen copy of the
     starting model, loaded as the policy was and placed by the backend as it places the policy (sharded under ZeRO-3
     and FSDP2, on each device under DDP)."""
     if cfg.peft.method != "none":
+        assert not cfg.peft.adapter, "config.rules refuses reference: live with peft.adapter"
         logger.info("reference log-probs: live, the base model with the adapter disabled, in each micro batch")
         return preference.live_reference(backend, p.model, adapter=True)
     # the policy's chunked loss too: the frozen copy's answer log-probs a chunk at a time, per training micro batch

@@ -176,11 +176,16 @@ def test_conversational_pairs_a_template_cannot_render_are_refused_naming_the_ro
 # ---------------------------------------------------------------- runs
 
 
-def _references_of_the_start(model_dir, tokenizer, ds) -> torch.Tensor:
-    """Summed answer log-probs of each train pair under the starting model, one pair at a time, token by token."""
+def _references_of_the_start(model_dir, tokenizer, ds, adapter: str | None = None) -> torch.Tensor:
+    """Summed answer log-probs of each train pair under the starting model (the base with `adapter` loaded, where
+    one is continued), one pair at a time, token by token."""
     from transformers import AutoModelForCausalLM
 
     net = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    if adapter is not None:
+        from peft import PeftModel
+
+        net = PeftModel.from_pretrained(net, adapter).eval()
     out = []
     with torch.no_grad():
         for row in ds:
@@ -366,3 +371,54 @@ def test_a_live_reference_needs_a_method_that_compares(tmp_path):
             build_config({**values, **more}, check_filesystem=False)
         assert any(k == key and says in why for k, why in refused.value.problems), refused.value.problems
     assert build_config(values, check_filesystem=False).train.reference == "live"
+
+
+def test_a_live_reference_refuses_a_continued_adapter(tmp_path):
+    """reference: live with an adapter runs the policy with its adapter disabled: the base model, which is where
+    training starts only for a fresh adapter (LoRA's B = 0). Continuing one (peft.adapter) would pull towards the
+    base model, not the model training starts from: refused, naming both keys and the fix."""
+    from finetune.config import build_config
+
+    values = {"model": "m", "dataset": "d.jsonl", "output_dir": str(tmp_path), "method": "dpo", "reference": "live"}
+    continued = {"method": "lora", "adapter": str(tmp_path / "sft" / "final")}
+    for method in ("dpo", "ipo"):
+        with pytest.raises(ConfigError) as refused:
+            build_config({**values, "method": method, "peft": continued}, check_filesystem=False)
+        [(key, says)] = [(k, why) for k, why in refused.value.problems if "peft.adapter" in why]
+        assert key == "reference" and "reference: precomputed" in says, says
+    fresh = build_config({**values, "peft": {"method": "lora"}}, check_filesystem=False)
+    assert fresh.train.reference == "live" and fresh.peft.adapter is None
+    precomputed = build_config({**values, "reference": "precomputed", "peft": continued}, check_filesystem=False)
+    assert precomputed.peft.adapter == continued["adapter"]
+
+
+def test_precomputed_references_of_a_continued_adapter_are_the_starting_models(assets, tmp_path):
+    """What the refusal above points to: DPO continuing an adapter whose B != 0 (peft.adapter) with precomputed
+    references computes them with the adapter on: the base + adapter's log-probs, pair by pair (not the base
+    model's), and the first loss is log 2 (the policy starts as its reference)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from finetune.data import build_datasets
+
+    net = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(assets.llama), LoraConfig(r=4, target_modules="all-linear")
+    )
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
+    adapter = tmp_path / "sft_final"
+    net.save_pretrained(adapter)
+    data = pairs(tmp_path / "pairs.jsonl", n=24)
+    args = base_args(assets.llama, data, "--method", "dpo", "--max_steps", "1", "--eval_fraction", "0",
+                     "--peft.method", "lora", "--peft.adapter", str(adapter))  # fmt: skip
+    run = finetune(tmp_path / "dpo", *args)
+    assert run.losses()[0] == pytest.approx(math.log(2), abs=1e-5)
+    ds = build_datasets(DataArgs(dataset=data, max_seq_length=64, eval_fraction=0), "causal_lm", assets.tokenizer, 42,
+                        contextlib.nullcontext)  # fmt: skip
+    start = _references_of_the_start(assets.llama, assets.tokenizer, ds.train, adapter=str(adapter))
+    base = _references_of_the_start(assets.llama, assets.tokenizer, ds.train)
+    saved = torch.load(run.output_dir / "reference_logps.pt", weights_only=True)["train"]
+    assert (saved - start).abs().max() <= 1e-6 * start.abs().max()
+    assert (base - start).abs().max() > 0.1  # the adapter moves them: the base would be the wrong reference

@@ -143,6 +143,12 @@ def preference_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     choice(p, "reference", t.reference, REFERENCES)
     if t.reference == "live" and t.method not in REFERENCE_METHODS:
         p.append(("reference", f"is live, but {t.method} compares with no reference model; leave reference out"))
+    if t.reference == "live" and t.method in REFERENCE_METHODS and cfg.peft.adapter:
+        # the live reference is the policy with its adapter disabled: the base model, the start only for a fresh one
+        p.append(("reference", f"is live, but peft.adapter continues {cfg.peft.adapter!r}: the live reference is the "
+                               "base model with the adapter disabled, not the model training starts from (base + "
+                               "adapter); set reference: precomputed (the starting model's log-probs, adapter on), or "
+                               "merge the adapter first (finetune merge) and train a new one on the merged model"))  # fmt: skip
     if d.streaming and t.method in REFERENCE_METHODS and t.reference == "precomputed":
         p.append(("streaming", f"method {t.method} precomputes its reference log-probs over the whole data before "
                                "training, which a stream does not have; set reference: live (the reference model "

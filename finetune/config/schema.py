@@ -307,9 +307,10 @@ class TrainArgs:
         "precomputed",
         "dpo/ipo: where the reference log-probs come from. precomputed: the starting model's, computed once before "
         "training by the prepared model and kept in output_dir/reference_logps.pt (training holds one model). live: "
-        "one more forward per micro batch, without gradients: with an adapter (peft.method lora or dora) the "
-        "policy's own base model with the adapter disabled (no second copy), without one a frozen copy of the "
-        "starting model, sharded as the trained one (ZeRO-3, FSDP2); what streamed pairs need. docs/preference.md.",
+        "one more forward per micro batch, without gradients: with a new adapter (peft.method lora or dora) the "
+        "policy's own base model with the adapter disabled (no second copy; refused with peft.adapter, whose start "
+        "is the base plus that adapter), without one a frozen copy of the starting model, sharded as the trained "
+        "one (ZeRO-3, FSDP2); what streamed pairs need. docs/preference.md.",
     )
     max_steps: int = _f(-1, "Optimizer steps to run; -1 uses num_train_epochs.")
     num_train_epochs: float = _f(1.0, "Epochs to run when max_steps is -1.")
