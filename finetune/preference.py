@@ -257,20 +257,25 @@ def compute_references(acc, backend, model, splits: dict, collate, batch_size: i
 
 def load_or_compute_references(acc, backend, model, ds, collate, batch_size: int, output_dir: str, step: int,
                                writes: bool, fingerprint: str) -> dict[str, torch.Tensor]:  # fmt: skip
-    """The starting model's log-probs: a run at step 0 computes them and saves them in output_dir; a resume reads
-    them from there (made for this data), and is refused without them: a checkpoint cannot give them back."""
+    """The starting model's log-probs: a run at step 0 computes them and saves them in output_dir (`writes`: the
+    process that writes this machine's files; every rank holds every pair's, gathered); a resume reads them from
+    there (made for this data), and is refused on every machine when one lacks them: a checkpoint cannot give them
+    back."""
     from finetune.config import ConfigError
 
     path = os.path.join(output_dir, REFERENCE_FILE)
-    if step > 0 and os.path.exists(path):
-        saved = torch.load(path, weights_only=True)
-        if saved.get("fingerprint") == fingerprint:
+    if step > 0:
+        saved = torch.load(path, weights_only=True) if os.path.exists(path) else {}
+        found = saved.get("fingerprint") == fingerprint
+        views = cluster.host_gather((cluster.machine_rank(), found))  # a collective: one machine must not go on alone
+        lacking = sorted({m for m, ok in views if not ok})
+        if not lacking:
             logger.info("reference log-probs: read from %s", path)
             return {k: v for k, v in saved.items() if k != "fingerprint"}
-    if step > 0:
+        where = f" on machine {', '.join(map(str, lacking))}" if len({m for m, _ in views}) > 1 else ""
         raise ConfigError([("resume_from_checkpoint", f"{path} (the starting model's log-probs for this data) is "
-                            "missing or was made for other data; resume from the output_dir of the run that started "
-                            "it, or start over")])  # fmt: skip
+                            f"missing or was made for other data{where}; resume from the output_dir of the run that "
+                            "started it (on each machine, when output_dir is not shared), or start over")])  # fmt: skip
     splits = {"train": ds.train, **({"eval": ds.eval} if ds.eval is not None else {})}
     import time
 
@@ -280,7 +285,7 @@ def load_or_compute_references(acc, backend, model, ds, collate, batch_size: int
         "reference log-probs: the starting model over %s pairs in %.1f s (computed once; training holds one model)",
         " + ".join(f"{len(t)} {k}" for k, t in tables.items()), time.perf_counter() - start,
     )  # fmt: skip
-    if writes and acc.is_main_process:
+    if writes:  # the global main; each machine's local main when output_dir is not shared (cluster.Storage)
         torch.save({"fingerprint": fingerprint, **tables}, path + ".tmp")
         os.replace(path + ".tmp", path)
     cluster.host_wait()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import conftest
 import pytest
+import torch
 import yaml
 from conftest import ROOT, Result, assert_layout, base_args, crash_after, finetune, max_rel_diff, max_weight_diff
 
@@ -132,6 +133,35 @@ def test_two_machines_each_with_its_own_output_dir_equal_one_machine_and_resume(
     assert_two_machines(resumed, config)
     assert [r["step"] for r in resumed[0].train_rows] == [1, 2, 3, 4]
     same_run(reference(config), resumed[0])
+
+
+def test_dpo_with_an_output_dir_per_machine_resumes_on_each_machine(assets, tmp_path):
+    """DPO's precomputed reference log-probs without a shared filesystem: every rank holds every pair's log-probs
+    (gathered), and each machine's local main keeps them in its own output_dir, as it keeps its checkpoints, so a
+    resume on each machine reads them from its own disk and goes on as the run did."""
+    from test_preference import pairs
+
+    outs = (tmp_path / "machine0", tmp_path / "machine1")
+    data = pairs(tmp_path / "pairs.jsonl", n=48)
+    more = ("--method", "dpo", "--beta", "0.5", "--max_steps", "3", "--save_steps", "2", "--eval_fraction", "0")
+    args = base_args(assets.llama, data, *more)
+    results = launch(outs, "multinode_ddp", *args)
+    assert_two_machines(results, "multinode_ddp")
+    assert "is NOT shared between the 2 machines" in results[0].output
+    crash_after(outs[0], 2)
+    _crash_copy(outs[1], 2)
+    resumed = launch(outs, "multinode_ddp", *args, "--resume_from_checkpoint", "latest", timeout=150)
+    assert_two_machines(resumed, "multinode_ddp")
+    assert "reference log-probs: read from" in resumed[0].output
+    assert [r["step"] for r in resumed[0].train_rows] == [1, 2, 3]
+    assert max_rel_diff(results[0].losses(), resumed[0].losses()) <= 1e-6
+    tables = [torch.load(out / "reference_logps.pt", weights_only=True) for out in outs]
+    assert torch.equal(tables[0]["train"], tables[1]["train"]) and tables[0]["fingerprint"] == tables[1]["fingerprint"]
+    (outs[1] / "reference_logps.pt").unlink()  # one machine's copy lost: refused on both, none goes on alone
+    refused = launch(outs, "multinode_ddp", *args, "--resume_from_checkpoint", "latest", timeout=150)
+    assert [r.returncode for r in refused] == [2, 2], refused[0].output[-3000:]
+    says = "reference_logps.pt (the starting model's log-probs for this data) is missing or was made for other data"
+    assert f"{says} on machine 1;" in refused[0].output, refused[0].output[-3000:]
 
 
 def _crash_copy(out: Path, step: int) -> None:
