@@ -219,6 +219,8 @@ def live_reference(backend, model, adapter: bool) -> Callable[[dict], torch.Tens
         try:
             with off():
                 sums, _ = backend.answer_logps(model, model_inputs(batch), batch["labels"])
+            if not adapter:  # FSDP2 leaves the head whole for a backward that the frozen copy never runs
+                backend.end_inference(model)
         finally:
             model.train(was_training)
         b = sums.shape[0] // 2

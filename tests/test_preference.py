@@ -422,3 +422,47 @@ def test_precomputed_references_of_a_continued_adapter_are_the_starting_models(a
     saved = torch.load(run.output_dir / "reference_logps.pt", weights_only=True)["train"]
     assert (saved - start).abs().max() <= 1e-6 * start.abs().max()
     assert (base - start).abs().max() > 0.1  # the adapter moves them: the base would be the wrong reference
+
+
+# finetune with the frozen live reference's parameters checked after each of its passes: the names of those not
+# sharded (not DTensors) then, per pass, in $PROBE_DIR/rank<r>.json. Launched in place of `-m finetune`.
+FROZEN_PROBE = """
+import json, os, sys
+from torch.distributed.tensor import DTensor
+import finetune.preference as preference
+from finetune.cli import run_cli
+
+passes, live = [], preference.live_reference
+
+def checked(backend, model, adapter):
+    logps = live(backend, model, adapter)
+    def after(batch):
+        out = logps(batch)
+        passes.append([n for n, p in model.named_parameters() if not isinstance(p, DTensor)])
+        return out
+    return after
+
+preference.live_reference = checked
+sys.argv[0] = "finetune"
+code = run_cli()
+with open(os.path.join(os.environ["PROBE_DIR"], f"rank{os.environ['RANK']}.json"), "w") as f:
+    json.dump(passes, f)
+os._exit(code)
+"""
+
+
+def test_fsdp2_reshards_the_frozen_reference_after_each_pass(assets, tmp_path):
+    """Under FSDP2 a forward leaves the modules that end it (final norm, LM head: reshard_after_forward False, for
+    the backward that follows) whole; the frozen live reference runs no backward, so after each of its passes
+    backend.end_inference reshards it: every parameter is its DTensor shard again, on every rank, at every pass."""
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    script = tmp_path / "frozen_probe.py"
+    script.write_text(FROZEN_PROBE)
+    args = base_args(assets.llama, pairs(tmp_path / "pairs.jsonl", n=32), "--method", "dpo", "--reference", "live",
+                     "--max_steps", "2", "--eval_fraction", "0")  # fmt: skip
+    finetune(tmp_path / "run", *args, launcher="fsdp2", entry=(str(script),), extra_env={"PROBE_DIR": str(probe)})
+    reports = {p.name: json.loads(p.read_text()) for p in sorted(probe.glob("rank*.json"))}
+    assert list(reports) == ["rank0.json", "rank1.json"]
+    for name, passes in reports.items():
+        assert len(passes) == 2 and passes == [[], []], (name, passes)  # a pass per step; nothing left whole

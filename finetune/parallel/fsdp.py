@@ -218,7 +218,8 @@ class Backend(ddp.Backend):
     def end_inference(self, model) -> None:
         """After a forward FSDP2 leaves the parameters of the modules that end it whole (the final norm and the LM
         head, each an FSDP module of its own here: the backward that follows needs them first); after passes with no
-        backward they stayed whole until the next training step. Every FSDP module is resharded: the memory is
+        backward they stayed whole until the next training step, and on the frozen live reference (prepare_frozen),
+        which never runs a backward, for the whole run. Every FSDP module is resharded: the memory is
         freed, and the model is as training keeps it (the `observed` facts of a DPO run, read after its reference
         pass, said fsdp_version 0, parameter_shard 0.63)."""
         from torch.distributed.fsdp import FSDPModule
