@@ -740,9 +740,11 @@ def chat_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int, split: st
         wheres = [f"{split} row {i}" for i in idx]
         plans = [_turns(ex, layout, at) for ex, at in zip(_rows_of(batch), wheres)]
         kept = [(plan, at) for plan, at in zip(plans, wheres) if isinstance(plan, Turns)]
-        jobs = [((plan.messages[:k], gen, plan.tools), at) for plan, at in kept for k, gen, _ in plan.steps]
+        jobs = [(_job(plan, k, gen), at) for plan, at in kept for k, gen, _ in plan.steps]
         flat = iter(render_all(tokenizer, [job for job, _ in jobs], [at for _, at in jobs]))
-        per_plan = [_rows_of_turns(plan, [next(flat) for _ in plan.steps], at) for plan, at in kept]
+        per_plan = [
+            _rows_of_turns(plan, [_step_text(next(flat), k, at) for k, _, _ in plan.steps], at) for plan, at in kept
+        ]
         rendered = [(texts, at) for turn_rows, (_, at) in zip(per_plan, kept) for texts, _ in turn_rows]
         cuts = iter(encode.cuts([texts for texts, _ in rendered], [at for _, at in rendered]))
         rows, conversations, turn_rows_of = [], [], iter(per_plan)
@@ -775,16 +777,14 @@ def _rows_of_turns(plan: Turns, texts: list[str], where: str) -> list[tuple[list
     rendering), and one whose rendering leaves the whole one's after the answer starts (it renders the answer
     itself otherwise: a header written after every last message, say)."""
     whole = texts[-1]
-    turns = []  # step indices of each learned turn: its generation prompt's (where it has one) and its end's
-    for j, (_, _, learned) in enumerate(plan.steps):
-        if learned:
-            turns.append([j - 1, j] if j and plan.steps[j - 1][1] else [j])
+    # step indices of each learned turn: its generation prompt's and its end's
+    turns = [[j - 1, j] for j, (_, _, learned) in enumerate(plan.steps) if learned]
     rows, main = [], []
     for turn in turns:
         if all(whole.startswith(texts[j]) for j in turn):
             main += turn
             continue
-        prompt, end = (texts[turn[0]] if len(turn) == 2 else ""), texts[turn[-1]]
+        prompt, end = texts[turn[0]], texts[turn[1]]
         if not end.startswith(prompt):
             at = max(len(os.path.commonprefix([prompt, end])) - 15, 0)  # a little before where they part
             raise ValueError(
@@ -812,12 +812,44 @@ class Turns:
 
     messages: list[dict]
     tools: list | None
-    steps: list[tuple[int, bool, bool]]
+    steps: list[tuple[int, bool, bool]]  # (0, True, False): what the template writes before an opening answer
+
+
+# An answer that opens the conversation has no rendering before it to learn from: transformers renders no empty
+# conversation. What the template writes before it (BOS, a default system prompt, the assistant header), context
+# as the generation prompt is before any other answer, is read off the rendering of that answer alone with this
+# text for its content: everything before it.
+_ANSWER_STAND_IN = "FINETUNE-ANSWER-7c1e"
+
+
+def _job(plan: Turns, k: int, gen: bool) -> tuple[list[dict], bool, list | None]:
+    """What a step renders: the first k messages, with the generation prompt or not; for an answer that opens the
+    conversation (k = 0), that answer alone with a stand-in content (_step_text keeps what comes before it)."""
+    if k == 0:
+        return [{"role": "assistant", "content": _ANSWER_STAND_IN}], False, plan.tools
+    return plan.messages[:k], gen, plan.tools
+
+
+def _step_text(text: str, k: int, where: str) -> str:
+    """A step's rendering as _rows_of_turns reads it: for k = 0, the text before the stand-in answer."""
+    if k:
+        return text
+    at = text.find(_ANSWER_STAND_IN)
+    if at < 0:
+        raise BadExample(
+            "chat_template",
+            f"{where}: the conversation opens with an assistant turn, and the chat template does not write an "
+            "answer's text as it is given, so what it writes before the answer (not learned) cannot be told from "
+            "the answer; start the conversation with a user or system message, or set chat_template to one that "
+            "writes the answer's text as given",
+        )
+    return text[:at]
 
 
 def _turns(ex: dict, layout: Layout, where: str) -> Turns | str:
     """A chat row's Turns, or why the row has nothing to learn. An assistant turn is learned, the generation prompt
-    before it is not. Only those prefixes: each rendering costs about what tokenizing the whole conversation does."""
+    before it is not (before an answer that opens the conversation: what the template writes before it, _job).
+    Only those prefixes: each rendering costs about what tokenizing the whole conversation does."""
     messages, first = conversation(ex, layout, where)
     learned = [k for k, m in enumerate(messages) if m["role"] == "assistant" and k >= first]
     if layout.answer and not ex[layout.answer]:
@@ -826,8 +858,7 @@ def _turns(ex: dict, layout: Layout, where: str) -> Turns | str:
         return "no assistant turn" + (f" in {layout.answer!r}" if layout.answer else "")
     steps = []
     for k in learned:
-        if k:  # the turn starts after the template's generation prompt
-            steps.append((k, True, False))
+        steps.append((k, True, False))  # the turn starts after the template's generation prompt
         steps.append((k + 1, False, True))
     if learned[-1] < len(messages) - 1:
         steps.append((len(messages), False, False))

@@ -689,3 +689,54 @@ def test_a_prompt_the_template_drops_is_refused(real_tokenizer, tmp_path):
     [(key, message)] = info.value.problems
     assert key == "dataset" and "train row 1: " in message and "drops a system message" in message, message
     assert "Be brief." in message and "chat_template" in message
+
+
+@pytest.mark.parametrize("name", ["demo", "llama3_1", "qwen2_5"])
+def test_an_answer_that_opens_the_conversation_learns_what_an_answer_elsewhere_learns(
+    assets, real_tokenizer, tmp_path, name
+):
+    """An assistant turn first (a greeting as messages, ShareGPT's gpt first, prompt-completion with an empty prompt)
+    learns its text and its end of turn, the tokens it learns after a user turn; what the template writes before it
+    (BOS, Qwen2.5's default system prompt, the assistant header) is context. Checked against prefix_labels (computed
+    apart) of the same conversations after a user turn, and against where the answer's text starts in the rendering."""
+    tok = assets.tokenizer if name == "demo" else real_tokenizer(name)
+    greeting = {"role": "assistant", "content": "Hi! How can I help?"}
+    convs = [
+        [greeting, {"role": "user", "content": "rain all day?"}, {"role": "assistant", "content": "weather"}],
+        [greeting],
+    ]
+    hello = {"role": "user", "content": "Hello."}
+    after_user = prefix_labels(tok, [[hello, *c] for c in convs])
+    built = {
+        shape: tokens(build(write_jsonl(rows, tmp_path / f"{shape}.jsonl"), tok))
+        for shape, rows in [("messages", as_messages(convs)), ("sharegpt", as_sharegpt(convs))]
+    }
+    # (a prompt column of empty lists only is not told from text: one row has a prompt)
+    pc = [{"prompt": [], "completion": c} for c in convs] + [{"prompt": [hello], "completion": [greeting]}]
+    built["prompt_completion"] = tokens(build(write_jsonl(pc, tmp_path / "pc.jsonl"), tok))[: len(convs)]
+    for shape, got in built.items():
+        assert len(got) == len(convs), shape
+        for (ids, labels), (_, want_labels), c in zip(got, after_user, convs):
+            whole = tok.apply_chat_template(c, tokenize=False)
+            assert ids == tok(whole, add_special_tokens=False)["input_ids"], shape
+            assert [t for t in labels if t != IGNORE] == [t for t in want_labels if t != IGNORE], shape
+            first = next(i for i, t in enumerate(labels) if t != IGNORE)
+            assert tok.decode(ids[:first]) == whole[: whole.index(greeting["content"])], shape
+
+
+def test_an_opening_answer_a_template_rewrites_is_refused(assets, tmp_path):
+    """Where the template does not write an opening answer's text as given (here upper-cased), what it writes before
+    the answer cannot be told from it: refused, naming the row, rather than learned from token 0."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(assets.root / "tokenizer")
+    tok.chat_template = (
+        "<s>{% for m in messages %}{{ m['role'] }}: {{ m['content'] | upper }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    convs = conversations(3, seed=2)
+    convs[1] = [{"role": "assistant", "content": "Hi!"}, *convs[1]]
+    with pytest.raises(ConfigError) as info:
+        build(write_jsonl(as_messages(convs), tmp_path / "chat.jsonl"), tok)
+    [(key, message)] = info.value.problems
+    assert key == "chat_template" and message.startswith("train row 1: the conversation opens with an assistant turn")
