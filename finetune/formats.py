@@ -850,6 +850,8 @@ def _turns(ex: dict, layout: Layout, where: str) -> Turns | str:
     """A chat row's Turns, or why the row has nothing to learn. An assistant turn is learned, the generation prompt
     before it is not (before an answer that opens the conversation: what the template writes before it, _job).
     Only those prefixes: each rendering costs about what tokenizing the whole conversation does."""
+    if layout.answer and ex[layout.answer] is None:  # (as any null answer; not a list of messages to refuse)
+        return _why_blank(None, layout.answer)
     messages, first = conversation(ex, layout, where)
     learned = [k for k, m in enumerate(messages) if m["role"] == "assistant" and k >= first]
     if layout.answer and not ex[layout.answer]:

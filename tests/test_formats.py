@@ -740,3 +740,15 @@ def test_an_opening_answer_a_template_rewrites_is_refused(assets, tmp_path):
         build(write_jsonl(as_messages(convs), tmp_path / "chat.jsonl"), tok)
     [(key, message)] = info.value.problems
     assert key == "chat_template" and message.startswith("train row 1: the conversation opens with an assistant turn")
+
+
+def test_a_null_completion_in_conversational_prompt_completion_is_dropped_and_counted(assets, tmp_path, caplog):
+    """As docs/data.md says of every null answer: dropped and counted by why, not a refusal blaming the messages."""
+    rows = as_prompt_completion(conversations(6, seed=4))
+    rows[3]["completion"] = None
+    with caplog.at_level("WARNING", logger="finetune"):
+        ds = build(write_jsonl(rows, tmp_path / "pc.jsonl"), assets.tokenizer)
+    assert len(ds.train) == 5
+    assert "dropped 1 of 6 training rows with nothing to learn: 1 with a null 'completion' (e.g. train row 3:" in (
+        caplog.text
+    )
