@@ -750,13 +750,13 @@ def _dropped(out, raw, split: str) -> dict[str, tuple[int, str]]:
 
     table = out.with_format("arrow")
     skip = table["skip"]
-    conversation = table["conversation"] if "conversation" in out.column_names else None  # chat: the raw row
+    raw_row = table["raw_row"] if "raw_row" in out.column_names else None  # chat, text: rows are not raw rows
     why = {}
     for item in pc.value_counts(skip).to_pylist():
         reason, n = item["values"], item["counts"]
         if reason:
             first = pc.index(skip, reason).as_py()
-            first = conversation[first].as_py() if conversation is not None else first
+            first = raw_row[first].as_py() if raw_row is not None else first
             why[reason] = (n, f"{split} row {first}: {str(raw[first])[:120]}")
     return why
 

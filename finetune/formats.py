@@ -431,9 +431,9 @@ def _rows_of(batch: dict) -> list[dict]:
 
 def row_facts(fmt: str) -> list[str]:
     """The columns a format's rows carry beside its tokens, for the data pipeline (dropped once read): why a row is
-    skipped, what it learns, and for chat the conversation each row comes from (chat_rows: one or more per
-    conversation)."""
-    return ["skip", "learned", "conversation"] if fmt == "chat" else ["skip", "learned"]
+    skipped, what it learns, and where rows are not the data's rows one for one, the data's row each comes from
+    (`raw_row`; chat_rows: one or more per conversation; text_rows: a block, from the row it starts in)."""
+    return ["skip", "learned", "raw_row"] if fmt in ("chat", "text") else ["skip", "learned"]
 
 
 def _columns(rows: list[dict]) -> dict:
@@ -762,7 +762,7 @@ def chat_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int, split: st
                     spans += [(start, end)] if learned else []
                 rows.append(_kept(ids, labels, max_len, spans))
                 conversations.append(i)
-        return {**_columns(rows), "conversation": conversations}
+        return {**_columns(rows), "raw_row": conversations}
 
     return fn
 
@@ -1071,12 +1071,16 @@ def text_rows(tokenizer, data: DataArgs, max_len: int) -> Callable:
     column = data.text_column
 
     def fn(batch: dict, idx: list[int]) -> dict:
-        stream = [t for ids in tokenizer(batch[column])["input_ids"] for t in ids + eos]
+        texts = tokenizer(batch[column])["input_ids"]
+        stream = [t for ids in texts for t in ids + eos]
         n = max(len(stream) // max_len, 1)  # a short batch still yields one (shorter) block
         blocks = [stream[i * max_len : (i + 1) * max_len] for i in range(n)]
         learned = [len(b) - 1 for b in blocks]  # every token but the first is predicted
         skip = ["" if n else "a single token (nothing to predict)" for n in learned]
-        return {"input_ids": blocks, "labels": [list(b) for b in blocks], "skip": skip, "learned": learned}
+        starts = list(itertools.accumulate((len(ids) + len(eos) for ids in texts), initial=0))  # rows in the stream
+        first = [idx[min(bisect.bisect_right(starts, i * max_len), len(idx)) - 1] for i in range(n)]
+        return {"input_ids": blocks, "labels": [list(b) for b in blocks], "skip": skip, "learned": learned,
+                "raw_row": first}  # fmt: skip
 
     return fn
 

@@ -182,6 +182,20 @@ def test_text_is_cut_into_full_blocks_of_max_seq_length(assets):
     assert blocks == stream[: len(blocks)] and len(stream) - len(blocks) < 64
 
 
+def test_a_dropped_text_block_is_shown_as_the_row_it_starts_in(assets, tmp_path, caplog):
+    """Text rows are joined and cut into blocks, more blocks than rows here: the one-token block of the last batch
+    (an empty text's EOS alone) is dropped and shown as the empty row it comes from, not as the row at the block's
+    index (past the end of the data: an IndexError once)."""
+    tok = assets.tokenizer
+    long = " ".join(["the match was good and the team won the league"] * 12)
+    rows = [{"text": f"{i} {long}"} for i in range(1000)] + [{"text": ""}]  # the empty row: a batch of its own
+    with caplog.at_level("WARNING", logger="finetune"):
+        ds = build(write_jsonl(rows, tmp_path / "texts.jsonl"), tok, max_seq_length=64)
+    assert len(ds.train) > len(rows) and all(len(ids) == 64 for ids in ds.train["input_ids"])
+    said = "1 with a single token (nothing to predict) (e.g. train row 1000: {'text': ''})"
+    assert said in caplog.text, caplog.text
+
+
 # ---------------------------------------------------------------- truncation
 
 
