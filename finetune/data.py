@@ -668,9 +668,15 @@ def _tokenize(ds, split: str, rows: Callable, data: DataArgs, layout: Layout):
     kept = out.filter(lambda skip: not skip, input_columns="skip", desc=f"dropping {split} rows with nothing to learn")
     if split == "train" and not len(kept):
         raise ConfigError([("dataset", f"no training row has anything to learn: {_reasons(why)}")])
-    if why and split == "train":
+    if not len(kept):  # the first eval would fail, perhaps hours in
+        raise ConfigError([_no_eval_row(data, len(out), why)])
+    if why:
         logger.warning(
-            "dropped %d of %d training rows with nothing to learn: %s", len(out) - len(kept), len(out), _reasons(why)
+            "dropped %d of %d %s rows with nothing to learn: %s",
+            len(out) - len(kept),
+            len(out),
+            "training" if split == "train" else "eval",
+            _reasons(why),
         )
     return kept.remove_columns(formats.row_facts(layout.format)), _column_sum(kept, "learned")
 
@@ -787,6 +793,24 @@ def _nothing_to_learn(reason: str, rows: int, layout: Layout, data: DataArgs) ->
     return key, (
         f"every training example has {reason} (no answer to learn); fill in the answers, or set {key} to the column "
         "that holds them"
+    )
+
+
+def _no_eval_row(data: DataArgs, rows: int, why: dict[str, tuple[int, str]]) -> tuple[str, str]:
+    """The problem when no eval row is left: keyed where the eval rows came from, with its fix."""
+    gone = f"all {rows} have nothing to learn: {_reasons(why)}" if rows else "there are none"
+    if data.eval_dataset:
+        return "eval_dataset", (
+            f"no eval row of {data.eval_dataset!r} is left to evaluate: {gone}; fix those rows, or give other eval data"
+        )
+    if data.eval_split:
+        return "eval_split", (
+            f"no eval row of split {data.eval_split!r} is left to evaluate: {gone}; fix those rows, or give another "
+            "eval_split or an eval_dataset"
+        )
+    return "eval_fraction", (
+        f"no eval row is left of the rows eval_fraction={data.eval_fraction:g} held out of {data.dataset!r}: {gone}; "
+        "fix those rows, hold out more (eval_fraction), or set eval_fraction: 0 to train without eval"
     )
 
 

@@ -242,6 +242,37 @@ def test_null_answers_are_named_not_blamed_on_truncation(assets, tmp_path, caplo
     assert "null 'response'" in str(info.value) and "max_seq_length" not in str(info.value)
 
 
+def test_an_eval_set_with_no_row_left_is_refused_before_training(assets, tmp_path, caplog):
+    """Eval rows dropped like train's are counted in the log; an eval set left with none (it would fail at the first
+    eval, perhaps hours in) is refused before training, naming where the eval rows came from and why they went."""
+    from finetune.data import load_splits
+
+    tok = assets.tokenizer
+    rows = [{"prompt": f"Which topic? {i}", "response": "sports"} for i in range(20)]
+    train = write_jsonl(rows, tmp_path / "train.jsonl")
+    some_null = write_jsonl([{**r, "response": None if i == 1 else "food"} for i, r in enumerate(rows[:3])],
+                            tmp_path / "some_null.jsonl")  # fmt: skip
+    with caplog.at_level("WARNING", logger="finetune"):
+        ds = build(train, tok, eval_dataset=some_null)
+    assert len(ds.eval) == 2
+    assert "dropped 1 of 3 eval rows with nothing to learn: 1 with a null 'response' (e.g. eval row 1: " in caplog.text
+
+    all_null = write_jsonl([{**r, "response": None} for r in rows[:3]], tmp_path / "all_null.jsonl")
+    with pytest.raises(ConfigError) as info:
+        build(train, tok, eval_dataset=all_null)
+    [(key, message)] = info.value.problems
+    assert key == "eval_dataset" and "all_null.jsonl" in message and "3 with a null 'response'" in message, message
+
+    # held out by eval_fraction: the rows the seeded split holds out (it depends on the row count only) made null
+    _, held = load_splits(DataArgs(dataset=train, eval_fraction=0.1), 0)
+    gone = set(held["prompt"])
+    dropped = write_jsonl([{**r, "response": None} if r["prompt"] in gone else r for r in rows], tmp_path / "d.jsonl")
+    with pytest.raises(ConfigError) as info:
+        build(dropped, tok, eval_fraction=0.1)
+    [(key, message)] = info.value.problems
+    assert key == "eval_fraction" and "2 with a null 'response'" in message and "eval_fraction: 0" in message, message
+
+
 # ---------------------------------------------------------------- packing
 
 
