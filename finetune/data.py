@@ -138,9 +138,12 @@ def _unique(ds, column: str) -> list:
         return list({repr(v): v for v in ds[column]}.values())
 
 
-def label_names_of(train, data: DataArgs) -> tuple[list[str], dict | None]:
-    """Names of the classes and, for string labels, the name -> id map (sorted, so stable)."""
+def label_names_of(train, data: DataArgs, held_out=None) -> tuple[list[str], dict | None]:
+    """Names of the classes and, for string labels, the name -> id map (sorted, so stable); with held_out (the
+    eval rows eval_fraction took out of train), all the rows' classes."""
     values = _unique(train, data.label_column)
+    if held_out is not None:
+        values = list({repr(v): v for v in [*values, *_unique(held_out, data.label_column)]}.values())
     if any(v is None for v in values):
         raise ConfigError([("label_column", f"column {data.label_column!r} has empty labels; fill or drop those rows")])
     if all(isinstance(v, str) for v in values):
@@ -613,25 +616,30 @@ def _checked_layout(train_raw, eval_raw, data: DataArgs, task: str, tokenizer) -
 
 
 def _labels(train_raw, eval_raw, data: DataArgs):
-    """A classifier's label names and ids, from train; eval may use no label that train lacks."""
+    """A classifier's label names and ids, from train; given eval data may use no label that train lacks. Eval rows
+    eval_fraction held out were train's: a label only they have stays in the label set, with a warning that no
+    training row has it (the user has no eval data to fix; holding out by label would change every split)."""
     label_names, label_ids = label_names_of(train_raw, data)
-    if label_names and eval_raw is not None:
-        unknown = set(_unique(eval_raw, data.label_column)) - set(label_ids or range(len(label_names)))
-        if unknown:
-            raise ConfigError(
-                [
-                    (
-                        "label_column",
-                        f"eval labels {sorted(map(str, unknown))[:5]} never occur in train; "
-                        "fix the eval data or its labels",
-                    )
-                ]
-            )
+    if not label_names or eval_raw is None:
+        return label_names, label_ids
+    unknown = sorted(map(str, set(_unique(eval_raw, data.label_column)) - set(label_ids or range(len(label_names)))))
+    if unknown and (data.eval_dataset or data.eval_split):
+        raise ConfigError(
+            [("label_column", f"eval labels {unknown[:5]} never occur in train; fix the eval data or its labels")]
+        )
+    if unknown:
+        label_names, label_ids = label_names_of(train_raw, data, held_out=eval_raw)
+        logger.warning(
+            "label_column: eval_fraction held out every row labelled %s: no training row has such a label, so the "
+            "model cannot learn it (it stays in the label set, and its eval rows count against the metrics); add rows "
+            "with it, or another seed holds out other rows",
+            unknown[:5],
+        )
     return label_names, label_ids
 
 
 def _tokenize(ds, split: str, rows: Callable, data: DataArgs, layout: Layout):
-    """Rows -> tokens and labels; rows left with nothing to learn are dropped, and said why (train)."""
+    """Rows -> tokens and labels; rows left with nothing to learn are dropped, and said why."""
     try:
         with _os_environ_kept(), _collector_frozen():
             out = ds.map(

@@ -166,6 +166,22 @@ def test_classification_eval_label_unseen_in_train(assets, tmp_path):
     assert "music" in info.value.problems[0][1]
 
 
+def test_a_label_only_the_held_out_rows_have_is_kept_and_warned_of(assets, tmp_path, caplog):
+    """eval_fraction held out the one 'rare' row: the user gave no eval data to fix, so this is no refusal. The label
+    set is all rows' (as before the split), and a warning says the label has no training rows. Given eval data
+    with a label train lacks is still refused (test_classification_eval_label_unseen_in_train)."""
+    from finetune.data import load_splits
+
+    rows = [{"text": f"sample {i}", "label": "common"} for i in range(39)] + [{"text": "odd one", "label": "rare"}]
+    data = DataArgs(dataset=write_jsonl(rows, tmp_path / "rare.jsonl"), eval_fraction=0.05)
+    assert "rare" in load_splits(data, 10)[1]["label"]  # seed 10 holds it out
+    with caplog.at_level("WARNING", logger="finetune"):
+        ds = build_datasets(data, "classification", assets.tokenizer, 10, contextlib.nullcontext)
+    assert ds.label_names == ["common", "rare"]
+    assert set(ds.train["labels"]) == {0} and 1 in ds.eval["labels"]
+    assert "['rare']" in caplog.text and "no training row" in caplog.text and "eval_fraction" in caplog.text
+
+
 # ---------------------------------------------------------------- text
 
 
