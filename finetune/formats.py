@@ -663,7 +663,8 @@ def instruction_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int) ->
 
 def seq2seq_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int) -> Callable:
     """Encoder input: the prompt (or source) with the tokenizer's special tokens (T5 appends EOS, BART wraps in
-    BOS/EOS); labels: the response (or target) + EOS, each truncated to max_len on its own."""
+    BOS/EOS), one longer than max_len cut as the tokenizer cuts it (its text, the special tokens kept); labels: the
+    response (or target) + EOS, cut to max_len."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     encode = Encoder.of(tokenizer)
 
@@ -671,7 +672,13 @@ def seq2seq_rows(tokenizer, data: DataArgs, layout: Layout, max_len: int) -> Cal
         pairs, why = _pairs(batch, layout)
         keep = [k for k, w in enumerate(why) if not w]
         rows = [_skipped(w) for w in why]
-        sources = encode([str(pairs[k][0][0]) for k in keep], True)
+        texts = [str(pairs[k][0][0]) for k in keep]
+        sources = encode(texts, True)
+        long = [j for j, s in enumerate(sources) if len(s) > max_len]
+        if long:
+            cut = tokenizer([texts[j] for j in long], truncation=True, max_length=max_len)["input_ids"]
+            for j, ids in zip(long, cut):
+                sources[j] = ids
         for k, s, t in zip(keep, sources, encode([str(pairs[k][1][0]) for k in keep], False)):
             labels = (t + eos)[:max_len]  # all learned (no shift)
             rows[k] = {"input_ids": s[:max_len], "labels": labels, "skip": "", "learned": len(labels)}

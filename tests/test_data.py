@@ -289,6 +289,25 @@ def test_an_eval_set_with_no_row_left_is_refused_before_training(assets, tmp_pat
     assert key == "eval_fraction" and "2 with a null 'response'" in message and "eval_fraction: 0" in message, message
 
 
+@pytest.mark.parametrize("template", ["$A </s>", "<s> $A </s>"])  # T5's and BART's special tokens
+def test_a_long_seq2seq_source_is_cut_as_the_tokenizer_cuts_it(assets, tmp_path, template):
+    """An encoder input longer than max_seq_length keeps the special tokens the tokenizer adds (the EOS T5 and BART
+    end it with): the rows are tokenizer(source, truncation=True, max_length=...)'s, as transformers' own
+    seq2seq examples make them; a source that fits is as before."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(assets.root / "tokenizer")
+    specials = [("<s>", tok.bos_token_id), ("</s>", tok.eos_token_id)]
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single=template, special_tokens=specials)
+    sources = ["the match was good and the team won " * 5, "rain and snow"]
+    rows = [{"source": s, "target": "sports"} for s in sources]
+    ds = build(write_jsonl(rows, tmp_path / "pairs.jsonl"), tok, task="seq2seq", max_seq_length=16)
+    assert len(tok(sources[0])["input_ids"]) > 16
+    assert ds.train["input_ids"] == [tok(s, truncation=True, max_length=16)["input_ids"] for s in sources]
+    assert ds.train["input_ids"][0][-1] == tok.eos_token_id
+
+
 # ---------------------------------------------------------------- packing
 
 
