@@ -427,9 +427,10 @@ def finish_collectives_after_a_write_error(engine) -> None:
                     fault_point(fault, engine.global_steps)  # tests: a write of DeepSpeed's that fails
                 return write(*args, **kwargs)
             except Exception as e:
-                if as_os_error(e) is None:
+                io = as_os_error(e)
+                if io is None:
                     raise
-                errors.append(as_os_error(e))
+                errors.append(io)
                 return None
 
         return write_or_keep_the_error
