@@ -36,12 +36,11 @@ import yaml
 
 from finetune.cluster import host_gather, host_wait
 from finetune.config import ConfigError
-from finetune.config.preflight import LATEST, resolve_resume
+from finetune.config.preflight import LATEST, STATE_FILE, list_checkpoints, named_by_latest, resolve_resume
 from finetune.faults import fault_point
 from finetune.parallel.base import save_from_this_process, unwrap
 from finetune.parallel.topology import has_portable_copy, resumes_across_layouts, writes_whole_tensors
 
-STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "run_config.yaml"
 PORTABLE = "portable"
 PARAM_NAMES = "optimizer_param_names.json"
@@ -68,19 +67,6 @@ def remove_half_written(output_dir: str) -> list[str]:
     for name in names:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     return [os.path.join(root, name) for name in names]
-
-
-def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
-    """(step, path) of complete checkpoints, oldest first."""
-    root = checkpoints_dir(output_dir)
-    if not os.path.isdir(root):
-        return []
-    found = [
-        (int(m.group(1)), os.path.join(root, name))
-        for name in os.listdir(root)
-        if (m := re.fullmatch(r"step_(\d+)", name)) and os.path.isfile(os.path.join(root, name, STATE_FILE))
-    ]
-    return sorted(found)
 
 
 def write_atomic(path: str, text: str) -> None:
@@ -384,14 +370,17 @@ def damage(path: str) -> str | None:
 def latest_complete(output_dir: str) -> str | None:
     """The checkpoint `latest` names, if there is one."""
     try:
-        return resolve_resume(output_dir, LATEST)
+        return named_by_latest(output_dir)
     except OSError:
         return None
 
 
 def resume_hint(output_dir: str) -> str:
     """What a user should do after a crash, naming the last complete checkpoint."""
-    last = latest_complete(output_dir)
+    try:
+        last = resolve_resume(output_dir, LATEST)  # where `latest` is missing: the newest complete checkpoint
+    except OSError:
+        last = None
     if last is None:
         return "No checkpoint was completed; start the run again."
     return f"Last complete checkpoint: {last}. Continue with the same command plus --resume_from_checkpoint latest."

@@ -46,6 +46,7 @@ from finetune import (
     watchdog,
 )
 from finetune.config import RUN_MARKERS, ConfigError, RunConfig
+from finetune.config.preflight import LATEST, latest_missing
 
 logger = logging.getLogger("finetune")
 
@@ -145,6 +146,12 @@ def find_resume(cfg: RunConfig, acc, storage, layout) -> checkpoint.Resume | Non
     path, skipped = cluster.from_writer(acc, storage, lambda: checkpoint.choose(t.output_dir, t.resume_from_checkpoint))
     for bad, why in skipped:
         logger.warning("skipped checkpoint %s: %s", bad, why)
+    if path and t.resume_from_checkpoint in (LATEST, "auto") and latest_missing(t.output_dir):
+        logger.warning(
+            "%s is missing (the run stopped after completing a checkpoint and before naming it): resuming from the "
+            "newest intact checkpoint",
+            os.path.join(checkpoint.checkpoints_dir(t.output_dir), LATEST),
+        )
     cluster.agree_on_resume(acc, path)
     resume = checkpoint.find_resume(path, layout, cfg.to_flat())
     for key, was, now in resume.changes if resume else []:

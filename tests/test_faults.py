@@ -9,6 +9,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -363,6 +364,27 @@ def test_kill_while_writing_a_checkpoint_keeps_the_previous_one_and_auto_resumes
     assert f"removed {ckpts / '.tmp_step_4'}: a checkpoint the stopped run did not finish" in resumed.output
     assert [r["step"] for r in resumed.train_rows] == [1, 2, 3, 4, 5, 6]
     assert not (ckpts / ".tmp_step_4").exists() and (out / "final" / "model.safetensors").exists()
+
+
+def test_a_complete_checkpoint_that_latest_does_not_name_is_resumed(assets, tmp_path):
+    """A full disk while naming the first checkpoint (step_2 complete, no `latest`): `auto` resumes from step_2 and
+    says why, instead of taking the directory for a fresh start and removing the checkpoint; `latest`, which the
+    write error tells the user to pass, does the same."""
+    args = base_args(assets.gpt2, assets.text, "--max_steps", "4", "--save_steps", "2", "--eval_fraction", "0")
+    out = tmp_path / "run"
+    ckpts = out / "checkpoints"
+    full = finetune(
+        out, *args, "--resume_from_checkpoint", "auto", expect_ok=False,
+        extra_env={"FINETUNE_FAULT": "enospc-naming-checkpoint:2"},
+    )  # fmt: skip
+    assert full.returncode == 1 and "--resume_from_checkpoint latest" in full.output, full.output[-3000:]
+    assert (ckpts / "step_2" / "trainer_state.json").exists() and not (ckpts / "latest").exists()
+    shutil.copytree(out, tmp_path / "copy")
+    for spec, where in (("auto", out), ("latest", tmp_path / "copy")):
+        resumed = finetune(where, *args, "--resume_from_checkpoint", spec)
+        assert f"resumed from {where / 'checkpoints' / 'step_2'}" in resumed.output, resumed.output[-3000:]
+        assert "checkpoints/latest is missing" in resumed.output
+        assert [r["step"] for r in resumed.train_rows] == [1, 2, 3, 4]
 
 
 def test_a_stuck_rank_is_named_and_every_live_rank_leaves_its_stack(assets, tmp_path):

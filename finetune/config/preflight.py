@@ -4,6 +4,7 @@ local model and data files, shipped metrics offline, the Hub token, output_dir a
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from finetune.config.rules import encoder_decoder_problems, position_problems
@@ -214,12 +215,34 @@ def model_dir_problems(model: str, max_seq_length: int, task: str) -> list[tuple
 # ---------------------------------------------------------------- resume_from_checkpoint and output_dir
 
 LATEST = "latest"  # checkpoints/latest names the newest complete checkpoint
+STATE_FILE = "trainer_state.json"  # written last into a checkpoint: it marks the checkpoint complete
+
+
+def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of complete checkpoints, oldest first."""
+    root = os.path.join(output_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return []
+    found = [
+        (int(m.group(1)), os.path.join(root, name))
+        for name in os.listdir(root)
+        if (m := re.fullmatch(r"step_(\d+)", name)) and os.path.isfile(os.path.join(root, name, STATE_FILE))
+    ]
+    return sorted(found)
+
+
+def latest_missing(output_dir: str) -> bool:
+    """output_dir has a complete checkpoint but no `latest` naming one: a run stopped after completing its first
+    checkpoint and before naming it (a full disk or a kill between the two). `latest` and `auto` resume from the
+    newest complete checkpoint then (checked against its manifest as always), not from nothing."""
+    return not os.path.exists(os.path.join(output_dir, "checkpoints", LATEST)) and bool(list_checkpoints(output_dir))
 
 
 def resume_spec(output_dir: str, spec: str | None) -> str | None:
     """resume_from_checkpoint as it applies: auto is latest when output_dir has a checkpoint, else None (fresh)."""
     if spec == "auto":
-        return LATEST if os.path.exists(os.path.join(output_dir, "checkpoints", LATEST)) else None
+        has_latest = os.path.exists(os.path.join(output_dir, "checkpoints", LATEST))
+        return LATEST if has_latest or latest_missing(output_dir) else None
     return spec
 
 
@@ -228,6 +251,13 @@ def resolve_resume(output_dir: str, spec: str | None) -> str | None:
     spec = resume_spec(output_dir, spec)
     if spec != LATEST:
         return spec
+    if latest_missing(output_dir):
+        return list_checkpoints(output_dir)[-1][1]
+    return named_by_latest(output_dir)
+
+
+def named_by_latest(output_dir: str) -> str:
+    """The checkpoint checkpoints/latest names (OSError without one)."""
     with open(os.path.join(output_dir, "checkpoints", LATEST)) as f:
         return os.path.join(output_dir, "checkpoints", f.read().strip())
 
@@ -239,7 +269,7 @@ def resume_problems(t: TrainArgs) -> list[tuple[str, str]]:
         return [
             ("resume_from_checkpoint", f"{resume!r} is not a directory; give 'latest' or a checkpoints/step_N path")
         ]
-    if resume == LATEST and not os.path.exists(latest):
+    if resume == LATEST and not os.path.exists(latest) and not latest_missing(t.output_dir):
         why = (
             f"'latest' but {t.output_dir}/checkpoints has no complete checkpoint; "
             "drop resume_from_checkpoint to start fresh"
