@@ -465,6 +465,12 @@ class Resume:
     def step(self) -> int:
         return self.saved["step"]
 
+    @property
+    def updates(self) -> int:
+        """The optimizer updates applied up to the step: fp16's skipped steps (the loss scaler found an overflow)
+        stepped neither AdamW nor the LR schedule (accelerate steps the schedule only after an applied update)."""
+        return self.step - self.saved.get("skipped_steps", 0)
+
     def describe(self) -> str:
         if not self.portable:
             return self.path
@@ -640,12 +646,12 @@ def restore(accelerator, backend, model, optimizer, scheduler, plan, resume: Res
     if not resume.portable:
         backend.load_state(resume.path)
         if {k for k, _, _ in resume.changes} & SCHEDULE_KEYS:
-            reschedule(scheduler, learning_rate, plan.scheduler_position(resume.step))
+            reschedule(scheduler, learning_rate, plan.scheduler_position(resume.updates))
         return resume.saved
     from finetune.parallel.base import trainable_parameters
 
     state = resume.full_state()
     _check_same_parameters(resume.path, trainable_parameters(unwrap(accelerator, model)), state)
-    backend.set_full_optimizer_state(model, optimizer, state, resume.step)
-    set_scheduler_position(scheduler, plan.scheduler_position(resume.step))
+    backend.set_full_optimizer_state(model, optimizer, state, resume.updates)
+    set_scheduler_position(scheduler, plan.scheduler_position(resume.updates))
     return resume.saved

@@ -150,3 +150,34 @@ def test_resume_with_another_global_batch_is_refused(assets, tmp_path):
         "checkpoint_format": "full",
         "global_batch_size": 8,
     }
+
+
+@pytest.mark.parametrize("portable", [True, False])
+def test_rebuilt_adamw_step_and_schedule_leave_out_the_skipped_fp16_steps(monkeypatch, portable):
+    """fp16: a step the loss scaler skipped steps neither AdamW nor the LR schedule (accelerate's scheduler does not
+    step after a skipped optimizer step). Where a resume sets them by position (another layout; the same layout
+    with a changed schedule), that position is the updates applied, step - skipped_steps, not the step."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from finetune import checkpoint
+
+    net = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda position: position / 100)
+    steps = []
+    backend = SimpleNamespace(
+        set_full_optimizer_state=lambda model, opt, state, step: steps.append(step), load_state=lambda path: None
+    )
+    accelerator = SimpleNamespace(unwrap_model=lambda model, keep_torch_compile=False: model)
+    monkeypatch.setattr(
+        checkpoint.Resume, "full_state", lambda self: {n: {"param": p.detach()} for n, p in net.named_parameters()}
+    )
+    saved = {"step": 10, "skipped_steps": 3, "layout": {}}
+    changes = [] if portable else [("learning_rate", 0.5, 1.0)]
+    resume = checkpoint.Resume("step_10", saved, portable=portable, changes=changes)
+    plan = SimpleNamespace(scheduler_position=lambda step: step)  # one process: one scheduler step per update
+    checkpoint.restore(accelerator, backend, net, optimizer, scheduler, plan, resume, learning_rate=1.0)
+    assert steps == ([7] if portable else [])
+    assert scheduler.last_epoch == 7 and scheduler.get_last_lr() == [pytest.approx(0.07)]
