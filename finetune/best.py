@@ -31,7 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from finetune.config import RunConfig, TrainArgs
+from finetune.config import ConfigError, RunConfig, TrainArgs
+from finetune.config.preflight import STATE_FILE
 from finetune.config.rules import effective_metric, greater_is_better
 
 logger = logging.getLogger("finetune")
@@ -77,14 +78,12 @@ class BestRule:
             improved = best is None or (new_best and abs(value - best) > self.threshold)
             state.evals_without_improvement = 0 if improved else state.evals_without_improvement + 1
         if new_best:
-            state.best_metric, state.best_step = value, state.step
+            state.best_metric, state.best_step, state.best_checkpoint = value, state.step, None
         stop = self.patience is not None and state.evals_without_improvement >= self.patience
         return Verdict(new_best, stop)
 
     def value_of(self, metrics: dict[str, float]) -> float:
         if self.metric not in metrics:  # validated at start; a metric module may still not report the key
-            from finetune.config import ConfigError
-
             raise ConfigError(
                 [
                     (
@@ -102,10 +101,31 @@ class BestRule:
 # ---------------------------------------------------------------- final/ from the best checkpoint
 
 
-def best_checkpoint(output_dir: str, state: Any) -> str:
-    from finetune.checkpoint import checkpoints_dir
+def best_checkpoint(output_dir: str, best_step: int, elsewhere: str | None) -> str:
+    """The checkpoint of best_step: this run's, or `elsewhere` (the trainer state's best_checkpoint)."""
+    return elsewhere or os.path.join(output_dir, "checkpoints", f"step_{best_step}")
 
-    return os.path.join(checkpoints_dir(output_dir), f"step_{state.best_step}")
+
+def locate_best(saved: dict[str, Any], path: str, t: TrainArgs, elsewhere: bool) -> None:
+    """The trainer state of the checkpoint at `path`, which a run continues: a run started from another run's
+    checkpoint keeps tracking that run's best evaluation, whose checkpoint stays in that run's checkpoints/
+    (best_checkpoint says where from then on). With load_best_model_at_end that checkpoint must be there: refused
+    before anything loads otherwise, not after training."""
+    step = saved.get("best_step")
+    if step is None:
+        return
+    if elsewhere and not saved.get("best_checkpoint"):
+        saved["best_checkpoint"] = os.path.join(
+            os.path.dirname(os.path.abspath(os.path.normpath(path))), f"step_{step}"
+        )
+    where = best_checkpoint(t.output_dir, step, saved.get("best_checkpoint"))
+    if t.load_best_model_at_end and not os.path.isfile(os.path.join(where, STATE_FILE)):
+        why = (
+            f"the best evaluation so far (step {step}, in {path}'s trainer state) has no complete checkpoint at "
+            f"{where}, so final/ could not get its weights; resume from a checkpoint of the run that holds it, or set "
+            "load_best_model_at_end false"
+        )
+        raise ConfigError([("load_best_model_at_end", why)])
 
 
 def weights_writer(
@@ -140,8 +160,9 @@ def weights_writer(
 
 def card_section(rule: BestRule, state: Any, last_step: int) -> str:
     """The model card's word on which weights final/ holds (finetune.report adds it under Results)."""
+    where = state.best_checkpoint or f"checkpoints/step_{state.best_step}"  # another run's, or this run's
     return (
-        f"These are the weights of step {state.best_step} (checkpoints/step_{state.best_step}), the best "
+        f"These are the weights of step {state.best_step} ({where}), the best "
         f"evaluation by `{rule.metric}` = {state.best_metric:.6g} "
         f"({'greater' if rule.greater_is_better else 'lower'} is better)"
         + (f", not those of the last step ({last_step})" if last_step != state.best_step else ", also the last step")

@@ -49,6 +49,7 @@ class TrainState:
     supervised_seen: int = 0  # tokens (or examples) the loss was taken over, all ranks
     best_step: int | None = None  # finetune.best: the best evaluation so far (metric_for_best_model)
     best_metric: float | None = None
+    best_checkpoint: str | None = None  # best_step's checkpoint where it is not in checkpoints/: another run's
     evals_without_improvement: int = 0  # early stopping's patience count
     skipped_steps: int = 0  # fp16: optimizer steps the loss scaler skipped (an overflow in the gradients)
 

@@ -46,7 +46,7 @@ from finetune import (
     watchdog,
 )
 from finetune.config import RUN_MARKERS, ConfigError, RunConfig
-from finetune.config.preflight import LATEST, latest_missing
+from finetune.config.preflight import LATEST, latest_missing, resumes_elsewhere
 
 logger = logging.getLogger("finetune")
 
@@ -154,6 +154,8 @@ def find_resume(cfg: RunConfig, acc, storage, layout) -> checkpoint.Resume | Non
         )
     cluster.agree_on_resume(acc, path)
     resume = checkpoint.find_resume(path, layout, cfg.to_flat())
+    if resume:
+        best.locate_best(resume.saved, resume.path, t, resumes_elsewhere(t))
     for key, was, now in resume.changes if resume else []:
         logger.info("resume: %s changed from %r to %r (applied)", key, was, now)
     return resume
@@ -386,16 +388,29 @@ def _length_aware_batches(train, sampler, plan: parallel.Plan, net) -> data.Leng
 
 def restore_or_start(cfg: RunConfig, acc, backend, p: Prepared, plan, resume, storage) -> loop.TrainState:
     """Continue from the checkpoint (exactly, or converted from another layout), or start in a clean output_dir
-    (on each machine, when output_dir is not shared)."""
+    (on each machine, when output_dir is not shared): fresh, or from another run's checkpoint, whose run is left as
+    it is."""
     t = cfg.train
-    if resume:
-        saved = checkpoint.restore(acc, backend, p.model, p.optimizer, p.scheduler, plan, resume, t.learning_rate)
-        state = loop.TrainState(**{f.name: saved.get(f.name, f.default) for f in dataclasses.fields(loop.TrainState)})
-        metrics.MetricsLog(t.output_dir, enabled=acc.is_main_process).truncate_after(state.step)
-        logger.info("resumed from %s at step %d", resume.describe(), state.step)
-        for path in checkpoint.remove_half_written(t.output_dir) if storage.writes else ():
-            logger.info("removed %s: a checkpoint the stopped run did not finish writing", path)
+    own = resume is not None and not resumes_elsewhere(t)
+    if not own:
+        _start_output_dir(cfg, storage)
+    if resume is None:
+        return loop.TrainState()
+    saved = checkpoint.restore(acc, backend, p.model, p.optimizer, p.scheduler, plan, resume, t.learning_rate)
+    state = loop.TrainState(**{f.name: saved.get(f.name, f.default) for f in dataclasses.fields(loop.TrainState)})
+    logger.info("resumed from %s at step %d", resume.describe(), state.step)
+    if not own:
+        logger.info("%s starts from it: a new run, its checkpoints and rows from step %d on", t.output_dir, state.step)
         return state
+    metrics.MetricsLog(t.output_dir, enabled=acc.is_main_process).truncate_after(state.step)
+    for path in checkpoint.remove_half_written(t.output_dir) if storage.writes else ():
+        logger.info("removed %s: a checkpoint the stopped run did not finish writing", path)
+    return state
+
+
+def _start_output_dir(cfg: RunConfig, storage) -> None:
+    """A clean output_dir holding this run's config (preflight refused one holding a previous run, unless replaced)."""
+    t = cfg.train
     if storage.writes:
         if t.overwrite_output_dir or t.resume_from_checkpoint == "auto":  # auto: nothing checkpointed yet
             _clear_previous_run(t.output_dir)
@@ -403,7 +418,6 @@ def restore_or_start(cfg: RunConfig, acc, backend, p: Prepared, plan, resume, st
         with open(os.path.join(t.output_dir, checkpoint.CONFIG_FILE), "w") as f:
             yaml.safe_dump(cfg.to_flat(), f, sort_keys=False)
     cluster.host_wait()
-    return loop.TrainState()
 
 
 def _clear_previous_run(output_dir: str) -> None:
@@ -482,7 +496,7 @@ def train_and_export(
     weights_from = None
     dtype = model.save_dtype(cfg.model)  # of final/ and merged/, whatever the layout
     if cfg.train.load_best_model_at_end and state.best_step is not None:
-        path = best.best_checkpoint(cfg.train.output_dir, state)
+        path = best.best_checkpoint(cfg.train.output_dir, state.best_step, state.best_checkpoint)
         weights_from = best.weights_writer(cfg, tokenizer, facts.label_names, path, dtype)
         facts.best = best.card_section(r.best, state, state.step)
         logger.info("load_best_model_at_end: final/ gets the best checkpoint, %s: %s", r.best.describe(state), path)

@@ -135,6 +135,27 @@ def test_previous_run_is_accepted_when_overwriting_or_resuming(valid, allow):
     assert cfg.train.output_dir == str(out)
 
 
+def test_a_checkpoint_of_another_run_does_not_let_a_run_into_an_occupied_output_dir(tmp_path, valid):
+    """resume_from_checkpoint naming another run's checkpoint starts output_dir over from it: refused where output_dir
+    holds a run (unless overwrite_output_dir), as a fresh start is; and overwrite_output_dir is refused where it would
+    remove that very checkpoint (inside output_dir's checkpoints/ but not one of its own)."""
+    other = tmp_path / "other" / "checkpoints" / "step_4"
+    other.mkdir(parents=True)
+    out = Path(valid["output_dir"])
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text("")
+    elsewhere = {**valid, "resume_from_checkpoint": str(other)}
+    problems = problems_of(elsewhere)
+    assert list(problems) == ["output_dir"] and "--overwrite_output_dir" in problems["output_dir"]
+    assert str(other) in problems["output_dir"], problems
+    assert build_config({**elsewhere, "overwrite_output_dir": True}).train.output_dir == str(out)
+    assert build_config({**elsewhere, "output_dir": str(tmp_path / "new")}).train.output_dir == str(tmp_path / "new")
+    inside = out / "checkpoints" / "kept" / "step_4"
+    inside.mkdir(parents=True)
+    problems = problems_of({**valid, "resume_from_checkpoint": str(inside), "overwrite_output_dir": True})
+    assert list(problems) == ["resume_from_checkpoint"] and "overwrite_output_dir" in problems["resume_from_checkpoint"]
+
+
 def test_missing_local_dataset_and_model_are_reported_by_key(tmp_path, valid):
     problems = problems_of({**valid, "dataset": str(tmp_path / "no.jsonl"), "model": str(tmp_path / "no_model")})
     assert set(problems) == {"dataset", "model"}

@@ -6,9 +6,11 @@ import json
 import re
 import shutil
 import types
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import (
     ROOT,
     base_args,
@@ -291,6 +293,62 @@ def test_previous_run_is_never_overwritten_unless_asked(assets, tmp_path):
     assert (first.output_dir / "final" / "model.safetensors").read_bytes() == before
     finetune(tmp_path / "run", *args, "--seed", "7", "--overwrite_output_dir", "true")
     assert (first.output_dir / "final" / "model.safetensors").read_bytes() != before
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(directory)): f.read_bytes() for f in sorted(directory.rglob("*")) if f.is_file()}
+
+
+def test_a_run_from_another_runs_checkpoint_never_touches_a_previous_run(assets, tmp_path):
+    """--resume_from_checkpoint naming another run's checkpoint. Into an output_dir that holds a run: refused as a fresh
+    start is (exit 2, not a byte changed), or with --overwrite_output_dir a start over. Into a new output_dir: a run of
+    its own from that checkpoint (its run_config.yaml, rows from the next step, its own checkpoints), equal to the
+    source run's continuation; load_best_model_at_end takes the source run's best checkpoint (before the step
+    resumed from), and the source run is left as it was."""
+    args = base_args(
+        assets.gpt2, assets.text, "--max_steps", "6", "--save_steps", "2", "--eval_fraction", "0.1",
+        "--eval_steps", "1", "--learning_rate", "0.03", "--lr_scheduler_type", "constant",
+        "--load_best_model_at_end", "true",
+    )  # fmt: skip
+    source = finetune(tmp_path / "source", *args)
+    losses = [r["eval_loss"] for r in source.eval_rows]
+    best = losses.index(min(losses)) + 1
+    assert best < 4, losses  # the scenario: the best checkpoint is the source run's alone
+    ckpt = source.output_dir / "checkpoints" / "step_4"
+    victim = finetune(tmp_path / "victim", *args, "--max_steps", "2")
+    kept = {d: files_of(d) for d in (source.output_dir, victim.output_dir)}
+    refused = finetune(victim.output_dir, *args, "--resume_from_checkpoint", str(ckpt), expect_ok=False)
+    assert refused.returncode == 2 and "Traceback" not in refused.output, refused.output[-3000:]
+    assert "output_dir: " in refused.output and "--overwrite_output_dir" in refused.output
+    assert files_of(victim.output_dir) == kept[victim.output_dir]
+
+    new = finetune(tmp_path / "new", *args, "--resume_from_checkpoint", str(ckpt))
+    assert yaml.safe_load((new.output_dir / "run_config.yaml").read_text())["resume_from_checkpoint"] == str(ckpt)
+    assert [r["step"] for r in new.train_rows] == [5, 6] and [r["step"] for r in new.eval_rows] == [5, 6]
+    assert max_rel_diff(new.losses(), source.losses()[4:]) <= 1e-6
+    assert [r["eval_loss"] for r in new.eval_rows] == pytest.approx(losses[4:], rel=1e-6)
+    assert sorted(p.name for p in (new.output_dir / "checkpoints").iterdir()) == ["latest", "step_6"]
+    assert f"{source.output_dir / 'checkpoints' / f'step_{best}'}" in new.output, new.output[-3000:]
+    assert max_weight_diff(source.output_dir / "final", new.output_dir / "final") == 0.0
+    state = json.loads((new.output_dir / "checkpoints" / "step_6" / "trainer_state.json").read_text())
+    assert state["best_step"] == best and state["best_checkpoint"] == str(
+        source.output_dir / "checkpoints" / f"step_{best}"
+    )
+
+    alone = tmp_path / "copied" / "step_4"  # without the best checkpoint beside it: refused before training
+    shutil.copytree(ckpt, alone)
+    lost = finetune(tmp_path / "lost", *args, "--resume_from_checkpoint", str(alone), expect_ok=False)
+    assert lost.returncode == 2 and "Traceback" not in lost.output
+    assert (
+        not (tmp_path / "lost" / "metrics.jsonl").exists()
+        and "load_best_model_at_end: " in lost.output
+        and f"{alone.parent / f'step_{best}'}" in lost.output
+    )
+
+    over = finetune(victim.output_dir, *args, "--resume_from_checkpoint", str(ckpt), "--overwrite_output_dir", "true")
+    assert [r["step"] for r in over.train_rows] == [5, 6]  # the previous run's rows are gone, not mixed in
+    assert max_weight_diff(source.output_dir / "final", victim.output_dir / "final") == 0.0
+    assert files_of(source.output_dir) == kept[source.output_dir]
 
 
 def test_save_total_limit_keeps_newest(assets, tmp_path):

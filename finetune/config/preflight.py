@@ -288,11 +288,27 @@ def resume_problems(t: TrainArgs) -> list[tuple[str, str]]:
     return []
 
 
+def resumes_elsewhere(t: TrainArgs) -> bool:
+    """resume_from_checkpoint names a checkpoint outside <output_dir>/checkpoints, another run's: for output_dir this
+    run is a start (from that checkpoint), not the continuation of what output_dir holds."""
+    spec = resume_spec(t.output_dir, t.resume_from_checkpoint)
+    if not spec or spec == LATEST:
+        return False
+    parent = os.path.dirname(os.path.realpath(spec))
+    return parent != os.path.realpath(os.path.join(t.output_dir, "checkpoints"))
+
+
 def output_dir_problems(t: TrainArgs) -> list[tuple[str, str]]:
-    """output_dir is a directory, and holds no previous run unless this one resumes or replaces it."""
+    """output_dir is a directory, and holds no previous run unless this one resumes (from one of its checkpoints) or
+    replaces it."""
     if t.output_dir and os.path.isfile(t.output_dir):
         return [("output_dir", f"{t.output_dir!r} is a file; give a directory")]
-    if not t.output_dir or resume_spec(t.output_dir, t.resume_from_checkpoint) or t.overwrite_output_dir:
+    if not t.output_dir:
+        return []
+    elsewhere = resumes_elsewhere(t)
+    if t.overwrite_output_dir:
+        return _removed_by_overwrite(t) if elsewhere else []
+    if resume_spec(t.output_dir, t.resume_from_checkpoint) and not elsewhere:
         return []
     found = previous_run_in(t.output_dir)
     if t.resume_from_checkpoint == "auto":  # nothing checkpointed: a run that died that early left nothing but final/
@@ -303,6 +319,11 @@ def output_dir_problems(t: TrainArgs) -> list[tuple[str, str]]:
         f"{t.output_dir!r} holds a previous run ({', '.join(found)}); pick a new output_dir, "
         "resume it with --resume_from_checkpoint latest, or replace it with --overwrite_output_dir"
     )
+    if elsewhere:
+        why += (
+            f" ({t.resume_from_checkpoint} is not one of its checkpoints: this run would start it over from another "
+            "run's checkpoint)"
+        )
     from finetune.parallel.topology import Launcher
 
     restart = Launcher.read().restart
@@ -312,3 +333,17 @@ def output_dir_problems(t: TrainArgs) -> list[tuple[str, str]]:
             "so that a restart continues from the newest checkpoint"
         )
     return [("output_dir", why)]
+
+
+def _removed_by_overwrite(t: TrainArgs) -> list[tuple[str, str]]:
+    """overwrite_output_dir with another run's checkpoint: the checkpoint must not be among what it removes."""
+    spec = os.path.realpath(t.resume_from_checkpoint)
+    for marker in RUN_MARKERS:
+        removed = os.path.realpath(os.path.join(t.output_dir, marker))
+        if spec == removed or spec.startswith(removed + os.sep):
+            why = (
+                f"{t.resume_from_checkpoint} is inside {os.path.join(t.output_dir, marker)}, which "
+                "--overwrite_output_dir removes before training; move the checkpoint out of output_dir first"
+            )
+            return [("resume_from_checkpoint", why)]
+    return []
