@@ -52,6 +52,7 @@ class TrainState:
     best_checkpoint: str | None = None  # best_step's checkpoint where it is not in checkpoints/: another run's
     evals_without_improvement: int = 0  # early stopping's patience count
     skipped_steps: int = 0  # fp16: optimizer steps the loss scaler skipped (an overflow in the gradients)
+    window: dict[str, Any] | None = None  # a checkpoint between two log rows: the open window's sums (_Window)
 
 
 @dataclass
@@ -168,16 +169,42 @@ def evaluate(run: Run) -> dict[str, float]:
 
 
 class _Window:
-    """Running sums between two log rows (kept as tensors: no host sync per step)."""
+    """Running sums between two log rows (kept as tensors: no host sync per step), and the last step's gradient norm.
 
-    def __init__(self) -> None:
+    A checkpoint between two rows saves the window's sums over every rank (TrainState.window, read where the
+    checkpoint syncs anyway), and the resumed run's window starts from them: its next row is the one the
+    uninterrupted run writes. The main process carries them into the all-reduce (every rank: the global count);
+    the throughput figures count this process's own steps only (`carried`: what came from the checkpoint)."""
+
+    SUMMED = ("nll", "tokens", "positions", "learned")  # this rank's share: all-reduced for a row
+
+    def __init__(self, saved: dict[str, Any] | None = None, main: bool = True, device=None) -> None:
         self.nll, self.count, self.tokens, self.positions, self.learned, self.steps = 0.0, 0.0, 0, 0, 0, 0
+        self.grad_norm = None
+        self.carried = {"tokens": 0, "learned": 0, "steps": 0}
         self.t0 = time.perf_counter()
         self.data_wait = 0.0  # seconds this rank's steps waited for their batches
+        if saved:
+            self.count = torch.tensor(saved["count"], dtype=torch.float32, device=device)  # the sums kept their dtypes
+            self.steps, self.grad_norm = saved["steps"], saved["grad_norm"]
+            if main:
+                self.nll = torch.tensor(saved["nll"], dtype=torch.float32, device=device)
+                self.tokens, self.positions, self.learned = (int(saved[k]) for k in ("tokens", "positions", "learned"))
+            self.carried = {"tokens": saved["tokens"], "learned": saved["learned"], "steps": saved["steps"]}
 
-    def add(self, nll, count, tokens: int, positions: int, learned: int) -> None:
+    def add(self, nll, count, tokens: int, positions: int, learned: int, grad_norm) -> None:
         self.nll, self.count, self.tokens = self.nll + nll, self.count + count, self.tokens + tokens
         self.positions, self.learned, self.steps = self.positions + positions, self.learned + learned, self.steps + 1
+        self.grad_norm = grad_norm
+
+    def sums(self, run: Run) -> dict[str, Any]:
+        """Over every rank (an all-reduce, read on the host), as counted: tensor-parallel replicas each hold the
+        same batch, so `nll`, `tokens`, `learned` and `count` come `replicas` times."""
+        acc = run.accelerator
+        local = torch.stack([torch.as_tensor(getattr(self, k), device=acc.device).float() for k in self.SUMMED])
+        summed = dict(zip(self.SUMMED, acc.reduce(local, reduction="sum").tolist()))
+        norm = None if self.grad_norm is None else float(self.grad_norm)
+        return {**summed, "count": float(self.count), "steps": self.steps, "grad_norm": norm}
 
 
 def train(run: Run, state: TrainState) -> dict[str, float]:
@@ -204,7 +231,7 @@ def _train(run: Run, state: TrainState) -> dict[str, float]:
         batches = _epoch_batches(run, epoch, start)
         for step_in_epoch in range(start, plan.steps_per_epoch):
             with p.profiler.step(state.step + 1):  # profile_steps (nothing otherwise)
-                grad_norm = _optimizer_step(run, state, p, batches, epoch, step_in_epoch)
+                _optimizer_step(run, state, p, batches, epoch, step_in_epoch)
             done = state.step == plan.total_steps
             p.bar.update(1)
             preempted = p.stop.agreed() and not done  # every rank reads the same vote
@@ -216,16 +243,16 @@ def _train(run: Run, state: TrainState) -> dict[str, float]:
             if log or save or evaluate_now or preempted:  # the steps' gradient norms are read here (no sync per step)
                 p.health.check(run.checkpointer.output_dir)  # before anything is saved: never a non-finite step
             if log:
-                _log_train(run, state, p.win, grad_norm, p.bar)
+                _log_train(run, state, p.win, p.bar)
                 p.win = _Window()
             if preempted:  # all ranks checkpoint this step and stop (no evaluation: the grace period is short)
                 run.watchdog.beat()
-                raise Preempted(STOP.signame, state.step, run.checkpointer.save(state_dict_of(state)))
+                raise Preempted(STOP.signame, state.step, run.checkpointer.save(_saved_state(run, state, p.win)))
             if evaluate_now:
-                last_eval, save, stopped = _eval_in_training(run, state, p, grad_norm, save)
+                last_eval, save, stopped = _eval_in_training(run, state, p, save)
             if not done and not stopped and save:
                 run.watchdog.beat()
-                run.checkpointer.save(state_dict_of(state))  # the last step's checkpoint is run.py's
+                run.checkpointer.save(_saved_state(run, state, p.win))  # the last step's checkpoint is run.py's
             if done or stopped:
                 break
     p.profiler.stop()  # early stopping inside profile_steps: the steps profiled so far
@@ -246,6 +273,13 @@ class _Progress:
             disable=not run.accelerator.is_main_process or run.args.disable_tqdm,
         )
         self.win = _Window()
+        if state.window:  # resumed between two log rows: the row to come covers the steps before the checkpoint too
+            saved, state.window = state.window, None
+            state.tokens_seen, state.supervised_seen = saved["tokens_seen"], saved["supervised_seen"]
+            main, device = run.accelerator.process_index == 0, run.accelerator.device
+            self.win = _Window(saved, main, device)
+            if run.objective is not None and saved.get("objective"):
+                run.objective.resume_window(saved["objective"], device, main)
         self.health = _Health()
         self.stop = StopVote()
         self.precision_logged = False
@@ -265,8 +299,8 @@ def _epoch_batches(run: Run, epoch: int, start: int):
     return iter(loader)
 
 
-def _optimizer_step(run: Run, state: TrainState, p: _Progress, batches, epoch: int, step_in_epoch: int):
-    """One optimizer step and its bookkeeping; its grad norm (a device tensor: read when the loop logs)."""
+def _optimizer_step(run: Run, state: TrainState, p: _Progress, batches, epoch: int, step_in_epoch: int) -> None:
+    """One optimizer step and its bookkeeping (its grad norm, a device tensor, is read when the loop logs)."""
     run.watchdog.beat()
     fault_point("hang-before-step", state.step + 1)
     started = time.perf_counter()
@@ -293,11 +327,10 @@ def _optimizer_step(run: Run, state: TrainState, p: _Progress, batches, epoch: i
             run.precision.compute,
         )
     p.health.note(state.step, grad_norm, skipped)
-    p.win.add(nll, count, tokens, positions, learned)
-    return grad_norm
+    p.win.add(nll, count, tokens, positions, learned, grad_norm)
 
 
-def _eval_in_training(run: Run, state: TrainState, p: _Progress, grad_norm, save: bool):
+def _eval_in_training(run: Run, state: TrainState, p: _Progress, save: bool):
     """An evaluation between steps, judged for the best checkpoint and early stopping: (metrics, save, stop)."""
     run.watchdog.beat()
     paused = time.perf_counter()
@@ -309,7 +342,7 @@ def _eval_in_training(run: Run, state: TrainState, p: _Progress, grad_norm, save
         save = save or (verdict.new_best and run.best.load_best)  # the best always has a checkpoint
         stopped = verdict.stop
         if stopped and p.win.steps:  # the steps since the last train row
-            _log_train(run, state, p.win, grad_norm, p.bar)
+            _log_train(run, state, p.win, p.bar)
     return result, save, stopped
 
 
@@ -371,32 +404,49 @@ class _Health:
             )
 
 
-def _log_train(run: Run, state: TrainState, win: _Window, grad_norm, bar) -> None:
-    acc = run.accelerator
-    nll, tokens, positions, learned = acc.reduce(
-        torch.stack(
-            [torch.as_tensor(x, device=acc.device).float() for x in (win.nll, win.tokens, win.positions, win.learned)]
-        ),
-        reduction="sum",
-    )
+def _counted(run: Run, sums: dict[str, Any]) -> tuple[int, int]:
+    """(tokens, supervised tokens or examples) a window's sums add to tokens_seen and supervised_seen."""
     rep = run.backend.topology.replicas  # ranks holding the same batch (tensor parallel) each counted it
-    nll, tokens, learned = nll / rep, tokens / rep, learned / rep
-    count = float(win.count) / rep  # already summed over ranks
-    state.tokens_seen += int(tokens.item())
-    state.supervised_seen += int(count)
+    return int(sums["tokens"] / rep), int(sums["count"] / rep)
+
+
+def _saved_state(run: Run, state: TrainState, win: _Window) -> dict[str, Any]:
+    """The trainer state a checkpoint of this step holds: tokens_seen and supervised_seen up to this step, and
+    the open window's sums with the counters at its start (a resume's next row is then this run's)."""
+    saved = asdict(state)
+    if win.steps:  # the same on every rank: all take part in the window's all-reduce, or none
+        window = {**win.sums(run), "tokens_seen": state.tokens_seen, "supervised_seen": state.supervised_seen}
+        if run.objective is not None:  # a preference method's reward statistics
+            window["objective"] = run.objective.window_sums(run.accelerator)
+        tokens, supervised = _counted(run, window)
+        saved.update(tokens_seen=state.tokens_seen + tokens, supervised_seen=state.supervised_seen + supervised)
+        saved["window"] = window
+    return saved
+
+
+def _log_train(run: Run, state: TrainState, win: _Window, bar) -> None:
+    acc = run.accelerator
+    sums = win.sums(run)
+    rep = run.backend.topology.replicas
+    tokens, supervised = _counted(run, sums)
+    state.tokens_seen += tokens
+    state.supervised_seen += supervised
+    # this process's own steps (not those a resume carried over): the throughput figures
+    own_tokens, own_learned = ((sums[k] - win.carried[k]) / rep for k in ("tokens", "learned"))
+    own_steps = win.steps - win.carried["steps"]
     seconds = time.perf_counter() - win.t0
     row = {
         "step": state.step,
-        "loss": nll.item() / count,
+        "loss": sums["nll"] / rep / (sums["count"] / rep),
         "learning_rate": run.backend.learning_rate(run.optimizer, run.scheduler),
-        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "grad_norm": sums["grad_norm"],
         "tokens_seen": state.tokens_seen,
-        "tokens_per_s": tokens.item() / seconds,
-        "padding_fraction": 1 - tokens.item() / positions.item(),  # of the token positions computed
-        "step_time_s": seconds / win.steps,
-        "data_wait_s": win.data_wait / win.steps,  # of step_time_s, waiting for the batch (this process's)
+        "tokens_per_s": own_tokens / seconds,
+        "padding_fraction": 1 - sums["tokens"] / rep / sums["positions"],  # of the token positions computed
+        "step_time_s": seconds / own_steps,
+        "data_wait_s": win.data_wait / own_steps,  # of step_time_s, waiting for the batch (this process's)
         "mfu": (
-            run.facts.flops(tokens.item(), learned.item(), reference=bool(run.objective and run.objective.live))
+            run.facts.flops(own_tokens, own_learned, reference=bool(run.objective and run.objective.live))
             / seconds
             / run.peak_flops
             if run.peak_flops and run.facts

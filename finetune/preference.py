@@ -165,11 +165,21 @@ class Objective:
 
     def window_row(self, acc) -> dict[str, float]:
         """The reward statistics since the last row, over every rank's pairs (a collective: every rank calls it)."""
-        keys = sorted(_ROW_KEYS)
-        sums = torch.stack([torch.as_tensor(self.window.get(k, 0.0), device=acc.device).float() for k in keys])
-        sums = dict(zip(keys, acc.reduce(sums, reduction="sum").tolist()))
+        sums = self.window_sums(acc, torch.float32)
         self.window = {}
         return _named(sums)
+
+    def window_sums(self, acc, dtype: torch.dtype = torch.float64) -> dict[str, float]:
+        """The sums since the last row, over every rank's pairs (a collective). A checkpoint between two rows keeps
+        them as summed, in float64 (loop.TrainState.window), for the resumed run's window (resume_window)."""
+        keys = sorted(_ROW_KEYS)
+        sums = torch.stack([torch.as_tensor(self.window.get(k, 0.0), device=acc.device).to(dtype) for k in keys])
+        return dict(zip(keys, acc.reduce(sums, reduction="sum").tolist()))
+
+    def resume_window(self, sums: dict[str, float], device, main: bool) -> None:
+        """Resumed between two rows: the window starts from the checkpoint's sums (on the main process: the next
+        row's all-reduce adds the other ranks' own)."""
+        self.window = {k: torch.tensor(v, dtype=torch.float64, device=device) for k, v in sums.items()} if main else {}
 
     def summarize(self, stats: dict[str, torch.Tensor]) -> dict[str, float]:
         """Eval metrics from the gathered per-pair statistics: eval_loss and the reward statistics."""

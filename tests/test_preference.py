@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import base_args, finetune, max_rel_diff, max_weight_diff
+from conftest import base_args, crash_after, finetune, max_rel_diff, max_weight_diff
 
 from finetune.config import ConfigError, DataArgs
 from finetune.preference import pair_losses, sequence_logps
@@ -258,6 +258,20 @@ def test_every_layout_equals_one_process_with_accumulation(assets, tmp_path, met
             continue
         saved = torch.load(run.output_dir / "reference_logps.pt", weights_only=True)["train"]
         assert saved.shape == want.shape and (saved - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+def test_resume_between_two_log_rows_continues_the_reward_statistics(assets, tmp_path):
+    """dpo, a checkpoint between two log rows: the resumed run's rows, reward statistics included, are the
+    uninterrupted run's (the window's sums before the checkpoint are in it)."""
+    args = base_args(
+        assets.llama, pairs(tmp_path / "pairs.jsonl"), "--method", "dpo", "--max_steps", "4", "--logging_steps", "3",
+        "--save_steps", "2", "--per_device_train_batch_size", "2", "--eval_fraction", "0", "--beta", "0.5",
+    )  # fmt: skip
+    keys = ("step", "loss", "tokens_seen", "rewards_chosen", "reward_margin", "reward_accuracy", "logps_rejected")
+    straight = [{k: r[k] for k in keys} for r in finetune(tmp_path / "run", *args).train_rows]
+    crash_after(tmp_path / "run", 2)
+    resumed = finetune(tmp_path / "run", *args, "--resume_from_checkpoint", "latest")
+    assert [{k: r[k] for k in keys} for r in resumed.train_rows] == straight and [r["step"] for r in straight] == [3, 4]
 
 
 def test_method_and_data_that_do_not_fit_are_refused(assets, tmp_path):

@@ -130,6 +130,34 @@ def test_resume_equals_uninterrupted(assets, tmp_path):
     assert max_weight_diff(straight.output_dir / "final", part / "final") <= 1e-6
 
 
+def test_resume_between_two_log_rows_continues_the_open_window(assets, tmp_path):
+    """A checkpoint between two log rows (save_steps 2, logging_steps 3): each checkpoint counts the tokens of every
+    step up to it, and the resumed run's rows are the uninterrupted run's, the first one over its whole window
+    (the steps before the checkpoint too): loss, tokens_seen, padding_fraction, grad_norm."""
+    args = base_args(
+        assets.llama, assets.instruction, "--max_steps", "6", "--logging_steps", "3", "--save_steps", "2",
+        "--eval_fraction", "0",
+    )  # fmt: skip
+    straight = finetune(tmp_path / "straight", *args)
+    every_step = finetune(tmp_path / "every_step", *args, "--logging_steps", "1", "--save_steps", "null")
+    seen = {r["step"]: r["tokens_seen"] for r in every_step.train_rows}
+    states = {
+        step: json.loads((straight.output_dir / "checkpoints" / f"step_{step}" / "trainer_state.json").read_text())
+        for step in (2, 4, 6)
+    }
+    assert {step: s["tokens_seen"] for step, s in states.items()} == {step: seen[step] for step in (2, 4, 6)}
+    assert 0 < states[2]["supervised_seen"] < states[4]["supervised_seen"] < states[6]["supervised_seen"]
+    part = tmp_path / "part"
+    shutil.copytree(straight.output_dir, part)
+    crash_after(part, 2)
+    resumed = finetune(part, *args, "--resume_from_checkpoint", "latest")
+    same = ("step", "loss", "grad_norm", "learning_rate", "tokens_seen", "padding_fraction", "skipped_steps")
+    rows = [[{k: r[k] for k in same} for r in run.train_rows] for run in (straight, resumed)]
+    assert rows[0] == rows[1] and [r["step"] for r in rows[0]] == [3, 6]
+    end = json.loads((part / "checkpoints" / "step_6" / "trainer_state.json").read_text())
+    assert (end["tokens_seen"], end["supervised_seen"]) == (states[6]["tokens_seen"], states[6]["supervised_seen"])
+
+
 def test_resume_across_epoch_boundary_under_ddp(assets, tmp_path):
     """Resume in the middle of epoch 1 of 3 under DDP: the data position (epoch, batch) is exact, also across the
     two epoch boundaries after it, which the resumed run reads in worker processes kept from epoch to epoch."""
