@@ -53,6 +53,7 @@ class TrainState:
     evals_without_improvement: int = 0  # early stopping's patience count
     skipped_steps: int = 0  # fp16: optimizer steps the loss scaler skipped (an overflow in the gradients)
     window: dict[str, Any] | None = None  # a checkpoint between two log rows: the open window's sums (_Window)
+    eval_pending: bool = False  # preempted before this step's evaluation: the resumed run evaluates it first
 
 
 @dataclass
@@ -226,6 +227,9 @@ def _train(run: Run, state: TrainState) -> dict[str, float]:
     run.model.train()
     plan, args = run.plan, run.args
     stopped = False  # early stopping
+    if state.eval_pending and run.eval_loader is not None:  # its checkpoint was written, it was not evaluated
+        last_eval, _, stopped = _eval_in_training(run, state, p, save=False)  # step_N is on disk already
+    state.eval_pending = False
     while state.step < plan.total_steps and not stopped:
         epoch, start = divmod(state.step, plan.steps_per_epoch)
         batches = _epoch_batches(run, epoch, start)
@@ -246,6 +250,7 @@ def _train(run: Run, state: TrainState) -> dict[str, float]:
                 _log_train(run, state, p.win, p.bar)
                 p.win = _Window()
             if preempted:  # all ranks checkpoint this step and stop (no evaluation: the grace period is short)
+                state.eval_pending = evaluate_now  # the resumed run evaluates this step first
                 run.watchdog.beat()
                 raise Preempted(STOP.signame, state.step, run.checkpointer.save(_saved_state(run, state, p.win)))
             if evaluate_now:

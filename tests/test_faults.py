@@ -279,6 +279,20 @@ def test_sigterm_to_the_one_process_launcher_checkpoints_the_step_reached(assets
     assert_resume_finishes(out, "single", straight("single"), assets)
 
 
+def test_a_preemption_on_an_evaluation_step_evaluates_it_on_resume(assets, tmp_path):
+    """SIGTERM on a step that evaluates (eval_steps 1): the checkpoint is written before the evaluation (the grace
+    period is short) and says the evaluation is pending; the resumed run evaluates that step first, so the metrics
+    log has the uninterrupted run's evaluations, every step's, and its losses."""
+    more = ("--eval_fraction", "0.1", "--eval_steps", "1")
+    uninterrupted = finetune(tmp_path / "straight", *run_args(assets), *more)
+    out = tmp_path / "preempted"
+    preempt(out, assets, "single", more=more)
+    resumed = finetune(out, *run_args(assets), *more, "--resume_from_checkpoint", "auto")
+    assert [r["step"] for r in resumed.eval_rows] == list(range(1, STEPS + 1))
+    want, got = ([r["eval_loss"] for r in run.eval_rows] for run in (uninterrupted, resumed))
+    assert max_rel_diff(want, got) <= 1e-6 and max_rel_diff(uninterrupted.losses(), resumed.losses()) <= 1e-6
+
+
 def test_slurm_preemption_and_requeue_continue_the_run(assets, tmp_path, straight):
     """preemption_signal (SIGUSR1) end to end: scripts/slurm.sbatch on one node (stand-in srun and scontrol; a real
     accelerate launch of multinode_ddp.yaml, 2 ranks, rendezvous on 127.0.0.1): SIGUSR1 to every process of the job
