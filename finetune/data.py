@@ -548,8 +548,7 @@ def build_stream(
     rows = _rows(layout, data, task, tokenizer, None)
     evalset = _tokenize(eval_raw, "eval", rows, data, layout)[0] if eval_raw is not None else None
     train = (
-        train_raw.shuffle(seed=seed, buffer_size=data.shuffle_buffer_size)
-        .map(rows("train"), batched=True, with_indices=True, remove_columns=train_raw.column_names)
+        _rows_of(train_raw.shuffle(seed=seed, buffer_size=data.shuffle_buffer_size), rows("train"), layout, data)
         .filter(lambda skip: not skip, input_columns="skip")  # rows with nothing to learn
         .remove_columns(formats.row_facts(layout.format))
     )
@@ -578,7 +577,7 @@ def _rows(layout: Layout, data: DataArgs, task: str, tokenizer, label_ids) -> Ca
     if layout.format == "instruction":
         return lambda split: formats.instruction_rows(tokenizer, data, layout, max_len)
     if layout.format == "text":
-        return lambda split: formats.text_rows(tokenizer, data, max_len)
+        return lambda split: formats.text_rows(tokenizer, data)
     if layout.format == "preference":
         return lambda split: formats.preference_rows(tokenizer, data, layout, max_len, split)
     return lambda split: formats.classification_rows(tokenizer, data, max_len, label_ids)
@@ -638,18 +637,25 @@ def _labels(train_raw, eval_raw, data: DataArgs):
     return label_names, label_ids
 
 
+def _rows_of(ds, fn: Callable, layout: Layout, data: DataArgs, **how):
+    """`fn` over the data's rows (batched; `how`: a map-style set's num_proc and desc); text's rows then joined and
+    cut into blocks in this process, over the rows in order (formats.text_blocks)."""
+    out = ds.map(fn, batched=True, with_indices=True, remove_columns=ds.column_names, **how)
+    if layout.format != "text":
+        return out
+    cut = {"desc": "cutting text into blocks"} if "desc" in how else {}
+    blocks = formats.text_blocks(data.max_seq_length)
+    return out.map(
+        blocks, batched=True, batch_size=formats.TEXT_BATCH, with_indices=True, remove_columns=["ids"], **cut
+    )
+
+
 def _tokenize(ds, split: str, rows: Callable, data: DataArgs, layout: Layout):
     """Rows -> tokens and labels; rows left with nothing to learn are dropped, and said why."""
     try:
         with _os_environ_kept(), _collector_frozen():
-            out = ds.map(
-                rows(split),
-                batched=True,
-                with_indices=True,
-                remove_columns=ds.column_names,
-                num_proc=preparing_processes(data.preprocessing_num_workers, len(ds), usable_cores()),
-                desc=f"tokenizing {split}",
-            )
+            num_proc = preparing_processes(data.preprocessing_num_workers, len(ds), usable_cores())
+            out = _rows_of(ds, rows(split), layout, data, num_proc=num_proc, desc=f"tokenizing {split}")
     except formats.BadExample as e:
         raise ConfigError([(e.key, e.message)]) from None
     except (KeyError, TypeError, ValueError) as e:

@@ -432,7 +432,7 @@ def _rows_of(batch: dict) -> list[dict]:
 def row_facts(fmt: str) -> list[str]:
     """The columns a format's rows carry beside its tokens, for the data pipeline (dropped once read): why a row is
     skipped, what it learns, and where rows are not the data's rows one for one, the data's row each comes from
-    (`raw_row`; chat_rows: one or more per conversation; text_rows: a block, from the row it starts in)."""
+    (`raw_row`; chat_rows: one or more per conversation; text_blocks: a block, from the row it starts in)."""
     return ["skip", "learned", "raw_row"] if fmt in ("chat", "text") else ["skip", "learned"]
 
 
@@ -1073,18 +1073,33 @@ def classification_rows(tokenizer, data: DataArgs, max_len: int, label_ids: dict
     return fn
 
 
-def text_rows(tokenizer, data: DataArgs, max_len: int) -> Callable:
+def text_rows(tokenizer, data: DataArgs) -> Callable:
+    """A text row's tokens and EOS (`ids`): text_blocks then joins the rows and cuts the blocks."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     column = data.text_column
 
     def fn(batch: dict, idx: list[int]) -> dict:
-        texts = tokenizer(batch[column])["input_ids"]
-        stream = [t for ids in texts for t in ids + eos]
+        return {"ids": [ids + eos for ids in tokenizer(batch[column])["input_ids"]]}
+
+    return fn
+
+
+TEXT_BATCH = 1000  # rows joined and cut together (datasets' default batch): the tail of each batch is not learned
+
+
+def text_blocks(max_len: int) -> Callable:
+    """text_rows' rows, TEXT_BATCH at a time, joined and cut into blocks of max_len, each learned whole; the row
+    each block starts in is its `raw_row`. Run by one process over the rows in order, so the blocks do not depend
+    on how many processes tokenized them (a machine's cores: data.preparing_processes)."""
+
+    def fn(batch: dict, idx: list[int]) -> dict:
+        texts = batch["ids"]
+        stream = [t for ids in texts for t in ids]
         n = max(len(stream) // max_len, 1)  # a short batch still yields one (shorter) block
         blocks = [stream[i * max_len : (i + 1) * max_len] for i in range(n)]
         learned = [len(b) - 1 for b in blocks]  # every token but the first is predicted
         skip = ["" if n else "a single token (nothing to predict)" for n in learned]
-        starts = list(itertools.accumulate((len(ids) + len(eos) for ids in texts), initial=0))  # rows in the stream
+        starts = list(itertools.accumulate((len(ids) for ids in texts), initial=0))  # rows in the stream
         first = [idx[min(bisect.bisect_right(starts, i * max_len), len(idx)) - 1] for i in range(n)]
         return {"input_ids": blocks, "labels": [list(b) for b in blocks], "skip": skip, "learned": learned,
                 "raw_row": first}  # fmt: skip

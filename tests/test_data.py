@@ -623,24 +623,32 @@ def test_a_second_build_reads_the_datasets_cache(assets, tmp_path):
 
 def test_several_preparing_processes_make_the_same_rows(assets, tmp_path):
     """preparing_processes: the default from 2 cores and 50,000 rows (capped at 8), one process below that, the
-    configured number always; and rows tokenized by 2 processes are the rows one process makes, in order."""
+    configured number always; and rows tokenized by 2 processes are the rows one process makes, in order: chat's,
+    and text's blocks, which join rows (each process had cut its own half of the rows, 1,250 here: other blocks
+    than one process's batches of 1,000, so a machine's cores chose the training data)."""
     from finetune.data import build_datasets, preparing_processes
 
     assert preparing_processes(None, 1_000_000, 1) is None and preparing_processes(None, 49_999, 16) is None
     assert preparing_processes(None, 50_000, 2) == 2 and preparing_processes(None, 10**6, 64) == 8
     assert preparing_processes(3, 10, 2) == 3 and preparing_processes(1, 10**6, 8) is None
+    from finetune.demo import write_jsonl
+
+    texts = write_jsonl([{"text": f"row {i} " + "word " * (i % 7)} for i in range(2500)], tmp_path / "text.jsonl")
     built = {}
     environ = os.environ
-    for workers in (None, 2):  # each from its own copy of the file: neither reads the other's cache
-        copy = tmp_path / f"chat_{workers}.jsonl"
-        copy.write_text(Path(assets.chat).read_text())
-        data = DataArgs(dataset=str(copy), max_seq_length=64, eval_fraction=0, preprocessing_num_workers=workers)
-        built[workers] = build_datasets(data, "causal_lm", assets.tokenizer, 1, contextlib.nullcontext)
+    for name, source in (("chat", assets.chat), ("text", texts)):
+        for workers in (None, 2):  # each from its own copy of the file: neither reads the other's cache
+            copy = tmp_path / f"{name}_{workers}.jsonl"
+            copy.write_text(Path(source).read_text())
+            data = DataArgs(dataset=str(copy), max_seq_length=64, eval_fraction=0, preprocessing_num_workers=workers)
+            built[name, workers] = build_datasets(data, "causal_lm", assets.tokenizer, 1, contextlib.nullcontext)
     # datasets' os.environ swap is undone: what is set now reaches readers holding the original object
     assert os.environ is environ
-    one, two = built[None].train, built[2].train
-    assert len(one) == len(two) == 200 and built[None].supervised_tokens == built[2].supervised_tokens > 0
-    assert one["input_ids"] == two["input_ids"] and one["labels"] == two["labels"]
+    for name, rows in (("chat", 200), ("text", None)):
+        one, two = built[name, None].train, built[name, 2].train
+        assert len(one) == len(two) > 0 and (rows is None or len(one) == rows), (name, len(one), len(two))
+        assert built[name, None].supervised_tokens == built[name, 2].supervised_tokens > 0, name
+        assert one["input_ids"] == two["input_ids"] and one["labels"] == two["labels"], name
 
 
 def test_datasets_still_replaces_os_environ(monkeypatch):
