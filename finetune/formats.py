@@ -711,8 +711,9 @@ def conversation(ex: dict, layout: Layout, where: str) -> tuple[list[dict], int]
 def _to_messages(raw, column: str, layout: Layout, where: str) -> list[dict]:
     """One column's messages as the chat template reads them: {role, content, ...} with the template's role names."""
     if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw):
+        key = {layout.prompt: "prompt_column", layout.answer: "response_column"}.get(column, "messages_column")
         raise BadExample(
-            "messages_column",
+            key,
             f"{where}: column {column!r} must hold a list of messages, got {str(raw)[:60]!r}; fix the row",
         )
     messages = []
@@ -857,8 +858,9 @@ def _turns(ex: dict, layout: Layout, where: str) -> Turns | str:
     """A chat row's Turns, or why the row has nothing to learn. An assistant turn is learned, the generation prompt
     before it is not (before an answer that opens the conversation: what the template writes before it, _job).
     Only those prefixes: each rendering costs about what tokenizing the whole conversation does."""
-    if layout.answer and ex[layout.answer] is None:  # (as any null answer; not a list of messages to refuse)
-        return _why_blank(None, layout.answer)
+    for column in (layout.answer, layout.prompt):  # null: dropped, as in format instruction (not a list to refuse)
+        if column and ex[column] is None:
+            return _why_blank(None, column)
     messages, first = conversation(ex, layout, where)
     learned = [k for k, m in enumerate(messages) if m["role"] == "assistant" and k >= first]
     if layout.answer and not ex[layout.answer]:

@@ -743,12 +743,23 @@ def test_an_opening_answer_a_template_rewrites_is_refused(assets, tmp_path):
 
 
 def test_a_null_completion_in_conversational_prompt_completion_is_dropped_and_counted(assets, tmp_path, caplog):
-    """As docs/data.md says of every null answer: dropped and counted by why, not a refusal blaming the messages."""
+    """As docs/data.md says of every null answer (and format instruction of a null prompt): dropped and counted by
+    why, not a refusal blaming the messages; a prompt that is not a list of messages is refused naming
+    prompt_column, the key that reads it."""
     rows = as_prompt_completion(conversations(6, seed=4))
     rows[3]["completion"] = None
+    rows[1]["prompt"] = None
     with caplog.at_level("WARNING", logger="finetune"):
         ds = build(write_jsonl(rows, tmp_path / "pc.jsonl"), assets.tokenizer)
-    assert len(ds.train) == 5
-    assert "dropped 1 of 6 training rows with nothing to learn: 1 with a null 'completion' (e.g. train row 3:" in (
-        caplog.text
-    )
+    assert len(ds.train) == 4
+    assert "dropped 2 of 6 training rows with nothing to learn: " in caplog.text, caplog.text
+    assert "1 with a null 'completion' (e.g. train row 3:" in caplog.text, caplog.text
+    assert "1 with a null 'prompt' (e.g. train row 1:" in caplog.text, caplog.text
+    from datasets import Dataset
+
+    from finetune import formats
+
+    layout = formats.layout_of(Dataset.from_list(rows[4:]), DataArgs(dataset="(rows)"), "causal_lm")
+    with pytest.raises(formats.BadExample) as refused:
+        formats.conversation({**rows[4], "prompt": {"role": "user"}}, layout, "train row 4")
+    assert refused.value.key == "prompt_column", refused.value.message
