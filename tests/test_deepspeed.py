@@ -274,7 +274,8 @@ def main(rank, mode, rendezvous, save_dir):
         outcome = "returned"
     except Exception as e:
         outcome = type(e).__name__
-    print(f"rank {rank} {outcome} after {time.monotonic() - start:.0f} s", flush=True)
+    with open(os.path.join(save_dir + f"_rank{rank}.txt"), "w") as f:  # (stdout interleaves DeepSpeed's lines)
+        f.write(f"{outcome} {time.monotonic() - start:.0f}")
     if mode == "deepspeed" and rank == 1:
         time.sleep(12)  # alive: rank 0 meets its timeout, not a closed connection
     os._exit(0)
@@ -297,12 +298,15 @@ def test_deepspeed_still_leaves_ranks_waiting_after_a_write_error(tmp_path):
         rendezvous = f"file://{tmp_path / mode}"
         cmd = [sys.executable, str(script), mode, rendezvous, str(tmp_path / f"ckpt_{mode}")]
         proc = run_killing_the_group(cmd, {**os.environ, "OMP_NUM_THREADS": "1"}, 120)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        out[mode] = {line.split()[1]: line.split()[2:] for line in proc.stdout.splitlines() if line.startswith("rank ")}
-    assert out["deepspeed"]["1"][0] == "OSError", out
-    assert out["deepspeed"]["0"][0] == "RuntimeError" and int(out["deepspeed"]["0"][2]) >= 7, out  # the timeout
-    assert out["finetune"]["1"][0] == "OSError" and out["finetune"]["0"][0] == "returned", out
-    assert int(out["finetune"]["0"][2]) < 7, out
+        said = {r: tmp_path / f"ckpt_{mode}_rank{r}.txt" for r in (0, 1)}
+        assert proc.returncode == 0 and all(p.exists() for p in said.values()), (
+            proc.stdout[-3000:] + proc.stderr[-3000:]
+        )
+        out[mode] = {r: p.read_text().split() for r, p in said.items()}  # {rank: [outcome, seconds]}
+    assert out["deepspeed"][1][0] == "OSError", out
+    assert out["deepspeed"][0][0] == "RuntimeError" and int(out["deepspeed"][0][1]) >= 7, out  # the timeout
+    assert out["finetune"][1][0] == "OSError" and out["finetune"][0][0] == "returned", out
+    assert int(out["finetune"][0][1]) < 7, out
 
 
 GLOO_SCRIPT = """
