@@ -438,23 +438,24 @@ def _log_train(run: Run, state: TrainState, win: _Window, bar) -> None:
     state.supervised_seen += supervised
     # this process's own steps (not those a resume carried over): the throughput figures
     own_tokens, own_learned = ((sums[k] - win.carried[k]) / rep for k in ("tokens", "learned"))
-    own_steps = win.steps - win.carried["steps"]
+    own_steps = win.steps - win.carried["steps"]  # 0: a resume's pending evaluation stopped it before any step
     seconds = time.perf_counter() - win.t0
+    timed = own_steps > 0
     row = {
         "step": state.step,
         "loss": sums["nll"] / rep / (sums["count"] / rep),
         "learning_rate": run.backend.learning_rate(run.optimizer, run.scheduler),
         "grad_norm": sums["grad_norm"],
         "tokens_seen": state.tokens_seen,
-        "tokens_per_s": own_tokens / seconds,
+        "tokens_per_s": own_tokens / seconds if timed else None,
         "padding_fraction": 1 - sums["tokens"] / rep / sums["positions"],  # of the token positions computed
-        "step_time_s": seconds / own_steps,
-        "data_wait_s": win.data_wait / own_steps,  # of step_time_s, waiting for the batch (this process's)
+        "step_time_s": seconds / own_steps if timed else None,
+        "data_wait_s": win.data_wait / own_steps if timed else None,  # of step_time_s, waiting for the batch
         "mfu": (
             run.facts.flops(own_tokens, own_learned, reference=bool(run.objective and run.objective.live))
             / seconds
             / run.peak_flops
-            if run.peak_flops and run.facts
+            if run.peak_flops and run.facts and timed
             else None
         ),
         "epoch": None if run.plan.streamed else state.step / run.plan.steps_per_epoch,  # a stream's is unknown
@@ -466,7 +467,9 @@ def _log_train(run: Run, state: TrainState, win: _Window, bar) -> None:
     run.log.write(row)
     if run.args.report_to:
         acc.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=state.step)
-    postfix = {"loss": f"{row['loss']:.4f}", "lr": f"{row['learning_rate']:.2e}", "tok/s": f"{row['tokens_per_s']:.0f}"}
+    postfix = {"loss": f"{row['loss']:.4f}", "lr": f"{row['learning_rate']:.2e}"}
+    if timed:
+        postfix["tok/s"] = f"{row['tokens_per_s']:.0f}"
     if row["mfu"] is not None:
         postfix["mfu"] = f"{100 * row['mfu']:.1f}%"
     if bar.disable:

@@ -293,6 +293,32 @@ def test_a_preemption_on_an_evaluation_step_evaluates_it_on_resume(assets, tmp_p
     assert max_rel_diff(want, got) <= 1e-6 and max_rel_diff(uninterrupted.losses(), resumed.losses()) <= 1e-6
 
 
+def test_a_pending_evaluation_that_stops_the_run_early_logs_the_carried_steps(assets, tmp_path):
+    """A checkpoint preempted on an evaluation step between two log rows (step 4: rows every 3 steps) holds one
+    unlogged step and a pending evaluation; the resumed run's early stopping ends the run at that evaluation, before
+    any step of its own. The row of the carried step has its loss but no throughput (no step was timed): it had
+    divided by the resumed run's own step count, 0."""
+    args = base_args(assets.llama, assets.instruction, "--max_steps", "6", "--eval_fraction", "0.1")
+    args += ["--eval_steps", "2", "--save_steps", "4", "--logging_steps", "3", "--metric_for_best_model", "eval_loss"]
+    out = tmp_path / "run"
+    finetune(out, *args)
+    crash_after(out, 4)
+    state_file = out / "checkpoints" / "step_4" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    assert state["window"] and state["window"]["steps"] == 1, state.get("window")  # step 4, not yet logged
+    state_file.write_text(json.dumps({**state, "eval_pending": True}))  # as a preemption on step 4 leaves it:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    kept = [r for r in rows if not ("eval_loss" in r and r["step"] == 4)]  # ... and step 4 not evaluated
+    assert len(kept) == len(rows) - 1
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    stopping = ("--early_stopping_patience", "1", "--early_stopping_threshold", "1e9")  # step 4's eval stops it
+    resumed = finetune(out, *args, *stopping, "--resume_from_checkpoint", "latest")
+    assert [r["step"] for r in resumed.eval_rows] == [2, 4], resumed.eval_rows
+    row = resumed.train_rows[-1]
+    assert row["step"] == 4 and row["loss"] > 0 and row["tokens_per_s"] is None and row["mfu"] is None, row
+    assert "early stopping" in resumed.output.lower() and (out / "final").is_dir(), resumed.output[-3000:]
+
+
 def test_slurm_preemption_and_requeue_continue_the_run(assets, tmp_path, straight):
     """preemption_signal (SIGUSR1) end to end: scripts/slurm.sbatch on one node (stand-in srun and scontrol; a real
     accelerate launch of multinode_ddp.yaml, 2 ranks, rendezvous on 127.0.0.1): SIGUSR1 to every process of the job
