@@ -20,7 +20,7 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from finetune.best import BestRule
-from finetune.checkpoint import Checkpointer
+from finetune.checkpoint import Checkpointer, checkpoints_dir
 from finetune.cluster import from_main
 from finetune.config import TrainArgs
 from finetune.data import BATCH_FACTS, StreamedRows
@@ -228,7 +228,11 @@ def _train(run: Run, state: TrainState) -> dict[str, float]:
     plan, args = run.plan, run.args
     stopped = False  # early stopping
     if state.eval_pending and run.eval_loader is not None:  # its checkpoint was written, it was not evaluated
-        last_eval, _, stopped = _eval_in_training(run, state, p, save=False)  # step_N is on disk already
+        last_eval, best_needs_it, stopped = _eval_in_training(run, state, p, save=False)
+        state.eval_pending = False
+        own = os.path.join(checkpoints_dir(run.checkpointer.output_dir), f"step_{state.step}")
+        if best_needs_it and not stopped and not os.path.isdir(own):  # (stopped: run.py's end-of-run checkpoint)
+            run.checkpointer.save(_saved_state(run, state, p.win))  # started from another run's: the best is ours
     state.eval_pending = False
     while state.step < plan.total_steps and not stopped:
         epoch, start = divmod(state.step, plan.steps_per_epoch)

@@ -319,6 +319,27 @@ def test_a_pending_evaluation_that_stops_the_run_early_logs_the_carried_steps(as
     assert "early stopping" in resumed.output.lower() and (out / "final").is_dir(), resumed.output[-3000:]
 
 
+def test_a_pending_evaluation_of_another_runs_checkpoint_that_is_the_best_is_kept_in_this_run(assets, tmp_path):
+    """A run started from another run's checkpoint preempted on an evaluation step: that evaluation, made first, is
+    the best (here the highest eval_loss: the loss falls after it); with load_best_model_at_end the best needs a
+    checkpoint of this run's (the one it started from is the other run's), so it is written, and the end exports
+    it. Before, the export failed after training."""
+    args = base_args(assets.llama, assets.instruction, "--max_steps", "6", "--eval_fraction", "0.1")
+    args += ["--eval_steps", "2", "--save_steps", "4", "--metric_for_best_model", "eval_loss"]
+    args += ["--greater_is_better", "true", "--load_best_model_at_end", "true", "--learning_rate", "1e-3"]
+    other = tmp_path / "other"
+    finetune(other, *args)
+    state_file = other / "checkpoints" / "step_4" / "trainer_state.json"
+    state = json.loads(state_file.read_text())  # preempted before step 4's evaluation, with a best below it:
+    state_file.write_text(json.dumps({**state, "eval_pending": True, "best_step": 2, "best_metric": 0.0}))
+    out = tmp_path / "run"
+    started = finetune(out, *args, "--resume_from_checkpoint", str(state_file.parent))
+    losses = {r["step"]: r["eval_loss"] for r in started.eval_rows}
+    assert list(losses) == [4, 6] and losses[6] < losses[4], losses
+    assert (out / "checkpoints" / "step_4").is_dir() and (out / "final").is_dir()
+    assert max_weight_diff(out / "final", out / "checkpoints" / "step_4") == 0  # the best exported
+
+
 def test_slurm_preemption_and_requeue_continue_the_run(assets, tmp_path, straight):
     """preemption_signal (SIGUSR1) end to end: scripts/slurm.sbatch on one node (stand-in srun and scontrol; a real
     accelerate launch of multinode_ddp.yaml, 2 ranks, rendezvous on 127.0.0.1): SIGUSR1 to every process of the job
