@@ -452,10 +452,16 @@ def balanced_split(lengths: list[int], parts: int, attention_weight: float, mult
 
 
 def build_datasets(
-    data: DataArgs, task: str, tokenizer, seed: int, main_first: Callable[[], AbstractContextManager]
+    data: DataArgs,
+    task: str,
+    tokenizer,
+    seed: int,
+    main_first: Callable[[], AbstractContextManager],
+    one_of_several: bool = False,
 ) -> Datasets:
     """Load, read in the data's layout, tokenize (main process first, so the others hit the datasets cache),
-    drop the rows with nothing to learn (saying why), pack."""
+    drop the rows with nothing to learn (saying why), pack. one_of_several: a mixture's source, whose eval may be
+    left empty (the mixture refuses only an eval of no rows at all)."""
     with main_first():
         train_raw, eval_raw = load_splits(data, seed)
     layout = _checked_layout(train_raw, eval_raw, data, task, tokenizer)
@@ -466,7 +472,7 @@ def build_datasets(
     with main_first():
         start = time.perf_counter()
         train, n_super = _tokenize(train_raw, "train", rows, data, layout)  # packing keeps what is learned
-        evalset = _tokenize(eval_raw, "eval", rows, data, layout)[0] if eval_raw is not None else None
+        evalset = _tokenize(eval_raw, "eval", rows, data, layout, one_of_several)[0] if eval_raw is not None else None
         if data.packing:
             train = _packed(train, data.max_seq_length)
         if layout.format == "preference":  # each pair's place in its split: its reference log-probs' row
@@ -650,7 +656,7 @@ def _rows_of(ds, fn: Callable, layout: Layout, data: DataArgs, **how):
     )
 
 
-def _tokenize(ds, split: str, rows: Callable, data: DataArgs, layout: Layout):
+def _tokenize(ds, split: str, rows: Callable, data: DataArgs, layout: Layout, may_empty: bool = False):
     """Rows -> tokens and labels; rows left with nothing to learn are dropped, and said why."""
     try:
         with _os_environ_kept(), _collector_frozen():
@@ -682,7 +688,7 @@ def _tokenize(ds, split: str, rows: Callable, data: DataArgs, layout: Layout):
     kept = out.filter(lambda skip: not skip, input_columns="skip", desc=f"dropping {split} rows with nothing to learn")
     if split == "train" and not len(kept):
         raise ConfigError([("dataset", f"no training row has anything to learn: {_reasons(why)}")])
-    if not len(kept):  # the first eval would fail, perhaps hours in
+    if not len(kept) and not may_empty:  # the first eval would fail, perhaps hours in
         raise ConfigError([_no_eval_row(data, len(out), why)])
     if why:
         logger.warning(

@@ -71,6 +71,16 @@ def build_mixture_datasets(
         p.eval.add_column(SOURCE, [i] * len(p.eval)) for i, p in enumerate(parts) if p.eval is not None and len(p.eval)
     ]
     evalset = datasets.concatenate_datasets(evals) if evals else None
+    if evalset is None and any(p.eval is not None for p in parts):  # the first eval would fail, perhaps hours in
+        raise ConfigError(
+            [
+                (
+                    "datasets",
+                    "no source has an eval row left to evaluate: every eval row has nothing to learn (the log says "
+                    "why, per source); fix those rows, or give a source eval data (eval_dataset) that has",
+                )
+            ]
+        )
     if PAIR_INDEX in train.column_names:  # preference pairs: each pair's place in the concatenation
         train, evalset = (_reindexed(x) for x in (train, evalset))
     mixture = Mixture([s.name for s in sources], [s.weight for s in sources], [len(p.train) for p in parts], True)
@@ -104,7 +114,7 @@ def _reindexed(ds):
 def _build_source(i: int, source: Source, task: str, tokenizer, seed: int, main_first) -> Datasets:
     """One source, its problems keyed datasets[i].<field> where the field is the source's own."""
     try:
-        return build_datasets(source.args, task, tokenizer, seed, main_first)
+        return build_datasets(source.args, task, tokenizer, seed, main_first, one_of_several=True)
     except ConfigError as e:
         raise ConfigError(
             [

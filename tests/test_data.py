@@ -288,6 +288,20 @@ def test_an_eval_set_with_no_row_left_is_refused_before_training(assets, tmp_pat
     [(key, message)] = info.value.problems
     assert key == "eval_fraction" and "2 with a null 'response'" in message and "eval_fraction: 0" in message, message
 
+    # a mixture: a source left with no eval row evaluates nothing of its own (the others' rows remain); none left
+    from finetune.config import build_config
+    from finetune.mixture import build_mixture_datasets
+
+    def mixture(*evals):
+        sources = [{"dataset": train, "eval_dataset": e, "name": f"s{i}"} for i, e in enumerate(evals)]
+        run = {"model": assets.llama, "datasets": sources, "max_seq_length": 64, "output_dir": str(tmp_path / "x")}
+        return build_mixture_datasets(build_config(run).data, "causal_lm", tok, 0, contextlib.nullcontext)
+
+    assert len(mixture(all_null, some_null).eval) == 2
+    with pytest.raises(ConfigError) as info:
+        mixture(all_null, all_null)
+    assert [key for key, _ in info.value.problems] == ["datasets"], info.value.problems
+
 
 @pytest.mark.parametrize("template", ["$A </s>", "<s> $A </s>"])  # T5's and BART's special tokens
 def test_a_long_seq2seq_source_is_cut_as_the_tokenizer_cuts_it(assets, tmp_path, template):
