@@ -46,7 +46,7 @@ from finetune import (
     watchdog,
 )
 from finetune.config import RUN_MARKERS, ConfigError, RunConfig
-from finetune.config.preflight import LATEST, latest_missing, resumes_elsewhere
+from finetune.config.preflight import LATEST, latest_missing, restarts_its_start, resumes_elsewhere
 
 logger = logging.getLogger("finetune")
 
@@ -412,7 +412,8 @@ def _start_output_dir(cfg: RunConfig, storage) -> None:
     """A clean output_dir holding this run's config (preflight refused one holding a previous run, unless replaced)."""
     t = cfg.train
     if storage.writes:
-        if t.overwrite_output_dir or t.resume_from_checkpoint == "auto":  # auto: nothing checkpointed yet
+        again = resumes_elsewhere(t) and restarts_its_start(t.output_dir, t.resume_from_checkpoint)
+        if t.overwrite_output_dir or t.resume_from_checkpoint == "auto" or again:  # (the last two: no checkpoint yet)
             _clear_previous_run(t.output_dir)
         os.makedirs(t.output_dir, exist_ok=True)
         with open(os.path.join(t.output_dir, checkpoint.CONFIG_FILE), "w") as f:

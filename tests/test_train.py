@@ -363,6 +363,18 @@ def test_a_run_from_another_runs_checkpoint_never_touches_a_previous_run(assets,
         source.output_dir / "checkpoints" / f"step_{best}"
     )
 
+    # the same command again (a launcher's restart, a requeued job): that run continues from its own newest
+    # checkpoint; one that died before its first checkpoint starts over from the other run's
+    first = new.losses()  # (read now: a Result reads the output_dir's metrics.jsonl when asked)
+    again = finetune(new.output_dir, *args, "--resume_from_checkpoint", str(ckpt))
+    assert f"resumed from {new.output_dir / 'checkpoints' / 'step_6'}" in again.output, again.output[-3000:]
+    assert [r["step"] for r in again.train_rows] == [5, 6]  # its rows, none again
+    shutil.rmtree(new.output_dir / "checkpoints")
+    shutil.rmtree(new.output_dir / "final")
+    over_again = finetune(new.output_dir, *args, "--resume_from_checkpoint", str(ckpt))
+    assert [r["step"] for r in over_again.train_rows] == [5, 6] and max_rel_diff(first, over_again.losses()) == 0
+    assert max_weight_diff(source.output_dir / "final", new.output_dir / "final") == 0.0
+
     alone = tmp_path / "copied" / "step_4"  # without the best checkpoint beside it: refused before training
     shutil.copytree(ckpt, alone)
     lost = finetune(tmp_path / "lost", *args, "--resume_from_checkpoint", str(alone), expect_ok=False)

@@ -239,11 +239,29 @@ def latest_missing(output_dir: str) -> bool:
 
 
 def resume_spec(output_dir: str, spec: str | None) -> str | None:
-    """resume_from_checkpoint as it applies: auto is latest when output_dir has a checkpoint, else None (fresh)."""
+    """resume_from_checkpoint as it applies: auto is latest when output_dir has a checkpoint, else None (fresh); the
+    other run's checkpoint that output_dir's run started from is latest too once that run has one (restarts_its_start)."""
+    has_own = os.path.exists(os.path.join(output_dir, "checkpoints", LATEST)) or latest_missing(output_dir)
     if spec == "auto":
-        has_latest = os.path.exists(os.path.join(output_dir, "checkpoints", LATEST))
-        return LATEST if has_latest or latest_missing(output_dir) else None
+        return LATEST if has_own else None
+    if has_own and spec not in (None, LATEST) and restarts_its_start(output_dir, spec):
+        return LATEST
     return spec
+
+
+def restarts_its_start(output_dir: str, spec: str) -> bool:
+    """spec is the other run's checkpoint that the run in output_dir started from (its run_config.yaml says so): this
+    is that run again, the same command (a launcher's restart, --max_restarts; a requeued job). It continues from its
+    own newest checkpoint, or, having none, starts over from spec."""
+    import yaml
+
+    try:
+        with open(os.path.join(output_dir, "run_config.yaml")) as f:
+            started = (yaml.safe_load(f) or {}).get("resume_from_checkpoint")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return False
+    outside = os.path.dirname(os.path.realpath(spec)) != os.path.realpath(os.path.join(output_dir, "checkpoints"))
+    return outside and isinstance(started, str) and os.path.realpath(started) == os.path.realpath(spec)
 
 
 def resolve_resume(output_dir: str, spec: str | None) -> str | None:
@@ -311,8 +329,8 @@ def output_dir_problems(t: TrainArgs) -> list[tuple[str, str]]:
     if resume_spec(t.output_dir, t.resume_from_checkpoint) and not elsewhere:
         return []
     found = previous_run_in(t.output_dir)
-    if t.resume_from_checkpoint == "auto":  # nothing checkpointed: a run that died that early left nothing but final/
-        found = [m for m in found if m == "final"]
+    if t.resume_from_checkpoint == "auto" or (elsewhere and restarts_its_start(t.output_dir, t.resume_from_checkpoint)):
+        found = [m for m in found if m == "final"]  # nothing checkpointed: a run that died that early left no final/
     if not found:
         return []
     why = (
