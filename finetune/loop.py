@@ -283,7 +283,7 @@ class _Progress:
         )
         self.win = _Window()
         if state.window:  # resumed between two log rows: the row to come covers the steps before the checkpoint too
-            saved, state.window = state.window, None
+            saved, state.window = _in_replicas(state.window, run.backend.topology.replicas), None
             state.tokens_seen, state.supervised_seen = saved["tokens_seen"], saved["supervised_seen"]
             main, device = run.accelerator.process_index == 0, run.accelerator.device
             self.win = _Window(saved, main, device)
@@ -419,12 +419,25 @@ def _counted(run: Run, sums: dict[str, Any]) -> tuple[int, int]:
     return int(sums["tokens"] / rep), int(sums["count"] / rep)
 
 
+def _in_replicas(window: dict[str, Any], replicas: int) -> dict[str, Any]:
+    """A saved window's sums as this run counts them: each tensor-parallel replica counts its batch (a checkpoint
+    of TP 2 resumed under DDP: halved); the counters at the window's start are counts already."""
+    scale = replicas / window.get("replicas", 1)
+    if scale == 1:
+        return window
+    out = {**window, **{k: window[k] * scale for k in (*_Window.SUMMED, "count")}}
+    if window.get("objective"):
+        out["objective"] = {k: v * scale for k, v in window["objective"].items()}
+    return out
+
+
 def _saved_state(run: Run, state: TrainState, win: _Window) -> dict[str, Any]:
     """The trainer state a checkpoint of this step holds: tokens_seen and supervised_seen up to this step, and
     the open window's sums with the counters at its start (a resume's next row is then this run's)."""
     saved = asdict(state)
     if win.steps:  # the same on every rank: all take part in the window's all-reduce, or none
         window = {**win.sums(run), "tokens_seen": state.tokens_seen, "supervised_seen": state.supervised_seen}
+        window["replicas"] = run.backend.topology.replicas  # the sums count each batch this many times
         if run.objective is not None:  # a preference method's reward statistics
             window["objective"] = run.objective.window_sums(run.accelerator)
         tokens, supervised = _counted(run, window)

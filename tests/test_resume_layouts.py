@@ -127,6 +127,21 @@ def test_adapter_run_ddp_to_zero3_to_single(assets, tmp_path):
     assert_continues(straight, last)
 
 
+def test_a_window_open_at_a_tensor_parallel_checkpoint_continues_in_one_process(assets, tmp_path):
+    """A TP 2 checkpoint between two log rows (rows every 3 steps, a checkpoint at step 2) resumed by one process:
+    the open window's sums, which count each batch once per tensor-parallel replica, are counted as this run
+    counts them, so the step-3 row (two steps of TP 2, one of one process) is the uninterrupted run's: its loss, and
+    tokens_seen exactly (they had counted the carried steps twice)."""
+    args = base_args(assets.llama, assets.instruction, "--max_steps", "4", "--save_steps", "2", "--eval_fraction", "0")
+    args += ["--logging_steps", "3"]
+    straight, (_, resumed) = chain(tmp_path, args, [("tp2",), ("python",)], every=2)
+    assert json.loads((straight.output_dir / "checkpoints" / "step_2" / "trainer_state.json").read_text())["window"]
+    want, got = ({r["step"]: r for r in run.train_rows} for run in (straight, resumed))
+    assert list(want) == list(got) == [3, 4], (want, got)
+    assert got[3]["tokens_seen"] == want[3]["tokens_seen"] and got[4]["tokens_seen"] == want[4]["tokens_seen"]
+    assert max_rel_diff([want[3]["loss"], want[4]["loss"]], [got[3]["loss"], got[4]["loss"]]) <= 1e-4, (want, got)
+
+
 def test_resume_with_another_global_batch_is_refused(assets, tmp_path):
     args = base_args(assets.gpt2, assets.text, "--max_steps", "2", "--save_steps", "1", "--eval_fraction", "0")
     finetune(tmp_path / "run", *args, launcher="ddp")
