@@ -113,7 +113,8 @@ class Checkpointer:
             error = attempt_write(os.makedirs, tmp) or attempt_write(fault_point, "enospc-making-checkpoint", step)
         # save_state and _write_full_tensors hold collectives: every rank enters each, or none after an error
         if _none_failed(error):
-            error = attempt_write(acc.save_state, tmp, safe_serialization=True)
+            safe = self.backend.writes_after_its_collectives()
+            error = attempt_write(acc.save_state, tmp, safe_serialization=True, torch_save_errors=safe)
         if _none_failed(error):
             error = attempt_write(self._write_full_tensors, tmp)
         if error is None:
@@ -240,12 +241,14 @@ def _none_failed(error: OSError | None) -> bool:
     return not any(host_gather(error is not None))
 
 
-def attempt_write(fn, *args, **kwargs) -> OSError | None:
-    """Run a step of writing a checkpoint or final/; the OSError it raised, if any (collected from every rank)."""
+def attempt_write(fn, *args, torch_save_errors: bool = True, **kwargs) -> OSError | None:
+    """Run a step of writing a checkpoint or final/; the OSError it raised, if any (collected from every rank).
+    torch_save_errors False: torch.save's failures (TORCH_WRITER_FAILED) stay crashes, where a collective follows
+    them that the other ranks would wait in (backend.writes_after_its_collectives)."""
     try:
         fn(*args, **kwargs)
     except Exception as e:
-        io = as_os_error(e)
+        io = as_os_error(e, torch_save_errors)
         if io is None:
             raise
         return io
@@ -276,22 +279,24 @@ def attempt_write(fn, *args, **kwargs) -> OSError | None:
 TORCH_WRITER_FAILED = re.compile(r"inline_container\.cc.*unexpected pos|PytorchStreamWriter failed|iostream error")
 
 
-def as_os_error(e: BaseException) -> OSError | None:
+def as_os_error(e: BaseException, torch_save: bool = True) -> OSError | None:
     """The OSError behind a failed write. safetensors' Rust writer raises its own SafetensorError for one
     ("Error while serializing: I/O error: No space left on device (os error 28)"), and torch.save a RuntimeError
-    (TORCH_WRITER_FAILED), not an OSError: read back; as is one raised from an OSError, and Megatron-LM's report of its
-    writer processes' ("Worker failure: [Errno 28] No space left on device: ...", gathered without its cause)."""
+    (TORCH_WRITER_FAILED; not with torch_save False), not an OSError: read back; as is Megatron-LM's report of its
+    writer processes' ("Worker failure: [Errno 28] No space left on device: ...", gathered without its cause). An
+    error raised *from* an OSError is not one: backends raise those to end a rank that others wait for
+    (parallel/tensor.py's save_pretrained)."""
     if isinstance(e, OSError):
         return e
     found = re.search(r"I/O error: (.*) \(os error (\d+)\)", str(e))
     if type(e).__name__ == "SafetensorError" and found:
         return OSError(int(found.group(2)), found.group(1))
-    if isinstance(e, RuntimeError) and TORCH_WRITER_FAILED.search(str(e)):
+    if torch_save and isinstance(e, RuntimeError) and TORCH_WRITER_FAILED.search(str(e)):
         return OSError(errno.EIO, f"torch.save could not write a file, a full disk or an I/O error ({e})")
     worker = re.match(r"Worker failure: \[Errno (\d+)\] (.*)", str(e), re.S)
     if isinstance(e, RuntimeError) and worker:
         return OSError(int(worker.group(1)), worker.group(2))
-    return as_os_error(e.__cause__) if e.__cause__ is not None else None
+    return None
 
 
 def _in_units(n: int) -> str:

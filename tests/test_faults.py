@@ -732,6 +732,12 @@ def test_a_full_disk_under_torch_save_is_a_write_error():
     assert isinstance(error, OSError) and "torch.save could not write" in str(error), error
     with pytest.raises(RuntimeError):  # another RuntimeError is not taken for a write error
         checkpoint.attempt_write(torch.save, {"w": torch.zeros(1)}, "/dev/full/not-a-directory/x.pt")
+    with pytest.raises(RuntimeError):  # where a collective follows the write (Megatron-LM's save): the rank ends
+        checkpoint.attempt_write(torch.save, {"w": torch.zeros(100_000)}, "/dev/full", torch_save_errors=False)
+    try:  # nor one raised from an OSError: parallel/tensor.py ends a rank whose export others wait for so
+        raise RuntimeError("writing final/ failed inside transformers' save_pretrained") from OSError(28, "full")
+    except RuntimeError as e:
+        assert checkpoint.as_os_error(e) is None
 
 
 def test_a_write_error_under_a_distributed_checkpoint_writer_names_the_rank_that_failed():

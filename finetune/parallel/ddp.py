@@ -267,6 +267,13 @@ class Backend:
 
         return contextlib.nullcontext()
 
+    def writes_after_its_collectives(self) -> bool:
+        """Whether accelerate's save_state writes with torch.save only after its last collective under this backend:
+        then a rank whose torch.save fails (a full disk) reports it with the others (checkpoint.attempt_write); if a
+        collective followed, the others would wait in it, and the rank must end instead (the launcher ends the job).
+        DDP and TP gather (DTensors) before the main process writes."""
+        return True
+
     def load_state(self, path: str) -> None:
         """Resume under the same layout: accelerate's load_state (model, optimizer, scheduler, RNG)."""
         self.acc.load_state(path)

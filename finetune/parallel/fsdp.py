@@ -215,6 +215,12 @@ class Backend(ddp.Backend):
             "parameter_shard": base.local_fraction(params, self.numel),
         }
 
+    def writes_after_its_collectives(self) -> bool:
+        """Sharded state dicts go through torch distributed checkpoint, whose errors come after its collectives, on
+        every rank; with a full state dict (a user's fsdp_state_dict_type) the main process torch.saves the model
+        before the optimizer's gather."""
+        return "SHARDED" in str(self.acc.state.fsdp_plugin.state_dict_type)
+
     def end_inference(self, model) -> None:
         """After a forward FSDP2 leaves the parameters of the modules that end it whole (the final norm and the LM
         head, each an FSDP module of its own here: the backward that follows needs them first); after passes with no

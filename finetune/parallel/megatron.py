@@ -785,6 +785,10 @@ class Backend(ddp.Backend):
     def gather_for_metrics(self, stats):
         return stats  # already summed over the data-parallel replicas
 
+    def writes_after_its_collectives(self) -> bool:
+        """No: dist_checkpointing.save has rank 0 torch.save common.pt before the sharded save's collectives."""
+        return False
+
     def load_state(self, path: str) -> None:
         """Megatron's initial load of pretrained_checkpoint leaves args.finetune on, which makes every later
         load skip the optimizer, scheduler, RNG and iteration: resume must turn it off first."""
