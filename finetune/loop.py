@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from finetune.best import BestRule
 from finetune.checkpoint import Checkpointer, checkpoints_dir
-from finetune.cluster import from_main
+from finetune.cluster import from_main, host_gather
 from finetune.config import TrainArgs
 from finetune.data import BATCH_FACTS, StreamedRows
 from finetune.faults import fault_point
@@ -231,8 +231,10 @@ def _train(run: Run, state: TrainState) -> dict[str, float]:
         last_eval, best_needs_it, stopped = _eval_in_training(run, state, p, save=False)
         state.eval_pending = False
         own = os.path.join(checkpoints_dir(run.checkpointer.output_dir), f"step_{state.step}")
-        if best_needs_it and not stopped and not os.path.isdir(own):  # (stopped: run.py's end-of-run checkpoint)
-            run.checkpointer.save(_saved_state(run, state, p.win))  # started from another run's: the best is ours
+        # started from another run's: the best must be this run's (stopped: run.py's end-of-run checkpoint); the
+        # ranks decide together (machines with their own output_dir each look at their own)
+        if best_needs_it and not stopped and any(host_gather(not os.path.isdir(own))):
+            run.checkpointer.save(_saved_state(run, state, p.win))
     state.eval_pending = False
     while state.step < plan.total_steps and not stopped:
         epoch, start = divmod(state.step, plan.steps_per_epoch)

@@ -187,6 +187,9 @@ class Backend(ddp.Backend):
         super().__init__(accelerator, topology, cfg)
         bf16_through_autocast(accelerator.state.deepspeed_plugin)
 
+    def writes_after_its_collectives(self) -> bool:
+        return True  # made so: finish_collectives_after_a_write_error
+
     def fp32_master_weights(self) -> bool:
         return self.mixed_precision in ("bf16", "fp16")  # fp32 weights under autocast, or fp32 masters
 
@@ -410,16 +413,19 @@ def finish_collectives_after_a_write_error(engine) -> None:
     checkpoint engine's save; the recovery scripts global rank 0 copies) keep their first write error and return,
     the rank goes through every collective with the others, and save_checkpoint raises the error after its last
     one: finetune.checkpoint stops every rank with one message naming the rank and the error. DeepSpeed's `latest`
-    file is written after the barrier. tests/test_deepspeed.py::test_deepspeed_still_leaves_ranks_waiting_after_a_
+    file is written after the barrier. Not covered: the copy of NVMe offload's swap files (a user's JSON), which
+    DeepSpeed makes with shutil itself. tests/test_deepspeed.py::test_deepspeed_still_leaves_ranks_waiting_after_a_
     write_error fails once DeepSpeed finishes its collectives itself."""
     from finetune.checkpoint import as_os_error
     from finetune.faults import fault_point
 
-    save_checkpoint, errors = engine.save_checkpoint, []
+    save_checkpoint, errors, saving = engine.save_checkpoint, [], [False]
 
     def deferring(write, fault: str | None = None):
         @functools.wraps(write)
         def write_or_keep_the_error(*args, **kwargs):
+            if not saving[0]:  # another caller (save_16bit_model, say): as DeepSpeed does
+                return write(*args, **kwargs)
             if errors:  # (an earlier write of this checkpoint failed: it is not complete anyway)
                 return None
             try:
@@ -441,10 +447,15 @@ def finish_collectives_after_a_write_error(engine) -> None:
     @functools.wraps(save_checkpoint)
     def save_checkpoint_then_raise(save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
         errors.clear()
-        save_checkpoint(save_dir, tag, client_state or {}, save_latest=False, **kwargs)
+        decoupled = engine.checkpoint_engine.is_decoupled()  # (its commit, later, writes `latest`)
+        saving[0] = True
+        try:
+            save_checkpoint(save_dir, tag, client_state or {}, save_latest=save_latest and decoupled, **kwargs)
+        finally:
+            saving[0] = False
         if errors:
             raise errors[0]
-        if save_latest and engine.global_rank == 0:
+        if save_latest and not decoupled and engine.global_rank == 0:
             with open(os.path.join(save_dir, "latest"), "w") as f:
                 f.write(str(tag or f"global_step{engine.global_steps}"))
         return True
