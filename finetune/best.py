@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from finetune.config import ConfigError, RunConfig, TrainArgs
-from finetune.config.preflight import STATE_FILE
+from finetune.config.preflight import STATE_FILE, checkpoints_dir
 from finetune.config.rules import effective_metric, greater_is_better
 
 logger = logging.getLogger("finetune")
@@ -103,7 +103,7 @@ class BestRule:
 
 def best_checkpoint(output_dir: str, best_step: int, elsewhere: str | None) -> str:
     """The checkpoint of best_step: this run's, or `elsewhere` (the trainer state's best_checkpoint)."""
-    return elsewhere or os.path.join(output_dir, "checkpoints", f"step_{best_step}")
+    return elsewhere or os.path.join(checkpoints_dir(output_dir), f"step_{best_step}")
 
 
 def locate_best(saved: dict[str, Any], path: str, t: TrainArgs, elsewhere: bool) -> None:

@@ -36,7 +36,14 @@ import yaml
 
 from finetune.cluster import host_gather, host_wait
 from finetune.config import ConfigError
-from finetune.config.preflight import LATEST, STATE_FILE, list_checkpoints, named_by_latest, resolve_resume
+from finetune.config.preflight import (
+    LATEST,
+    STATE_FILE,
+    checkpoints_dir,
+    list_checkpoints,
+    named_by_latest,
+    resolve_resume,
+)
 from finetune.faults import fault_point
 from finetune.parallel.base import save_from_this_process, unwrap
 from finetune.parallel.topology import has_portable_copy, resumes_across_layouts, writes_whole_tensors
@@ -45,10 +52,6 @@ CONFIG_FILE = "run_config.yaml"
 PORTABLE = "portable"
 PARAM_NAMES = "optimizer_param_names.json"
 MANIFEST = "manifest.json"
-
-
-def checkpoints_dir(output_dir: str) -> str:
-    return os.path.join(output_dir, "checkpoints")
 
 
 HALF_WRITTEN = ".tmp_step_"  # a checkpoint being written: checkpoints/.tmp_step_<N>, renamed step_<N> once complete

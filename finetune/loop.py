@@ -227,15 +227,14 @@ def _train(run: Run, state: TrainState) -> dict[str, float]:
     run.model.train()
     plan, args = run.plan, run.args
     stopped = False  # early stopping
-    if state.eval_pending and run.eval_loader is not None:  # its checkpoint was written, it was not evaluated
+    pending, state.eval_pending = state.eval_pending, False
+    if pending and run.eval_loader is not None:  # its checkpoint was written, it was not evaluated
         last_eval, best_needs_it, stopped = _eval_in_training(run, state, p, save=False)
-        state.eval_pending = False
         own = os.path.join(checkpoints_dir(run.checkpointer.output_dir), f"step_{state.step}")
         # started from another run's: the best must be this run's (stopped: run.py's end-of-run checkpoint); the
         # ranks decide together (machines with their own output_dir each look at their own)
         if best_needs_it and not stopped and any(host_gather(not os.path.isdir(own))):
             run.checkpointer.save(_saved_state(run, state, p.win))
-    state.eval_pending = False
     while state.step < plan.total_steps and not stopped:
         epoch, start = divmod(state.step, plan.steps_per_epoch)
         batches = _epoch_batches(run, epoch, start)

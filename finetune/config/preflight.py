@@ -218,9 +218,18 @@ LATEST = "latest"  # checkpoints/latest names the newest complete checkpoint
 STATE_FILE = "trainer_state.json"  # written last into a checkpoint: it marks the checkpoint complete
 
 
+def checkpoints_dir(output_dir: str) -> str:
+    return os.path.join(output_dir, "checkpoints")
+
+
+def outside_checkpoints(output_dir: str, spec: str) -> bool:
+    """The checkpoint path `spec` is not in <output_dir>/checkpoints: another run's."""
+    return os.path.dirname(os.path.realpath(spec)) != os.path.realpath(checkpoints_dir(output_dir))
+
+
 def list_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     """(step, path) of complete checkpoints, oldest first."""
-    root = os.path.join(output_dir, "checkpoints")
+    root = checkpoints_dir(output_dir)
     if not os.path.isdir(root):
         return []
     found = [
@@ -235,13 +244,18 @@ def latest_missing(output_dir: str) -> bool:
     """output_dir has a complete checkpoint but no `latest` naming one: a run stopped after completing its first
     checkpoint and before naming it (a full disk or a kill between the two). `latest` and `auto` resume from the
     newest complete checkpoint then (checked against its manifest as always), not from nothing."""
-    return not os.path.exists(os.path.join(output_dir, "checkpoints", LATEST)) and bool(list_checkpoints(output_dir))
+    return not os.path.exists(os.path.join(checkpoints_dir(output_dir), LATEST)) and bool(list_checkpoints(output_dir))
+
+
+def has_checkpoint(output_dir: str) -> bool:
+    """output_dir has a checkpoint to resume from: the one `latest` names, or (latest_missing) a complete one."""
+    return os.path.exists(os.path.join(checkpoints_dir(output_dir), LATEST)) or latest_missing(output_dir)
 
 
 def resume_spec(output_dir: str, spec: str | None) -> str | None:
     """resume_from_checkpoint as it applies: auto is latest when output_dir has a checkpoint, else None (fresh); the
     other run's checkpoint that output_dir's run started from is latest too once that run has one (restarts_its_start)."""
-    has_own = os.path.exists(os.path.join(output_dir, "checkpoints", LATEST)) or latest_missing(output_dir)
+    has_own = has_checkpoint(output_dir)
     if spec == "auto":
         return LATEST if has_own else None
     if has_own and spec not in (None, LATEST) and restarts_its_start(output_dir, spec):
@@ -260,8 +274,11 @@ def restarts_its_start(output_dir: str, spec: str) -> bool:
             started = (yaml.safe_load(f) or {}).get("resume_from_checkpoint")
     except (OSError, yaml.YAMLError, AttributeError):
         return False
-    outside = os.path.dirname(os.path.realpath(spec)) != os.path.realpath(os.path.join(output_dir, "checkpoints"))
-    return outside and isinstance(started, str) and os.path.realpath(started) == os.path.realpath(spec)
+    return (
+        outside_checkpoints(output_dir, spec)
+        and isinstance(started, str)
+        and os.path.realpath(started) == os.path.realpath(spec)
+    )
 
 
 def resolve_resume(output_dir: str, spec: str | None) -> str | None:
@@ -276,18 +293,18 @@ def resolve_resume(output_dir: str, spec: str | None) -> str | None:
 
 def named_by_latest(output_dir: str) -> str:
     """The checkpoint checkpoints/latest names (OSError without one)."""
-    with open(os.path.join(output_dir, "checkpoints", LATEST)) as f:
-        return os.path.join(output_dir, "checkpoints", f.read().strip())
+    with open(os.path.join(checkpoints_dir(output_dir), LATEST)) as f:
+        return os.path.join(checkpoints_dir(output_dir), f.read().strip())
 
 
 def resume_problems(t: TrainArgs) -> list[tuple[str, str]]:
     resume = resume_spec(t.output_dir, t.resume_from_checkpoint)
-    latest = os.path.join(t.output_dir, "checkpoints", LATEST)
+    latest = os.path.join(checkpoints_dir(t.output_dir), LATEST)
     if resume and resume != LATEST and not os.path.isdir(resume):
         return [
             ("resume_from_checkpoint", f"{resume!r} is not a directory; give 'latest' or a checkpoints/step_N path")
         ]
-    if resume == LATEST and not os.path.exists(latest) and not latest_missing(t.output_dir):
+    if resume == LATEST and not has_checkpoint(t.output_dir):
         why = (
             f"'latest' but {t.output_dir}/checkpoints has no complete checkpoint; "
             "drop resume_from_checkpoint to start fresh"
@@ -310,10 +327,7 @@ def resumes_elsewhere(t: TrainArgs) -> bool:
     """resume_from_checkpoint names a checkpoint outside <output_dir>/checkpoints, another run's: for output_dir this
     run is a start (from that checkpoint), not the continuation of what output_dir holds."""
     spec = resume_spec(t.output_dir, t.resume_from_checkpoint)
-    if not spec or spec == LATEST:
-        return False
-    parent = os.path.dirname(os.path.realpath(spec))
-    return parent != os.path.realpath(os.path.join(t.output_dir, "checkpoints"))
+    return bool(spec) and spec != LATEST and outside_checkpoints(t.output_dir, spec)
 
 
 def output_dir_problems(t: TrainArgs) -> list[tuple[str, str]]:

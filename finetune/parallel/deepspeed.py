@@ -419,12 +419,12 @@ def finish_collectives_after_a_write_error(engine) -> None:
     from finetune.checkpoint import as_os_error
     from finetune.faults import fault_point
 
-    save_checkpoint, errors, saving = engine.save_checkpoint, [], [False]
+    save_checkpoint, errors = engine.save_checkpoint, None  # inside save_checkpoint: its writes' errors
 
     def deferring(write, fault: str | None = None):
         @functools.wraps(write)
         def write_or_keep_the_error(*args, **kwargs):
-            if not saving[0]:  # another caller (save_16bit_model, say): as DeepSpeed does
+            if errors is None:  # another caller (save_16bit_model, say): as DeepSpeed does
                 return write(*args, **kwargs)
             if errors:  # (an earlier write of this checkpoint failed: it is not complete anyway)
                 return None
@@ -446,15 +446,15 @@ def finish_collectives_after_a_write_error(engine) -> None:
 
     @functools.wraps(save_checkpoint)
     def save_checkpoint_then_raise(save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
-        errors.clear()
+        nonlocal errors
         decoupled = engine.checkpoint_engine.is_decoupled()  # (its commit, later, writes `latest`)
-        saving[0] = True
+        errors = []
         try:
             save_checkpoint(save_dir, tag, client_state or {}, save_latest=save_latest and decoupled, **kwargs)
         finally:
-            saving[0] = False
-        if errors:
-            raise errors[0]
+            failed, errors = errors, None
+        if failed:
+            raise failed[0]
         if save_latest and not decoupled and engine.global_rank == 0:
             with open(os.path.join(save_dir, "latest"), "w") as f:
                 f.write(str(tag or f"global_step{engine.global_steps}"))
