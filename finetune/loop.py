@@ -200,7 +200,7 @@ class _Window:
 
     def sums(self, run: Run) -> dict[str, Any]:
         """Over every rank (an all-reduce, read on the host), as counted: tensor-parallel replicas each hold the
-        same batch, so `nll`, `tokens`, `learned` and `count` come `replicas` times."""
+        same batch, so `nll`, `tokens`, `positions`, `learned` and `count` come `replicas` times."""
         acc = run.accelerator
         local = torch.stack([torch.as_tensor(getattr(self, k), device=acc.device).float() for k in self.SUMMED])
         summed = dict(zip(self.SUMMED, acc.reduce(local, reduction="sum").tolist()))
@@ -466,7 +466,7 @@ def _log_train(run: Run, state: TrainState, win: _Window, bar) -> None:
         "grad_norm": sums["grad_norm"],
         "tokens_seen": state.tokens_seen,
         "tokens_per_s": own_tokens / seconds if timed else None,
-        "padding_fraction": 1 - sums["tokens"] / rep / sums["positions"],  # of the token positions computed
+        "padding_fraction": 1 - sums["tokens"] / sums["positions"],  # of the token positions computed (both x rep)
         "step_time_s": seconds / own_steps if timed else None,
         "data_wait_s": win.data_wait / own_steps if timed else None,  # of step_time_s, waiting for the batch
         "mfu": (

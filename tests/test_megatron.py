@@ -486,6 +486,8 @@ def test_tp2_on_cpu_equals_one_process_and_resumes_exactly(assets, tmp_path):
     assert weight_diff <= 1e-5
     assert abs(single.eval_rows[-1]["eval_loss"] - tp.eval_rows[-1]["eval_loss"]) <= 1e-6
     assert [r["learning_rate"] for r in single.train_rows] == [r["learning_rate"] for r in tp.train_rows]
+    for key in ("tokens_seen", "padding_fraction"):  # each TP rank counts the batch both hold: counted once
+        assert [r[key] for r in single.train_rows] == pytest.approx([r[key] for r in tp.train_rows]), key
 
     step2 = tp.output_dir / "checkpoints" / "step_2"
     saved = load_file(str(step2 / "model.safetensors"))  # whole tensors, not rank 0's shards
