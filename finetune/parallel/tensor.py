@@ -143,15 +143,21 @@ class Backend(ddp.Backend):
         return full_state_dict(base.unwrap(self.acc, model))
 
     def save_pretrained(self, model, directory: str, dtype: torch.dtype) -> None:
-        """transformers saves a model loaded with a tp_plan itself: every rank takes part in gathering its
-        DTensors (save_pretrained on the main process alone would wait for the others forever). The DTensors are
-        cast to dtype shard by shard, before the gather."""
+        """Every rank takes part in gathering the DTensors, one tensor at a time, each cast to dtype shard by shard
+        first; the main process alone keeps them (transformers' own gather for a model loaded with a tp_plan keeps
+        a whole CPU copy on every rank: tp_size copies of the model in one machine's memory), then writes them
+        while the others wait in transformers' barrier."""
+        from torch.distributed.tensor import DTensor
+
         net = base.unwrap(self.acc, model)
-        weights = base.cast_floating(net.state_dict(), dtype)
+        main = self.acc.is_main_process
+        weights = {}
+        for name, tensor in base.cast_floating(net.state_dict(), dtype).items():  # each rank casts its shards
+            whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if main:
+                weights[name] = whole.detach().cpu()
         try:
-            net.save_pretrained(
-                directory, state_dict=weights, is_main_process=self.acc.is_main_process, safe_serialization=True
-            )
+            net.save_pretrained(directory, state_dict=weights, is_main_process=main, safe_serialization=True)
         except OSError as e:  # the main process's write; the others wait in transformers' barrier after it
             raise RuntimeError(f"writing {directory} failed inside transformers' save_pretrained: {e}") from e
 
