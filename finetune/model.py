@@ -86,8 +86,21 @@ def check_peft_support(pe: PeftArgs) -> None:
             raise ConfigError([("peft.load_in_4bit", "needs bitsandbytes: pip install bitsandbytes")])
 
 
-def apply_peft(net, pe: PeftArgs, task: str):
-    """Wrap the model with a LoRA/DoRA adapter (new, or continued from pe.adapter)."""
+def newly_initialised(net, missing_keys) -> list[str]:
+    """The outermost modules whose every weight from_pretrained initialised from nothing (missing from the
+    checkpoint): a classifier's head, a pooler a base checkpoint lacks (DeBERTa's), DistilBERT's pre_classifier."""
+    missing, found = set(missing_keys), []
+    for name, module in net.named_modules():
+        weights = [f"{name}.{n}" for n, _ in module.named_parameters()]
+        if name and weights and missing.issuperset(weights) and not any(name.startswith(f + ".") for f in found):
+            found.append(name)
+    return found
+
+
+def apply_peft(net, pe: PeftArgs, task: str, new_modules: list[str] = ()):
+    """Wrap the model with a LoRA/DoRA adapter (new, or continued from pe.adapter). new_modules (newly_initialised)
+    are trained in full and saved with the adapter, as PEFT does a classifier's head: frozen, they would stay random
+    in training and be drawn anew by every reload of the adapter (and its merge)."""
     if pe.method == "none":
         return net
     from peft import LoraConfig, PeftModel, TaskType, get_peft_model
@@ -95,17 +108,25 @@ def apply_peft(net, pe: PeftArgs, task: str):
     if pe.adapter:
         return PeftModel.from_pretrained(net, pe.adapter, is_trainable=True)
     targets = pe.target_modules[0] if pe.target_modules == ["all-linear"] else pe.target_modules
+    keep = list(pe.modules_to_save or [])
+    keep += [m for m in new_modules if m not in keep]
+    if new_modules:
+        logger.info("trained in full and saved with the adapter (newly initialised): %s", ", ".join(new_modules))
     config = LoraConfig(
         r=pe.r,
         lora_alpha=pe.alpha,
         lora_dropout=pe.dropout,
         target_modules=targets,
-        modules_to_save=pe.modules_to_save,
+        modules_to_save=keep or None,
         use_dora=pe.method == "dora",
         task_type={"classification": TaskType.SEQ_CLS, "seq2seq": TaskType.SEQ_2_SEQ_LM}.get(task, TaskType.CAUSAL_LM),
     )
     try:
         return get_peft_model(net, config)
+    except TypeError as e:  # PEFT matched a LoRA layer as a module to save (by its name's end: pre_classifier)
+        raise ConfigError(
+            [("peft.modules_to_save", f"{e}. Exclude that layer from peft.target_modules, or name it exactly")]
+        ) from None
     except ValueError as e:  # e.g. target modules not found
         linear = sorted(
             {name.rsplit(".", 1)[-1] for name, mod in net.named_modules() if isinstance(mod, torch.nn.Linear)}
@@ -149,9 +170,11 @@ def build_model(
     masks_converted_once()
     kwargs = _load_kwargs(m, pe, label_names, mixed_precision)
     cls = getattr(transformers, AUTO_CLASSES[m.task])
+    missing = ()
     try:
         if load_weights:
-            model = cls.from_pretrained(m.model, **kwargs, **(extra_kwargs or {}))
+            model, info = cls.from_pretrained(m.model, **kwargs, **(extra_kwargs or {}), output_loading_info=True)
+            missing = info["missing_keys"]
         else:
             config = AutoConfig.from_pretrained(m.model, trust_remote_code=m.trust_remote_code)
             with torch.device("meta"):
@@ -172,7 +195,11 @@ def build_model(
             model.enable_input_require_grads()
     if load_weights:
         _set_loss(model, m, micro_batch_tokens, eval_batch_tokens, numel)
-    return apply_peft(model, pe, "classification" if label_names is not None else m.task) if pe else model
+    if not pe:
+        return model
+    return apply_peft(
+        model, pe, "classification" if label_names is not None else m.task, newly_initialised(model, missing)
+    )
 
 
 def _set_loss(model, m: ModelArgs, micro_batch_tokens: int, eval_batch_tokens: int, numel) -> None:

@@ -356,3 +356,49 @@ def test_an_adapter_is_not_merged_into_a_base_stored_quantized(assets, tmp_path)
     )
     assert merge.returncode == 2 and "Traceback" not in merge.stderr, merge.stderr[-3000:]
     assert "stored quantized (bitsandbytes)" in merge.stderr and not (adapter / "merged").exists()
+
+
+@pytest.mark.parametrize("arch", ["bert", "distilbert"])
+def test_a_classifier_adapter_keeps_every_newly_initialised_layer(assets, tmp_path, arch):
+    """A base checkpoint without the classifier's extra layers (BERT's pooler, saved from BertForMaskedLM;
+    DistilBERT's pre_classifier): LoRA trains them in full and saves them with the adapter, so the reloaded adapter
+    and its merge are the model trained (frozen, they stayed random and every reload drew them anew). DistilBERT's
+    pre_classifier under all-linear also crashed PEFT (LoRA on it, then matched as the `classifier` to save)."""
+    from peft import AutoPeftModelForSequenceClassification
+    from transformers import AutoConfig, AutoModelForMaskedLM, AutoModelForSequenceClassification
+
+    from finetune.config import ModelArgs, PeftArgs
+    from finetune.export import merge_adapter
+    from finetune.model import build_model
+
+    sizes = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}
+    if arch == "distilbert":
+        sizes = {"dim": 32, "n_layers": 1, "n_heads": 2, "hidden_dim": 64}
+    config = AutoConfig.for_model(arch, vocab_size=len(assets.tokenizer), **sizes)
+    base = str(tmp_path / arch)
+    AutoModelForMaskedLM.from_config(config).save_pretrained(base)  # no pooler, no pre_classifier
+    assets.tokenizer.save_pretrained(base)
+    labels = ["a", "b", "c"]
+    pe = PeftArgs(method="lora", r=4, alpha=8)
+    torch.manual_seed(0)
+    net = build_model(ModelArgs(model=base, task="classification"), assets.tokenizer, labels, 32, pe)
+    new = {"bert": "bert.pooler", "distilbert": "pre_classifier"}[arch]
+    trained = [n for n, p in net.named_parameters() if p.requires_grad and new in n]
+    assert trained, [n for n, p in net.named_parameters() if p.requires_grad]
+    with torch.no_grad():  # as training leaves them: the adapter and the extra layers moved
+        for p in net.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.1)
+    net.eval()
+    out = tmp_path / "adapter"
+    net.save_pretrained(out)
+    assets.tokenizer.save_pretrained(out)
+    (out / "labels.json").write_text(json.dumps(labels))
+    ids = torch.randint(3, len(assets.tokenizer), (2, 12))
+    with torch.no_grad():
+        want = net(input_ids=ids).logits
+        torch.manual_seed(1)  # another draw for whatever the reload initialises afresh
+        reloaded = AutoPeftModelForSequenceClassification.from_pretrained(out, num_labels=3).eval()
+        assert (reloaded(input_ids=ids).logits - want).abs().max().item() <= 1e-5
+        merged = AutoModelForSequenceClassification.from_pretrained(merge_adapter(str(out), str(tmp_path / "m"))).eval()
+        assert (merged(input_ids=ids).logits - want).abs().max().item() <= 1e-5

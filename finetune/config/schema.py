@@ -487,7 +487,7 @@ class PeftArgs:
     dropout: float = _f(0.0, "Dropout on the adapter input.")
     target_modules: list[str] = _f(["all-linear"], "Module names to adapt, or [all-linear].")
     modules_to_save: list[str] | None = _f(
-        None, "Modules trained in full and saved with the adapter; a classifier head is added automatically."
+        None, "Modules trained in full and saved with the adapter; every newly initialised layer is added (a head)."
     )
     adapter: str | None = _f(None, "An existing adapter directory to continue training from.")
     merge: bool = _f(False, "Also write final/merged: the base model with the adapter merged in.")
