@@ -659,6 +659,12 @@ CASES = [
         "generation_metric_in_metrics", lambda c: c.yaml(metrics=["bleu"]), "metrics", "set generation_max_new_tokens"
     ),
     Case(
+        "label_metric_on_causal_lm",  # crashed at the first eval: no predicted labels to score
+        lambda c: c.yaml(metrics=["accuracy"]),
+        "metrics",
+        "a causal_lm run predicts none",
+    ),
+    Case(
         "generation_on_raw_text",
         lambda c: c.yaml(dataset=c.assets.text, generation_max_new_tokens=8),
         "generation_max_new_tokens",

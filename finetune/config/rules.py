@@ -294,7 +294,8 @@ def generation_problems(cfg: RunConfig, given: typing.Iterable[str]) -> list[tup
 
 
 def generated_metric_problems(cfg: RunConfig) -> list[tuple[str, str]]:
-    """metrics that score generated text belong in generation_metrics."""
+    """metrics score a classifier's predicted labels; those that score generated text belong in
+    generation_metrics."""
     p = []
     for name in cfg.train.metrics or []:
         if name in GENERATION_METRICS and cfg.model.task == "classification":
@@ -307,6 +308,13 @@ def generated_metric_problems(cfg: RunConfig) -> list[tuple[str, str]]:
             why = (
                 f"{name!r} scores generated text; remove it from metrics and set generation_max_new_tokens "
                 f"(generation_metrics defaults to {', '.join(GENERATION_METRICS)})"
+            )
+            p.append(("metrics", why))
+        elif cfg.model.task != "classification":
+            why = (
+                f"{name!r} would score a classifier's predicted labels, and a {cfg.model.task} run predicts none "
+                "(its eval reports eval_loss and eval_perplexity); remove it, or score generated text: set "
+                "generation_max_new_tokens and generation_metrics"
             )
             p.append(("metrics", why))
     return p
