@@ -367,8 +367,12 @@ class EpochSampler(torch.utils.data.Sampler):
         return in_chunks(self.permutation())
 
     def permutation(self) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        return torch.randperm(self.n, generator=g)
+        return torch.randperm(self.n, generator=seeded(self.seed * 100_003 + self.epoch))
+
+
+def seeded(seed: int) -> torch.Generator:
+    """A generator for a seed derived from the run's (any size: torch takes 64 bits; a seed that fits is itself)."""
+    return torch.Generator().manual_seed(seed % 2**64)
 
 
 def in_chunks(order: torch.Tensor, size: int = 65_536):

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from finetune.config import SOURCE_FIELDS, ConfigError, DataArgs, Source, sources_of
-from finetune.data import PAIR_INDEX, Datasets, EpochSampler, build_datasets, in_chunks
+from finetune.data import PAIR_INDEX, Datasets, EpochSampler, build_datasets, in_chunks, seeded
 from finetune.metrics import summarize
 
 logger = logging.getLogger("finetune")
@@ -186,7 +186,7 @@ class MixtureSampler(torch.utils.data.Sampler):
         if len(self.sizes) == 1:
             return self._rows(0, epoch)
         which = torch.repeat_interleave(torch.arange(len(self.sizes)), torch.tensor(self.counts))
-        g = torch.Generator().manual_seed((self.seed * 100_003 + epoch) * 7 + 3)  # apart from the rows' seeds
+        g = seeded((self.seed * 100_003 + epoch) * 7 + 3)  # apart from the rows' seeds
         which = which[torch.randperm(self.n, generator=g)]
         out = torch.empty(self.n, dtype=torch.long)
         for i in range(len(self.sizes)):

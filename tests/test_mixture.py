@@ -196,6 +196,14 @@ def test_order_depends_only_on_seed_and_epoch():
     assert list(MixtureSampler([30, 20], [1, 3], seed=2)) != list(a)
 
 
+def test_every_valid_seed_orders_a_mixture():
+    """A seed up to 2**32 - 1 (a `date +%s` one: 1.7e9) crashed a mixture at its first batch (the derived seeds
+    passed 64 bits: "Overflow when unpacking long long"); each one orders the rows."""
+    for seed in (1_700_000_000, 2**32 - 1):
+        order = list(MixtureSampler([30, 20], [1, 3], seed=seed))
+        assert len(order) == 50 and set(order) <= set(range(50)) and set(range(30, 50)) <= set(order)
+
+
 def rows_per_step(order: list[int], world: int, ga: int, micro: int) -> list[set[int]]:
     """The rows each optimizer step trains on under `world` processes x `ga` accumulation: what each rank's
     loader yields, through accelerate's own data-loader sharding of the same sampler."""
