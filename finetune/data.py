@@ -556,7 +556,8 @@ def build_stream(
     how = "detected from the columns" if data.format == "auto" else "as configured"
     logger.info("data %s (streamed): %s; %s %s", data.dataset, layout.describe(), how, train_raw.column_names)
     rows = _rows(layout, data, task, tokenizer, None)
-    evalset = _tokenize(eval_raw, "eval", rows, data, layout)[0] if eval_raw is not None else None
+    with main_first():  # main process first, so the others hit the datasets cache (as build_datasets)
+        evalset = _tokenize(eval_raw, "eval", rows, data, layout)[0] if eval_raw is not None else None
     train = (
         _rows_of(train_raw.shuffle(seed=seed, buffer_size=data.shuffle_buffer_size), rows("train"), layout, data)
         .filter(lambda skip: not skip, input_columns="skip")  # rows with nothing to learn
