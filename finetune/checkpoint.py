@@ -181,7 +181,12 @@ class Checkpointer:
             return
         if writes_whole_tensors(self.layout):
             if self.writes:
-                net.config.save_pretrained(tmp)  # model.safetensors + config.json: a from_pretrained directory
+                # model.safetensors + config.json (+ generation_config.json, as save_pretrained writes it): a
+                # from_pretrained directory. Without the base's generation settings from_pretrained derives them from
+                # config.json, and final/ from the best checkpoint or a converted resume lost them (sampling, eos list)
+                net.config.save_pretrained(tmp)
+                if getattr(net, "generation_config", None) is not None:  # models that generate
+                    net.generation_config.save_pretrained(tmp)
                 name_of = {id(p): n for n, p in net.named_parameters()}
                 inner = getattr(self.optimizer, "optimizer", self.optimizer)  # optimizer.bin's order
                 names = [name_of[id(p)] for group in inner.param_groups for p in group["params"]]

@@ -422,6 +422,31 @@ def max_weight_diff(dir_a, dir_b, name: str = "model.safetensors") -> float:
     return max_tensor_diff(load_file(str(Path(dir_a) / name)), load_file(str(Path(dir_b) / name)))
 
 
+def with_generation_settings(model: str, directory: Path) -> str:
+    """A copy of model whose generation_config.json says what transformers cannot derive from config.json (sampling
+    settings, a second end-of-sequence id): an exported final/ must carry it unchanged (generation_settings)."""
+    shutil.copytree(model, directory)
+    ids = json.loads((directory / "config.json").read_text())
+    settings = {
+        "bos_token_id": ids["bos_token_id"],
+        "eos_token_id": [ids["eos_token_id"], ids["eos_token_id"] + 3],
+        "pad_token_id": ids["pad_token_id"],
+        "do_sample": True,
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "max_length": 100,
+    }
+    (directory / "generation_config.json").write_text(json.dumps(settings))
+    return str(directory)
+
+
+def generation_settings(directory) -> dict:
+    """A model directory's generation_config.json, less the version of transformers that wrote it."""
+    settings = json.loads((Path(directory) / "generation_config.json").read_text())
+    settings.pop("transformers_version", None)
+    return settings
+
+
 def crash_after(output_dir, step: int) -> None:
     """Make a finished run look like one that died right after its step-`step` checkpoint."""
     shutil.rmtree(output_dir / "final")

@@ -11,7 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import base_args, crash_after, finetune
+from conftest import base_args, crash_after, finetune, generation_settings, with_generation_settings
 
 from finetune.best import BestRule
 from finetune.config import ConfigError, TrainArgs, build_config
@@ -152,12 +152,14 @@ def test_metric_of_a_source_or_a_shipped_metric_is_accepted(valid):
 def stopping_run(assets, out, launcher: str):
     """A learning rate high enough that eval loss goes up and down: the run stops where the patience/threshold
     rule applied to its own metrics.jsonl says (every rank, by its own log), final/ holds exactly the best
-    checkpoint's weights (not the last step's) and save_total_limit 1 kept the best. Returns the run, its
-    arguments, its eval losses and the best step."""
+    checkpoint's weights (not the last step's) with the base model's generation settings (which a checkpoint's
+    config.json cannot give back), and save_total_limit 1 kept the best. Returns the run, its arguments, its eval
+    losses and the best step."""
     from safetensors.torch import load_file
 
+    base = with_generation_settings(assets.llama, out.parent / f"{out.name}_base")
     args = base_args(
-        assets.llama,
+        base,
         assets.instruction,
         "--max_steps",
         str(MAX_STEPS),
@@ -202,6 +204,7 @@ def stopping_run(assets, out, launcher: str):
     assert all((final[k] == at_best[k]).all() for k in final)
     assert any((final[k] != at_last[k]).any() for k in final)
     assert f"step {best}" in (out / "final" / "README.md").read_text()
+    assert generation_settings(out / "final") == generation_settings(base)
     state = json.loads((out / "checkpoints" / f"step_{last}" / "trainer_state.json").read_text())
     assert (state["best_step"], state["evals_without_improvement"]) == (best, PATIENCE)
     assert state["best_metric"] == pytest.approx(min(losses), rel=1e-12)

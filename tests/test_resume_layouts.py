@@ -7,7 +7,16 @@ import json
 import shutil
 
 import pytest
-from conftest import Result, base_args, crash_after, finetune, max_rel_diff, max_tensor_diff
+from conftest import (
+    Result,
+    base_args,
+    crash_after,
+    finetune,
+    generation_settings,
+    max_rel_diff,
+    max_tensor_diff,
+    with_generation_settings,
+)
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
@@ -131,8 +140,10 @@ def test_a_window_open_at_a_tensor_parallel_checkpoint_continues_in_one_process(
     """A TP 2 checkpoint between two log rows (rows every 3 steps, a checkpoint at step 2) resumed by one process:
     the open window's sums, which count each batch once per tensor-parallel replica, are counted as this run
     counts them, so the step-3 row (two steps of TP 2, one of one process) is the uninterrupted run's: its loss, and
-    tokens_seen exactly (they had counted the carried steps twice)."""
-    args = base_args(assets.llama, assets.instruction, "--max_steps", "4", "--save_steps", "2", "--eval_fraction", "0")
+    tokens_seen exactly (they had counted the carried steps twice). The model rebuilt from the checkpoint's
+    config.json keeps the base model's generation settings: final/ has them."""
+    base = with_generation_settings(assets.llama, tmp_path / "base")
+    args = base_args(base, assets.instruction, "--max_steps", "4", "--save_steps", "2", "--eval_fraction", "0")
     args += ["--logging_steps", "3"]
     straight, (_, resumed) = chain(tmp_path, args, [("tp2",), ("python",)], every=2)
     assert json.loads((straight.output_dir / "checkpoints" / "step_2" / "trainer_state.json").read_text())["window"]
@@ -140,6 +151,7 @@ def test_a_window_open_at_a_tensor_parallel_checkpoint_continues_in_one_process(
     assert list(want) == list(got) == [3, 4], (want, got)
     assert got[3]["tokens_seen"] == want[3]["tokens_seen"] and got[4]["tokens_seen"] == want[4]["tokens_seen"]
     assert max_rel_diff([want[3]["loss"], want[4]["loss"]], [got[3]["loss"], got[4]["loss"]]) <= 1e-4, (want, got)
+    assert generation_settings(resumed.output_dir / "final") == generation_settings(base)
 
 
 def test_resume_with_another_global_batch_is_refused(assets, tmp_path):
