@@ -19,6 +19,7 @@ from finetune.checkpoint import CONFIG_FILE, WriteError, attempt_write, report, 
 from finetune.cluster import host_gather, host_wait
 from finetune.config import ConfigError
 from finetune.faults import fault_point
+from finetune.formats import at_rest
 from finetune.model import DTYPES, model_config, quantized_base, save_dtype
 
 LABELS_FILE = "labels.json"
@@ -68,7 +69,7 @@ def _one_process(backend, weights_from: Callable[[str], None], tmp: str) -> None
 def _finish(net, tokenizer, run_config: dict[str, Any], tmp: str, final: str, dtype: str) -> None:
     """The main process: what final/ holds beside the weights, then final/ in place."""
     stamp_dtype(tmp, dtype)
-    tokenizer.save_pretrained(tmp)
+    at_rest(tokenizer).save_pretrained(tmp)
     write_atomic(os.path.join(tmp, CONFIG_FILE), yaml.safe_dump(run_config, sort_keys=False))
     id2label = getattr(net.config, "id2label", None)
     if os.path.exists(os.path.join(tmp, "adapter_config.json")) and run_config.get("task") == "classification":

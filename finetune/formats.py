@@ -440,6 +440,20 @@ def _columns(rows: list[dict]) -> dict:
     return {key: [r[key] for r in rows] for key in ("input_ids", "labels", "skip", "learned")}
 
 
+def at_rest(tokenizer):
+    """The tokenizer, with no truncation or padding set on its Rust tokenizer. transformers sets both there from
+    each call's arguments and leaves them set (tokenizer(..., truncation=True, max_length=n) in classification_rows
+    and seq2seq_rows), so they tell only what the last call asked; the tokenizer they were loaded with had none that
+    counts (transformers' next call sets its own). Written into tokenizer.json they would cut every input at n
+    (tokenizers.Tokenizer.from_file), in final/ and in prepared data's fingerprint, after a run that tokenized and
+    not after one whose tokenized rows came from the cache."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        backend.no_truncation()
+        backend.no_padding()
+    return tokenizer
+
+
 _PROBES = ["Hello world.", " two  spaces\tand a tab\n\nnew lines 12345 ünïcode", "<|im_start|>user\nhi<|im_end|>\n"]
 
 

@@ -21,6 +21,7 @@ import shutil
 
 from finetune.config import ConfigError, RunConfig
 from finetune.data import Datasets
+from finetune.formats import at_rest
 from finetune.mixture import Mixture
 
 logger = logging.getLogger("finetune")
@@ -39,8 +40,8 @@ def made_from(cfg: RunConfig, tokenizer) -> dict:
 
 def tokenizer_fingerprint(tokenizer) -> str:
     """The tokenizer's behaviour, not its path: the whole tokenizer.json of a fast tokenizer (else the vocabulary),
-    its special tokens and its chat template."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
+    its special tokens and its chat template. Not the truncation a tokenizing call left set (formats.at_rest)."""
+    backend = getattr(at_rest(tokenizer), "backend_tokenizer", None)
     vocab = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     parts = [type(tokenizer).__name__, vocab, str(tokenizer.special_tokens_map), str(tokenizer.chat_template)]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]

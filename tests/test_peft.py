@@ -124,13 +124,19 @@ def test_lora_causal_lm_same_under_every_backend(assets, tmp_path):
 
 def test_lora_classifier_saves_head_and_reloads(assets, tmp_path):
     """The classifier head (trained in full beside the adapter, under ZeRO-3: gathered from its shards) is saved
-    with it; the reloaded adapter reproduces the run's eval loss; `finetune merge` then makes one plain model of it."""
+    with it; the reloaded adapter reproduces the run's eval loss;
+    `finetune merge` then makes one plain model of it. The tokenizer in final/ cuts nothing (the run's tokenizing
+    cut the rows at max_seq_length with transformers' truncation, which stays set on the Rust tokenizer)."""
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    data = tmp_path / "cls_train.jsonl"  # a path of its own: tokenized by this run, not read from the datasets cache
+    shutil.copy(assets.classification, data)
+    args = classification_args(assets.llama, assets)
+    args[args.index(assets.classification)] = str(data)
     res = finetune(
         tmp_path / "zero3",
-        *classification_args(assets.llama, assets),
+        *args,
         "--max_steps",
         "4",
         "--per_device_train_batch_size",
@@ -159,6 +165,8 @@ def test_lora_classifier_saves_head_and_reloads(assets, tmp_path):
         model, tok, assets.classification, "classification", max_seq_length=32, eval_dataset=assets.classification_eval
     )
     assert again["eval_loss"] == pytest.approx(res.eval_rows[-1]["eval_loss"], rel=1e-5)
+    saved = json.loads((final / "tokenizer.json").read_text())
+    assert saved["truncation"] is None and saved["padding"] is None
     check_merge_command(final, assets.llama, tmp_path)
 
 

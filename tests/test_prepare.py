@@ -3,12 +3,14 @@ the raw data, and a run whose tokenizer or data fields differ from the preparati
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 
+import pytest
 from conftest import base_args, finetune, max_rel_diff, max_weight_diff
 
 from finetune import demo
@@ -55,3 +57,25 @@ def test_a_prepared_run_trains_as_the_raw_data_does_and_differences_are_refused(
         )  # fmt: skip
         assert refused.returncode == 2 and f"  - {key}: the data in '{where}' was prepared with" in refused.output
         assert "Traceback" not in refused.output
+
+
+@pytest.mark.parametrize("task", ["classification", "seq2seq"])
+def test_rows_cut_by_the_tokenizer_leave_its_fingerprint_as_loaded(assets, tmp_path, task):
+    """Classification rows and seq2seq sources longer than max_seq_length are cut by transformers' truncation, which
+    stays set on the Rust tokenizer after the call: the tokenizer `finetune prepare` fingerprints after tokenizing
+    must be the one a run loads (before, every such preparation was refused as made by another tokenizer)."""
+    from finetune.config import DataArgs, ModelArgs
+    from finetune.data import build_datasets
+    from finetune.model import load_tokenizer
+    from finetune.prepared import tokenizer_fingerprint
+
+    source = {"classification": assets.classification, "seq2seq": assets.instruction}[task]
+    data = tmp_path / "rows.jsonl"  # a path of its own: tokenized here, not read from the datasets cache
+    shutil.copy(source, data)
+    tokenizer = load_tokenizer(ModelArgs(model=assets.t5 if task == "seq2seq" else assets.llama))
+    loaded = tokenizer_fingerprint(tokenizer)
+    args = DataArgs(dataset=str(data), eval_fraction=0.1, max_seq_length=8)
+    ds = build_datasets(args, task, tokenizer, 42, contextlib.nullcontext)
+    assert max(len(ids) for ids in ds.train["input_ids"]) == 8  # the scenario: rows were cut
+    assert tokenizer.backend_tokenizer.truncation is not None  # ... by transformers' truncation, left set
+    assert tokenizer_fingerprint(tokenizer) == loaded
