@@ -124,7 +124,7 @@ def test_lora_causal_lm_same_under_every_backend(assets, tmp_path):
 
 def test_lora_classifier_saves_head_and_reloads(assets, tmp_path):
     """The classifier head (trained in full beside the adapter, under ZeRO-3: gathered from its shards) is saved
-    with it; the reloaded adapter reproduces the run's eval loss;
+    with it; the reloaded adapter reproduces the run's eval loss, and so does the model card's loading snippet;
     `finetune merge` then makes one plain model of it. The tokenizer in final/ cuts nothing (the run's tokenizing
     cut the rows at max_seq_length with transformers' truncation, which stays set on the Rust tokenizer)."""
     from peft import PeftModel
@@ -167,7 +167,21 @@ def test_lora_classifier_saves_head_and_reloads(assets, tmp_path):
     assert again["eval_loss"] == pytest.approx(res.eval_rows[-1]["eval_loss"], rel=1e-5)
     saved = json.loads((final / "tokenizer.json").read_text())
     assert saved["truncation"] is None and saved["padding"] is None
+    card = card_snippet(final)
+    assert card["model"].config.id2label == dict(enumerate(labels))
+    ids = torch.randint(3, 500, (2, 16))
+    with torch.no_grad():
+        assert (card["model"](input_ids=ids).logits - model(input_ids=ids).logits).abs().max().item() == 0
     check_merge_command(final, assets.llama, tmp_path)
+
+
+def card_snippet(final) -> dict:
+    """The names that the model card's "How to load it" Python defines, run against final/ (its placeholder path)."""
+    text = (final / "README.md").read_text()
+    code = text.split("## How to load it", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    names: dict = {}
+    exec(code.replace("'path/to/final'", repr(str(final))), names)
+    return names
 
 
 def check_merge_command(final, base_model: str, tmp_path):

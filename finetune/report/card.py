@@ -96,7 +96,8 @@ def card_text(cfg: RunConfig, rows: list[dict[str, Any]], facts: RunFacts) -> st
         "",
         f"{what} `{m.model}` ({m.task.replace('_', ' ')}), trained with finetune on {source}",
     ]
-    lines += ["", "## How to load it", "", "```python", _how_to_load(cfg), "```", "", "## Training data", ""]
+    load = _how_to_load(cfg, facts.label_names)
+    lines += ["", "## How to load it", "", "```python", load, "```", "", "## Training data", ""]
     lines += _data_lines(d, facts)
     lines += ["", "## Hyperparameters", "", "| name | value |", "| --- | --- |"]
     lines += [f"| {k} | {v} |" for k, v in _hyperparameters(cfg, facts, res["steps"]).items() if v is not None]
@@ -108,23 +109,30 @@ def card_text(cfg: RunConfig, rows: list[dict[str, Any]], facts: RunFacts) -> st
     return str(ModelCard(f"---\n{ModelCardData(**meta).to_yaml()}\n---\n\n" + "\n".join(lines)))
 
 
-def _how_to_load(cfg: RunConfig) -> str:
+def _how_to_load(cfg: RunConfig, label_names: list[str] | None) -> str:
     """The Python that loads final/: from the Hub repo when the run pushes, else from a placeholder path (the card
-    travels with the model: a path of the machine it was trained on would mean nothing elsewhere)."""
+    travels with the model: a path of the machine it was trained on would mean nothing elsewhere). A classifier
+    adapter's base model is loaded with the run's head: its classes (labels.json, in the head's order) and the pad
+    token the run set (transformers would build a 2-class head named LABEL_0, LABEL_1)."""
     m, t, pe = cfg.model, cfg.train, cfg.peft
     auto = AUTO_CLASSES[m.task]
     repo = hub_repo_id(t) if t.push_to_hub else "path/to/final"
-    if pe.method != "none":
-        load = (
-            f"from peft import {auto.replace('AutoModel', 'AutoPeftModel')}"
-            f" as Auto\n\nmodel = Auto.from_pretrained({repo!r})  # loads the base model {m.model!r}, then the adapter"
+    load = f"from transformers import AutoTokenizer\n\ntokenizer = AutoTokenizer.from_pretrained({repo!r})\n"
+    if pe.method == "none":
+        return load + f"from transformers import {auto}\n\nmodel = {auto}.from_pretrained({repo!r})"
+    load += f"from peft import {auto.replace('AutoModel', 'AutoPeftModel')} as Auto\n\n"
+    head = ""
+    if label_names is not None:
+        load += f"labels = {label_names!r}  # labels.json: the classes, in the order of the head's outputs\n"
+        head = (
+            ", num_labels=len(labels), id2label=dict(enumerate(labels)), "
+            "label2id={n: i for i, n in enumerate(labels)}, pad_token_id=tokenizer.pad_token_id"
         )
-        if pe.merge:
-            load += f"\n# or the merged model (base + adapter in one):\n# from transformers import {auto}\n"
-            load += f"# model = {auto}.from_pretrained({repo!r}, subfolder='merged')"
-    else:
-        load = f"from transformers import {auto}\n\nmodel = {auto}.from_pretrained({repo!r})"
-    return load + f"\nfrom transformers import AutoTokenizer\ntokenizer = AutoTokenizer.from_pretrained({repo!r})"
+    load += f"model = Auto.from_pretrained({repo!r}{head})  # loads the base model {m.model!r}, then the adapter"
+    if pe.merge:
+        load += f"\n# or the merged model (base + adapter in one):\n# from transformers import {auto}\n"
+        load += f"# model = {auto}.from_pretrained({repo!r}, subfolder='merged')"
+    return load
 
 
 def _data_lines(d, facts: RunFacts) -> list[str]:
