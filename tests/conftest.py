@@ -70,6 +70,7 @@ class Assets:
     root: Path
     tokenizer: object
     llama: str
+    llama_tied: str  # tie_word_embeddings: the LM head is the input embeddings (one tensor, two names)
     gpt2: str
     bert: str
     t5: str  # encoder-decoders (task seq2seq)
@@ -143,6 +144,7 @@ def assets(tmp_path_factory) -> Assets:
         root=root,
         tokenizer=tok,
         llama=demo.build_model("llama", root / "llama", tok),
+        llama_tied=demo.build_model("llama", root / "llama_tied", tok, tie_word_embeddings=True),
         gpt2=demo.build_model("gpt2", root / "gpt2", tok),
         bert=demo.build_model("bert", root / "bert", tok),
         t5=demo.build_model("t5", root / "t5", tok),

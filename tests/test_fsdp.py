@@ -17,7 +17,7 @@ from conftest import (
     run_killing_the_group,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fsdp")]  # one worker: the module fixture runs once
+pytestmark = pytest.mark.slow
 
 PROBE = """
 import os, sys
@@ -58,31 +58,32 @@ def test_transformers_still_lacks_replicate_parallel():
     assert getattr(compat, "ReplicateParallel", None) is None
 
 
-@pytest.fixture(scope="module")
-def single_ga4(assets, tmp_path_factory):
+def single_ga4(assets, out, model: str):
     """The reference: one process, GA 4 (the global batch of 2 ranks x GA 2), 4 steps, checkpoint at 2."""
-    out = tmp_path_factory.mktemp("single") / "run"
-    return finetune(out, *fsdp_args(assets), "--gradient_accumulation_steps", "4")
+    return finetune(out, *fsdp_args(assets, model), "--gradient_accumulation_steps", "4")
 
 
-def fsdp_args(assets) -> list[str]:
-    return base_args(
-        assets.llama, assets.instruction, "--max_steps", "4", "--save_steps", "2", "--eval_fraction", "0.1"
-    )
+def fsdp_args(assets, model: str) -> list[str]:
+    return base_args(model, assets.instruction, "--max_steps", "4", "--save_steps", "2", "--eval_fraction", "0.1")
 
 
-def test_fsdp2_equals_one_process_and_resumes_exactly(assets, tmp_path, single_ga4):
+def test_fsdp2_equals_one_process_and_resumes_exactly(assets, tmp_path):
     """2 ranks x GA 2, fp32: per-step losses within 1e-5 relative of one process, exported weights within 1e-5;
     each rank really holds half the model (FSDP2 DTensors); 2 steps + resume + 2 steps equals 4 steps.
-    (fsdp2_offload against one process: tests/test_deepspeed.py::test_parity_over_every_single_node_backend.)"""
-    launcher = "fsdp2"
-    run = finetune(tmp_path / launcher, *fsdp_args(assets), "--gradient_accumulation_steps", "2", launcher=launcher)
+    (fsdp2_offload against one process: tests/test_deepspeed.py::test_parity_over_every_single_node_backend.)
+    A Llama whose LM head is tied to its input embeddings: final/ holds the one tensor under one name, as one
+    process exports it (FSDP2's gathered state dict has it twice; max_weight_diff compares the names)."""
+    launcher, model = "fsdp2", assets.llama_tied
+    single = single_ga4(assets, tmp_path / "single", model)
+    run = finetune(
+        tmp_path / launcher, *fsdp_args(assets, model), "--gradient_accumulation_steps", "2", launcher=launcher
+    )
     rows = run.train_rows
     assert all(r["fsdp_version"] == 2 and 0.45 <= r["parameter_shard"] <= 0.55 for r in rows), rows[-1]
     assert not any(r["offload_params"] for r in rows) and "offload" not in run.output.split("parallelism:")[1][:80]
-    assert max_rel_diff(single_ga4.losses(), run.losses()) <= 1e-5, (single_ga4.losses(), run.losses())
-    assert max_weight_diff(single_ga4.output_dir / "final", run.output_dir / "final") <= 1e-5
-    eval_a, eval_b = single_ga4.eval_rows[-1]["eval_loss"], run.eval_rows[-1]["eval_loss"]
+    assert max_rel_diff(single.losses(), run.losses()) <= 1e-5, (single.losses(), run.losses())
+    assert max_weight_diff(single.output_dir / "final", run.output_dir / "final") <= 1e-5
+    eval_a, eval_b = single.eval_rows[-1]["eval_loss"], run.eval_rows[-1]["eval_loss"]
     assert abs(eval_a - eval_b) / eval_a <= 1e-5
 
     part = tmp_path / "part"  # the same run, "crashed" after its step-2 checkpoint, resumed (FSDP's own format)
@@ -90,7 +91,7 @@ def test_fsdp2_equals_one_process_and_resumes_exactly(assets, tmp_path, single_g
     crash_after(part, 2)
     resumed = finetune(
         part,
-        *fsdp_args(assets),
+        *fsdp_args(assets, model),
         "--gradient_accumulation_steps",
         "2",
         "--resume_from_checkpoint",
@@ -102,12 +103,13 @@ def test_fsdp2_equals_one_process_and_resumes_exactly(assets, tmp_path, single_g
     assert max_weight_diff(run.output_dir / "final", part / "final") <= 1e-6
 
 
-def test_tp2_x_fsdp2_on_four_processes_equals_one_process(assets, tmp_path, single_ga4):
+def test_tp2_x_fsdp2_on_four_processes_equals_one_process(assets, tmp_path):
     """TP 2 x FSDP 2 on 4 CPU processes: 2 data-parallel ranks x GA 2 = the reference's global batch; losses
     within 1e-4 relative; each rank holds about a quarter of the model."""
+    single = single_ga4(assets, tmp_path / "single", assets.llama)
     run = finetune(
         tmp_path / "tp2_fsdp2",
-        *fsdp_args(assets),
+        *fsdp_args(assets, assets.llama),
         "--gradient_accumulation_steps",
         "2",
         launcher="tp2_fsdp2",
@@ -117,8 +119,8 @@ def test_tp2_x_fsdp2_on_four_processes_equals_one_process(assets, tmp_path, sing
     assert "x data parallel 2 = global batch 16" in run.output
     rows = run.train_rows
     assert all(r["fsdp_version"] == 2 and 0.2 <= r["parameter_shard"] <= 0.3 for r in rows), rows[-1]
-    assert max_rel_diff(single_ga4.losses(), run.losses()) <= 1e-4, (single_ga4.losses(), run.losses())
-    assert max_weight_diff(single_ga4.output_dir / "final", run.output_dir / "final") <= 1e-4
+    assert max_rel_diff(single.losses(), run.losses()) <= 1e-4, (single.losses(), run.losses())
+    assert max_weight_diff(single.output_dir / "final", run.output_dir / "final") <= 1e-4
 
 
 def test_transformers_still_replaces_the_device_mesh():

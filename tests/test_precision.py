@@ -200,12 +200,12 @@ def test_fp16_is_refused_on_a_cpu(assets, tmp_path, how):
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
-def bf16_base(assets, tmp_path):
-    """The tiny Llama saved in bfloat16, as most Hub models ship."""
+def bf16_base(assets, tmp_path, source: str | None = None):
+    """The tiny Llama (or source) saved in bfloat16, as most Hub models ship."""
     from transformers import AutoModelForCausalLM
 
     path = tmp_path / "llama_bf16"
-    AutoModelForCausalLM.from_pretrained(assets.llama, dtype=torch.bfloat16).save_pretrained(path)
+    AutoModelForCausalLM.from_pretrained(source or assets.llama, dtype=torch.bfloat16).save_pretrained(path)
     assets.tokenizer.save_pretrained(path)
     assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
     return str(path)
@@ -213,8 +213,9 @@ def bf16_base(assets, tmp_path):
 
 def test_save_dtype_auto_is_the_base_models_and_can_be_set(assets, tmp_path):
     """save_dtype auto: a bf16 base trained with fp32 master weights (torch_dtype float32) exports bf16; set, it
-    wins; the file, config.json and the model card agree."""
-    base = bf16_base(assets, tmp_path)
+    wins; the file, config.json and the model card agree. The base ties its LM head to its input embeddings: the
+    cast keeps them one tensor (before, the bf16 export held a second copy as lm_head.weight)."""
+    base = bf16_base(assets, tmp_path, assets.llama_tied)
     args = base_args(base, assets.instruction, "--max_steps", "2", "--eval_fraction", "0")
     auto = finetune(tmp_path / "auto", *args, launcher="python")
     fp32 = finetune(tmp_path / "fp32", *args, "--save_dtype", "float32", launcher="python")
@@ -225,6 +226,7 @@ def test_save_dtype_auto_is_the_base_models_and_can_be_set(assets, tmp_path):
         assert json.loads((final / "config.json").read_text())["dtype"] == name
         assert f"saved in: {name}" in (final / "README.md").read_text()
     a, b = (load_file(str(r.output_dir / "final" / "model.safetensors")) for r in (auto, fp32))
+    assert set(a) == set(b) == set(load_file(os.path.join(base, "model.safetensors")))  # no lm_head.weight
     assert all(torch.equal(a[k], b[k].to(torch.bfloat16)) for k in a)  # one cast of the same fp32 weights
 
 

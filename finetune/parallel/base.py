@@ -151,9 +151,16 @@ def prepare_all(accelerator, model, optimizer, train_loader, eval_loader, schedu
     return model, optimizer, train_loader, prepared[4] if eval_loader is not None else None, scheduler
 
 
-def cast_floating(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every floating-point tensor in dtype (integer buffers stay as they are)."""
-    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
+def for_export(net, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The weights final/ holds: every floating-point tensor in dtype (integer buffers stay as they are), and a tied
+    weight once, under the name from_pretrained ties the others to (transformers' all_tied_weights_keys, target ->
+    source: lm_head.weight -> model.embed_tokens.weight under tie_word_embeddings). save_pretrained drops a tied
+    copy only where it shares the source's storage, which a cast or a gather of full tensors (FSDP2's, TP's)
+    undoes: final/ got a second lm_head.weight that a one-process fp32 export has not. (An adapter's state dict has
+    its names under base_model.model.: none is a target here, and PEFT keeps only the adapter's tensors.)"""
+    tied = getattr(net, "all_tied_weights_keys", None) or {}
+    copies = {target for target, source in tied.items() if target in weights and source in weights}
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items() if k not in copies}
 
 
 def trainable_parameters(net) -> dict[str, torch.nn.Parameter]:

@@ -14,8 +14,8 @@ import torch
 from finetune import chunked_loss
 from finetune.config import RunConfig
 from finetune.parallel.base import (
-    cast_floating,
     copy_by_name,
+    for_export,
     has_accelerator_device,
     local_fraction,
     prepare_all,
@@ -221,8 +221,8 @@ class Backend:
         whose ranks still wait in a collective raises another error, which ends the rank and so the job)."""
         weights = self.full_state_dict(model)
         if self.acc.is_main_process:
-            weights = cast_floating(weights, dtype)
-            save_from_this_process(self.hf_model(model), directory, state_dict=weights, safe_serialization=True)
+            net = self.hf_model(model)
+            save_from_this_process(net, directory, state_dict=for_export(net, weights, dtype), safe_serialization=True)
 
     def full_state_dict(self, model) -> dict[str, torch.Tensor]:
         """The whole model's weights (main process; a collective on every backend), in full precision: the

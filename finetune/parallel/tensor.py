@@ -152,7 +152,7 @@ class Backend(ddp.Backend):
         net = base.unwrap(self.acc, model)
         main = self.acc.is_main_process
         weights = {}
-        for name, tensor in base.cast_floating(net.state_dict(), dtype).items():  # each rank casts its shards
+        for name, tensor in base.for_export(net, net.state_dict(), dtype).items():  # each rank casts its shards
             whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             if main:
                 weights[name] = whole.detach().cpu()
