@@ -484,6 +484,16 @@ def test_plan_reads_a_run_config_and_lora(assets, tmp_path, capsys):
     assert "4 GPU(s) of 17.2 GB" in out and "trainable" in out and "device GB" in out
 
 
+def test_plan_reads_a_mixture_config(assets, capsys):
+    """A config with datasets: (a mixture) plans; it was refused ("datasets: and dataset are both set"), the plan
+    having set a placeholder dataset of its own."""
+    argv = ["plan", "--config", str(ROOT / "examples" / "mixture.yaml"), "--model", assets.llama]
+    code = run_cli([*argv, "--max_seq_length", "64", "--per_device_train_batch_size", "1"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "recommended: " in captured.out
+
+
 def test_plan_help(capsys):
     with pytest.raises(SystemExit) as e:
         run_cli(["plan", "--help"])

@@ -140,7 +140,8 @@ def _run_config(args: argparse.Namespace, problems: list) -> RunConfig | None:
     values = load_yaml(args.config) if args.config else {}
     overrides = {k: parse_cli_value(k, v) for k, v in vars(args).items() if k not in ("config", *PLAN_KEYS, "configs")}
     values = {**values, **overrides}
-    values.setdefault("dataset", "(not needed to plan)")
+    if not values.get("datasets"):  # a mixture's sources name their own datasets
+        values.setdefault("dataset", "(not needed to plan)")
     if not values.get("model"):
         problems.append(("model", "is required: give --model ID|PATH, or --config with a model"))
     try:
