@@ -255,6 +255,24 @@ def test_a_preference_pair_is_two_rows_of_activations_and_logits(assets):
     assert parts(per_device_train_batch_size=4)["logits"] == pytest.approx(rows["logits"] / 2)
 
 
+def test_a_classifiers_logits_are_its_labels_not_the_vocabulary(tmp_path):
+    """task classification: the head outputs num_labels per position (a Llama's score head scores every position,
+    then pools the last), so the loss's logit copies are rows x seq x labels, not x 32,000 (the planner counted
+    the vocabulary: 1.57 GB at 16 x 256 tokens where a real run peaked at 0.61 GB in all)."""
+    model = llama_config_dir(tmp_path, "m", 256, 2, 512, vocab=32000)
+    path = ROOT / "accelerate_configs" / "single.yaml"
+    machines = memory.Machines(cpu_processes=1)
+    kinds, totals = {}, {}
+    for task in ("causal_lm", "classification"):
+        cfg = run_config(model, task=task, per_device_train_batch_size=16, eval_fraction=0, chunked_loss="false")
+        est = memory.plan_config(memory.shape_from_config(cfg), cfg, path, machines)
+        kinds[task], totals[task] = est.by_kind(), est.host_gb
+    logits = 16 * 256 * 32000 * 12 / 1e9
+    assert kinds["causal_lm"]["logits"] == pytest.approx(logits)
+    assert kinds["classification"].get("logits", 0.0) <= 16 * 256 * 2 * 12 / 1e9
+    assert totals["classification"] < totals["causal_lm"] - 0.8 * logits
+
+
 # ---------------------------------------------------------------- the estimate against real runs
 
 

@@ -108,17 +108,20 @@ class ModelShape:
     tensor_sizes: tuple[int, ...] = ()
     model_type: str = ""  # config.model_type (whether the chunked loss applies)
     quantized: int = 0  # of total, the weights stored in 4 bits (QLoRA's base linears; sharding.NF4_BYTES each)
+    num_labels: int = 0  # a classifier's outputs (its logits are rows x num_labels); 0: an LM head over the vocabulary
 
     def small_params(self, threshold: float) -> int:
         """Parameters in tensors below `threshold` elements (ZeRO-3 keeps those whole on every rank)."""
         return sum(n for n in self.tensor_sizes if n < threshold)
 
     @classmethod
-    def of_model(cls, net, config, weight_bytes: int, numel=None, load_in_4bit: bool = False) -> ModelShape:
+    def of_model(
+        cls, net, config, weight_bytes: int, numel=None, load_in_4bit: bool = False, task: str = "causal_lm"
+    ) -> ModelShape:
         """Count a built model (on the meta device, or a real one: `numel` gives a partitioned one's full size), in
         weights (a 4-bit one packed two per byte counts as one weight each). load_in_4bit: a model built on the
         meta device for a QLoRA run, whose frozen decoder linears bitsandbytes would store in 4 bits (a loaded
-        QLoRA model shows its 4-bit weights itself)."""
+        QLoRA model shows its 4-bit weights itself). task: the run's (a classifier's head outputs num_labels)."""
         import torch
 
         from finetune.model import weights_in
@@ -166,6 +169,7 @@ class ModelShape:
             tensor_sizes=tuple(sorted(numel(p) for p in params)),
             model_type=getattr(config, "model_type", ""),
             quantized=quantized,
+            num_labels=int(getattr(config, "num_labels", 2) or 2) if task == "classification" else 0,
         )
 
 
@@ -212,7 +216,7 @@ def shape_from_config(cfg: RunConfig, num_labels: int = 2, config=None) -> Model
     with init_empty_weights():
         if cfg.peft.method != "none" and not cfg.peft.adapter:
             net = model_lib.apply_peft(net, cfg.peft, cfg.model.task)
-    return ModelShape.of_model(net, config, weight_bytes, load_in_4bit=cfg.peft.load_in_4bit)
+    return ModelShape.of_model(net, config, weight_bytes, load_in_4bit=cfg.peft.load_in_4bit, task=cfg.model.task)
 
 
 def activation_elements(s: ModelShape, batch: int, seq: int, tp: int = 1, eager_attention: bool = False) -> float:
@@ -237,8 +241,15 @@ def logit_bytes(s: ModelShape, tokens: int, half: bool) -> float:
     """The loss's logit copies at the start of backward: transformers' loss upcasts logits to fp32, cross_entropy
     saves its fp32 log_softmax, and backward makes the gradient of that and of the logits (3 fp32 copies of
     tokens x vocab); under 16-bit mixed precision the 16-bit logits and their gradient add 2 bytes. tokens: the
-    micro batch's, or one chunk's under the chunked loss (which rebuilds them a chunk at a time in backward)."""
-    return tokens * s.vocab * (12 + (2 if half else 0))
+    micro batch's, or one chunk's under the chunked loss (which rebuilds them a chunk at a time in backward).
+    A classifier's head outputs num_labels per position (a decoder's score head scores every position before
+    pooling the last; an encoder's pools first), not the vocabulary."""
+    return tokens * logit_width(s) * (12 + (2 if half else 0))
+
+
+def logit_width(s: ModelShape) -> int:
+    """What the head outputs per position: a classifier's labels, else the vocabulary."""
+    return s.num_labels or s.vocab
 
 
 def activation_parts(s: ModelShape, topo: Topology, batch: int, seq: int, cfg: RunConfig, half: bool):
@@ -272,7 +283,7 @@ def activation_parts(s: ModelShape, topo: Topology, batch: int, seq: int, cfg: R
         sharding.Part(
             "logits",
             logits if logits >= per_layer else 0.0,
-            note=f"{batch}x{seq}x{s.vocab}, fp32 loss"
+            note=f"{batch}x{seq}x{logit_width(s)}, fp32 loss"
             if tokens == batch * seq
             else f"{tokens}x{s.vocab}, chunked loss"
             + (" + a chunk's head weight gradient" if cfg.peft.method == "none" else ""),
@@ -480,7 +491,8 @@ def run_estimate(cfg: RunConfig, accelerator, backend, net) -> Estimate:
     topology, numel = backend.topology, backend.numel
     config = getattr(net, "config", None)
     dtype = next((p.dtype for p in net.parameters()), torch.float32)
-    shape = ModelShape.of_model(net, config, torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4, numel)
+    weight_bytes = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
+    shape = ModelShape.of_model(net, config, weight_bytes, numel, task=cfg.model.task)
     on_gpu = accelerator.device.type == "cuda"
     machines = Machines(num_gpus=topology.num_processes if on_gpu else 0, cpu_processes=topology.num_processes)
     buckets = sharding.from_topology(topology, shape.hidden)
