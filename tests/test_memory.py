@@ -354,12 +354,12 @@ CASES = [
         False,
     ),
     ("long sequences need TP", (2048, 24, 5632), 16384, 1, memory.Machines(2, 2, **GB80), "tp2", 1, False),
-    (
-        "7B on 40 GB GPUs: TP x FSDP",
+    (  # tp2_fsdp2's mesh is 4 processes (tp 2 x dp_shard 2): a launch on 8 is refused (fsdp.problems)
+        "7B on 4 x 50 GB GPUs: TP x FSDP",
         (4096, 32, 11008),
         2048,
         1,
-        memory.Machines(8, 8, 40.0, 1000.0, mixed_precision="no"),
+        memory.Machines(4, 4, 50.0, 1000.0, mixed_precision="no"),
         "tp2_fsdp2",
         1,
         False,
@@ -397,6 +397,67 @@ def test_recommendation(tmp_path, case):
             shape, cfg, ROOT / "accelerate_configs" / f"{faster}.yaml", machines, rec.micro_batch
         )
         assert not other.fits, (faster, other.device_gb)
+
+
+def test_a_layout_the_run_refuses_is_shown_refused_and_never_recommended(tmp_path, capsys, monkeypatch):
+    """LoRA on 8 GPUs: tensor parallelism and Megatron-LM refuse adapters at start (their backends' problems(), which
+    the plan asks with the environment accelerate's launcher would give), so their rows say so, with the run's own
+    message, and carry no estimate (QLoRA's tp2 row had shown -29 GB of parameters and fit); the recommendation is a
+    layout the run starts. Each refusal is the run's: the same config launched fails on it."""
+    from finetune.parallel.environment import family_module
+    from finetune.parallel.topology import launch_environment, launch_size
+
+    model = llama_config_dir(tmp_path, "70b", 8192, 80, 28672)
+    argv = ["plan", "--model", model, "--peft.method", "lora", "--num_gpus", "8", "--gpu_memory", "80GB"]
+    argv += ["--max_seq_length", "1024", "--per_device_train_batch_size", "1", "--mixed_precision", "bf16"]
+    for qlora in ([], ["--peft.load_in_4bit"]):
+        code = run_cli(argv + qlora)
+        out = capsys.readouterr().out
+        rows = {
+            line.split()[0]: line for line in out.splitlines() if line.split() and line.split()[0] in memory.PREFERENCE
+        }
+        for name in ("tp2", "tp2_fsdp2", "megatron_tp2"):
+            assert "  no    refused: " in rows[name] and "peft.method: " in rows[name], rows[name]
+            assert "-" not in rows[name].split("refused:")[0], rows[name]  # no (negative) numbers
+        rec = next(line for line in out.splitlines() if line.startswith("recommended:"))
+        assert code == 0 and "refused" not in rows[rec.split()[1].rstrip(",")], rec
+        if qlora:  # QLoRA is refused under ZeRO-3 and FSDP2 too
+            assert "refused: peft.load_in_4bit: " in rows["zero3"] and "refused: peft.load_in_4bit" in rows["fsdp2"]
+    # the row's refusal is what the run itself says when launched so
+    cfg = run_config(model, peft={"method": "lora"})
+    path = ROOT / "accelerate_configs" / "tp2.yaml"
+    env = launch_environment(path, launch_size(path, 8)[0])
+    for key in [k for k in __import__("os").environ if k.startswith(topology.LAUNCH_KEYS)]:
+        monkeypatch.delenv(key)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert ("peft.method", "adapters are not supported with tensor parallelism; set peft.method: none") in (
+        family_module().problems(cfg)
+    )
+
+
+def test_a_config_left_out_is_never_said_not_to_fit(tmp_path, capsys):
+    """Configs the recommender does not try are named with why (one process of several, a global batch that does
+    not split over their data-parallel ranks); only those tried are said not to fit; a config named with --configs
+    is planned even where it runs one process (it said "nothing fits" about single, which fits)."""
+    model = llama_config_dir(tmp_path, "7b", 4096, 32, 11008)
+    argv = ["plan", "--model", model, "--num_gpus", "8", "--gpu_memory", "80GB", "--max_seq_length", "4096"]
+    argv += ["--per_device_train_batch_size", "1", "--mixed_precision", "bf16"]
+    assert run_cli([*argv, "--global_batch_size", "60"]) == 0
+    rec = capsys.readouterr().out.split("recommended: ")[1]
+    assert "ddp, zero1, zero2, fsdp2, zero3: the global batch 60 does not split over its 8 data-parallel ranks" in rec
+    assert "single: runs one process of the 8" in rec
+    assert "ddp, zero1" not in rec.split("does not split")[1], rec  # not also said not to fit
+    assert run_cli([*argv, "--global_batch_size", "63"]) == 0
+    rec = capsys.readouterr().out.split("recommended: ")[1]
+    assert rec.startswith("tp2,") and "it uses 2 of the 8 GPUs" in rec and "do not fit" not in rec, rec
+    small = ["plan", "--model", llama_config_dir(tmp_path, "s", 256, 2, 512), "--max_seq_length", "64"]
+    assert run_cli([*small, "--configs", "single"]) == 0
+    assert "recommended: single, micro batch" in capsys.readouterr().out
+    assert run_cli([*small, "--configs", "tp2", "--num_processes", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "recommended: none: no config given can run this job" in out and "tp2: needs 2 processes" in out, out
+    assert "fit" not in out.split("recommended: ")[1]
 
 
 def test_nothing_fits_says_what_to_change(tmp_path, capsys):

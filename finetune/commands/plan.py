@@ -211,10 +211,11 @@ def render(shape: ModelShape, cfg: RunConfig, machines: Machines, rows: list[Est
     head += f" {'device GB' if gpu else '':>9} {'host GB':>8}  {'fits':<4}  notes"
     lines += [head, "-" * len(head)]
     for e in rows:
-        if e.topology is None:
-            lines.append(
-                f"{e.config:<17} {'-':>5} " + " ".join(f"{'':>7}" for _ in kinds) + f" {'':>9} {'':>8}  no    {e.note}"
-            )
+        if e.topology is None or e.refused:
+            procs = e.topology.num_processes if e.topology is not None else "-"
+            why = "refused: " + "; ".join(f"{k}: {m}" for k, m in e.refused) if e.refused else e.note
+            blank = " ".join(f"{'':>7}" for _ in kinds)
+            lines.append(f"{e.config:<17} {procs:>5} {blank} {'':>9} {'':>8}  no    {why}")
             continue
         k = e.by_kind()
         device = f"{e.device_gb:9.2f}" if gpu else f"{'':>9}"
@@ -252,7 +253,8 @@ def render(shape: ModelShape, cfg: RunConfig, machines: Machines, rows: list[Est
 
 
 def main(argv: list[str]) -> int:
-    """`finetune plan`: exit 0 with a plan, 1 when nothing fits, 2 on bad input."""
+    """`finetune plan`: exit 0 with a plan, 1 when no config is recommended (none fits, or none can run this job), 2
+    on bad input."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         cfg, machines, target, configs = parse(argv)

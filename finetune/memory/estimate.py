@@ -38,6 +38,7 @@ from pathlib import Path
 from finetune import chunked_loss
 from finetune.config import AUTO_CLASSES, REFERENCE_METHODS, ConfigError, RunConfig
 from finetune.parallel import sharding
+from finetune.parallel.environment import launch_problems
 from finetune.parallel.topology import Topology, launch_size, read_config_file
 
 logger = logging.getLogger("finetune")
@@ -376,6 +377,7 @@ class Estimate:
     micro_batch: int = 0
     gradient_checkpointing: bool = False
     note: str = ""
+    refused: list = field(default_factory=list)  # (key, why): what the run refuses under this layout; not estimated
 
     def by_kind(self) -> dict[str, float]:
         return self._sum_by("name")
@@ -457,7 +459,10 @@ def plan_config(
     shape: ModelShape, cfg: RunConfig, path: Path, machines: Machines, micro_batch=None, accumulation=None
 ) -> Estimate:
     """The estimate of one Accelerate config file launched on `machines` (num_processes from the machines, as
-    `accelerate launch --num_processes` would; fixed-size layouts such as tp2 keep theirs)."""
+    `accelerate launch --num_processes` would; fixed-size layouts such as tp2 keep theirs), at this micro batch and
+    accumulation (default: the run config's). A layout the run would refuse at start with this run config (its
+    backend's own problems(): adapters under tensor parallelism, QLoRA under ZeRO-3 or FSDP2, seq2seq under FSDP2,
+    ...) is not estimated: its Estimate holds the refusals."""
     name = path.stem
     if not machines.on_gpu and read_config_file(path)[0].needs_gpu:
         return Estimate(name, None, note="GPU only (Megatron-LM)")
@@ -465,6 +470,15 @@ def plan_config(
     if not n:
         return Estimate(name, None, note=why)
     topo, ds, mixed = read_config_file(path, num_processes=n, num_machines=math.ceil(n / machines.per_node))
+    t = cfg.train
+    as_run = dataclasses.replace(
+        t,
+        per_device_train_batch_size=micro_batch or t.per_device_train_batch_size,
+        gradient_accumulation_steps=accumulation or t.gradient_accumulation_steps,
+    )
+    refused = launch_problems(dataclasses.replace(cfg, train=as_run), path, n)
+    if refused:
+        return Estimate(name, topo, note=why, refused=refused, micro_batch=micro_batch or t.per_device_train_batch_size)
     mixed = machines.mixed_precision or mixed or default_precision(cfg, machines)
     buckets = sharding.buckets_for(topo, ds, shape.hidden)
     est = estimate(shape, cfg, topo, mixed, buckets, machines, micro_batch, name, accumulation)

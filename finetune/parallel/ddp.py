@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 
 import torch
 
@@ -38,7 +39,7 @@ def environment(cfg: RunConfig) -> None:
     unwrap_without_deepspeed()
 
 
-def problems(cfg: RunConfig) -> list[tuple[str, str]]:
+def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here: bool = True) -> list[tuple[str, str]]:
     return []
 
 

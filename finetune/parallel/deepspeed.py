@@ -25,6 +25,7 @@ import contextlib
 import functools
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -59,10 +60,10 @@ def environment(cfg: RunConfig) -> None:
     # accelerate's CPU mode (ACCELERATE_USE_CPU) would silently turn a DeepSpeed config into plain MULTI_CPU.
 
 
-def problems(cfg: RunConfig) -> list[tuple[str, str]]:
+def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here: bool = True) -> list[tuple[str, str]]:
     """A DeepSpeed JSON whose batch/accumulation/clipping contradict the run config, or that defines its own
     optimizer or scheduler (the run config's AdamW and schedule are used on every backend)."""
-    path = Launcher.read().deepspeed_config_file
+    path = Launcher.read(env).deepspeed_config_file
     if not path:
         return []
     try:

@@ -14,7 +14,7 @@ from finetune import console
 from finetune.config import ConfigError, RunConfig
 from finetune.parallel.base import start_process_group
 from finetune.parallel.surface import FamilyModule
-from finetune.parallel.topology import FAMILIES, Launcher, distributed_type_name, requested_family
+from finetune.parallel.topology import FAMILIES, Launcher, distributed_type_name, launch_environment, requested_family
 
 
 def family_module(family: str | None = None) -> FamilyModule:
@@ -35,6 +35,14 @@ def family_module(family: str | None = None) -> FamilyModule:
     else:
         raise ValueError(f"unknown backend family {family!r}; one of {', '.join(FAMILIES)}")
     return module
+
+
+def launch_problems(cfg: RunConfig, path, num_processes: int) -> list[tuple[str, str]]:
+    """What the run would refuse at start under the Accelerate config `path` launched with num_processes, from the
+    run config and the layout alone (not what this machine lacks: finetune plan plans for other machines): the
+    family's own problems(), given the environment accelerate's launcher would give each rank."""
+    env = launch_environment(path, num_processes)
+    return family_module(Launcher.read(env).family).problems(cfg, env, here=False)
 
 
 def make_accelerator(cfg: RunConfig):

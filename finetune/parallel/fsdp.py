@@ -21,6 +21,8 @@ What differs from DDP, and why:
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Mapping
 
 from finetune.config import RunConfig
 from finetune.parallel import base, ddp, tensor
@@ -44,8 +46,8 @@ def come_up_on_cpu(train) -> None:
         state.distributed_type = DistributedType.MULTI_GPU
 
 
-def problems(cfg: RunConfig) -> list[tuple[str, str]]:
-    launcher = Launcher.read()
+def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here: bool = True) -> list[tuple[str, str]]:
+    launcher = Launcher.read(env)
     tp = launcher.tp_size
     p = tensor.model_problems(cfg, tp) if tp > 1 else []
     sizes = launcher.parallelism_sizes

@@ -229,12 +229,14 @@ def _heads_layers(config) -> tuple[int | None, int | None, int | None]:
     return heads, kv, layers
 
 
-def megatron_problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> list:
-    """Everything that keeps this run from starting under Megatron-LM, as (key, message with the fix)."""
+def megatron_problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here: bool = True) -> list:
+    """Everything that keeps this run from starting under Megatron-LM, as (key, message with the fix); without here,
+    not what this machine lacks (GPUs, Megatron-LM, the converted weights): finetune plan, for other machines."""
     p: list[tuple[str, str]] = []
     launcher = Launcher.read(env)
     layout = MegatronLayout.of(launcher)
-    _environment_problems(p)
+    if here:
+        _environment_problems(p)
     _setting_problems(p, cfg, layout)
     _unsupported_problems(p, cfg)
     _model_option_problems(p, cfg)
@@ -243,7 +245,8 @@ def megatron_problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> li
     if config is None:
         return p
     _model_problems(p, cfg, config, layout, launcher)
-    _converted_problems(p, cfg, layout)
+    if here:
+        _converted_problems(p, cfg, layout)
     return p
 
 
@@ -592,8 +595,8 @@ def environment(cfg: RunConfig) -> None:
         NOTES.append("CUDA_DEVICE_MAX_CONNECTIONS=1 (tensor parallelism: Megatron-LM requires it)")
 
 
-def problems(cfg: RunConfig) -> list[tuple[str, str]]:
-    return megatron_problems(cfg)
+def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here: bool = True) -> list[tuple[str, str]]:
+    return megatron_problems(cfg, env, here)
 
 
 def accelerator_kwargs(cfg: RunConfig) -> dict:

@@ -146,7 +146,7 @@ def frozen_copy(topology: Topology, shape: Any) -> Part:
     t, w = topology, shape.weight_bytes
     if t.family == "fsdp" or (t.family == "deepspeed" and t.zero_stage == 3):
         return Part("reference", shape.total * w / t.num_processes, t.offload_params, "live reference, sharded")
-    return Part("reference", _split(shape, t.tp)[0] * w, note="live reference: a frozen copy")
+    return Part("reference", _split(shape, t.tp, t.pp)[0] * w, note="live reference: a frozen copy")
 
 
 def _split(shape, tp: int, pp: int = 1) -> tuple[float, float]:
@@ -156,10 +156,11 @@ def _split(shape, tp: int, pp: int = 1) -> tuple[float, float]:
     return total, trainable
 
 
-def _weights(shape, total: float, w: float) -> Part:
+def _weights(shape, total: float, w: float, tp: int = 1) -> Part:
     """The parameters Part of a rank holding `total` of the model's weights whole, at w bytes each; QLoRA's 4-bit
-    ones (shape.quantized, never split: tensor parallelism and sharding refuse them) at NF4_BYTES."""
-    q = shape.quantized
+    ones (shape.quantized: decoder linears, split tp ways where tensor parallelism splits them, which the run
+    refuses for now: tensor.model_problems) at NF4_BYTES."""
+    q = shape.quantized / tp
     return Part("parameters", (total - q) * w + q * NF4_BYTES, note=f"{q / 1e6:.0f}M of them in 4 bits" if q else "")
 
 
@@ -167,12 +168,12 @@ def _ddp(t: Topology, shape, half: bool) -> list[Part]:
     w = shape.weight_bytes
     total, trainable = _split(shape, t.tp)
     parts = [
-        _weights(shape, total, w),
+        _weights(shape, total, w, t.tp),
         Part("gradients", trainable * w, note="views of DDP's 25 MB buckets, kept between steps"),
         Part("optimizer", 2 * trainable * w, note="AdamW exp_avg + exp_avg_sq"),
     ]
     if half and w == 4:
-        casts = 2 * (total - shape.quantized)
+        casts = 2 * (total - shape.quantized / t.tp)
         parts.append(Part("buffers", casts, note="autocast's 16-bit weight casts", phase=BACKWARD))
     return parts
 

@@ -22,7 +22,10 @@ class FamilyModule(Protocol):
 
     def environment(self, cfg: RunConfig) -> None: ...  # sets what a rank needs before accelerate reads the env
 
-    def problems(self, cfg: RunConfig) -> list[tuple[str, str]]: ...  # what cannot run, as (key, fix)
+    # what cannot run, as (key, fix): the run config against the layout the launcher's environment `env` asks for,
+    # and, with here (at a run's start), what this machine lacks for it (GPUs, libraries, files); finetune plan asks
+    # without here, for the machines it plans for (environment.launch_problems)
+    def problems(self, cfg: RunConfig, env: Mapping[str, str] = ..., here: bool = True) -> list[tuple[str, str]]: ...
 
     def accelerator_kwargs(self, cfg: RunConfig) -> dict[str, Any]: ...  # what Accelerator() needs
 

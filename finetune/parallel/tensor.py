@@ -32,7 +32,7 @@ def environment(cfg: RunConfig) -> None:
     ddp.environment(cfg)  # CPU ranks on a machine without a GPU
 
 
-def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ) -> list[tuple[str, str]]:
+def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here: bool = True) -> list[tuple[str, str]]:
     """Everything that keeps this run from starting under torch-native TP without data parallelism."""
     p: list[tuple[str, str]] = []
     launcher = Launcher.read(env)

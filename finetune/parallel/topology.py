@@ -14,6 +14,7 @@ accelerate's `distributed_type` or the environment. A Topology checks itself whe
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -393,20 +394,65 @@ def _deepspeed_file(raw: dict, path: Path, mixed: str | None, kw: dict) -> tuple
 
 def launch_size(path: str | os.PathLike, wanted: int) -> tuple[int, str]:
     """How many processes to launch an Accelerate config with on `wanted` devices, and why when it is not all of
-    them; (0, why) when it cannot run there. TP alone needs exactly tp_size; TP x FSDP2 and Megatron-LM need a
-    multiple of their model-parallel size; one process stays one."""
+    them; (0, why) when it cannot run there. A parallelism_config (TP alone, TP x FSDP2) makes a mesh of fixed size,
+    which the launch must equal (fsdp.problems, tensor.problems); Megatron-LM needs a multiple of TP x PP; one
+    process stays one."""
     raw = _config_yaml(Path(path))
     if int(raw.get("num_processes", 1) or 1) == 1 and str(raw.get("distributed_type", "NO")) == "NO":
         return 1, "1 process"
     pc = raw.get("parallelism_config") or {}
     mcfg = raw.get("megatron_lm_config") or {}
-    tp = int(pc.get("parallelism_config_tp_size", 1)) * int(mcfg.get("megatron_lm_tp_degree", 1))
-    group = tp * int(mcfg.get("megatron_lm_pp_degree", 1)) * int(pc.get("parallelism_config_dp_shard_size", 1))
-    if tp > 1 and not pc.get("parallelism_config_dp_shard_size") and not mcfg:
-        return (tp, f"{tp} processes (TP alone)") if wanted >= tp else (0, f"needs {tp} processes")
-    if wanted < group or wanted % (group // int(pc.get("parallelism_config_dp_shard_size", 1))):
+    if pc:
+        sizes = {
+            k: int(pc.get(f"parallelism_config_{k}_size", 1) or 1) for k in ("tp", "dp_replicate", "dp_shard", "cp")
+        }
+        mesh = math.prod(sizes.values())
+        said = " x ".join(f"{k} {v}" for k, v in sizes.items() if v > 1)
+        return (mesh, f"{mesh} processes ({said})") if wanted >= mesh else (0, f"needs {mesh} processes ({said})")
+    group = int(mcfg.get("megatron_lm_tp_degree", 1)) * int(mcfg.get("megatron_lm_pp_degree", 1))
+    if wanted < group or wanted % group:
         return 0, f"needs a multiple of {group} processes"
     return wanted, ""
+
+
+LAUNCH_KEYS = ("ACCELERATE_", "MEGATRON_LM_", "PARALLELISM_CONFIG_", "FSDP_")  # what `accelerate launch` tells a rank
+
+
+def launch_environment(path: str | os.PathLike, num_processes: int) -> dict[str, str]:
+    """The environment `accelerate launch --config_file path --num_processes N` gives each rank (what Launcher.read
+    reads), computed by accelerate's own launcher code without launching anything, plus torchrun's WORLD_SIZE: for
+    finetune plan, to ask a layout's family what it refuses (environment.launch_problems)."""
+    import logging
+    from unittest import mock
+
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import (
+        prepare_deepspeed_cmd_env,
+        prepare_multi_gpu_env,
+        prepare_simple_launcher_cmd_env,
+    )
+
+    argv = ["--config_file", str(path), "--num_processes", str(num_processes), "--num_machines", "1"]
+    args = launch_command_parser().parse_args([*argv, "--main_process_port", "0", "-m", "finetune"])
+    quiet = logging.getLogger("accelerate.commands.launch")
+    mine = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_KEYS)}  # none of this process's own
+    with mock.patch.dict(os.environ, mine, clear=True), mock.patch.object(quiet, "disabled", True):
+        args, defaults, mixed_from_flag = _validate_launch_command(args)
+        if args.use_deepspeed:  # as accelerate.commands.launch.launch_command does before its deepspeed_launcher
+            fields = list(defaults.deepspeed_config.keys()) if defaults else []
+            args.deepspeed_fields_from_accelerate_config = ",".join(
+                fields + (["mixed_precision"] if mixed_from_flag else [])
+            )
+            env = prepare_deepspeed_cmd_env(args)[1]
+        elif args.multi_gpu or args.use_fsdp or args.use_megatron_lm:
+            env = prepare_multi_gpu_env(args)
+        else:
+            env = prepare_simple_launcher_cmd_env(args)[1]
+    out = {k: v for k, v in env.items() if k.startswith(LAUNCH_KEYS)}
+    ds = out.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if ds and not Path(ds).is_absolute():  # relative to the checkout the config ships in, as read_config_file reads it
+        out["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = str(Path(path).resolve().parents[1] / ds)
+    return {**out, "WORLD_SIZE": str(num_processes)}
 
 
 # ---------------------------------------------------------------- what a checkpoint of a layout holds (checkpoint.py)
