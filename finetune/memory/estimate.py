@@ -110,6 +110,11 @@ class ModelShape:
     model_type: str = ""  # config.model_type (whether the chunked loss applies)
     quantized: int = 0  # of total, the weights stored in 4 bits (QLoRA's base linears; sharding.NF4_BYTES each)
     num_labels: int = 0  # a classifier's outputs (its logits are rows x num_labels); 0: an LM head over the vocabulary
+    decoder_layers: int = 0  # an encoder-decoder's decoder blocks (of `layers`, which counts both stacks' blocks)
+    position_bias: bool = False  # attention adds a learned bias (T5's relative positions): a trainable float mask
+    dropout: float = 0.0  # the model config's dropout on hidden states (encoder-decoders; see seq2seq_activations)
+    attention_dropout: float = 0.0  # and on attention probabilities
+    activation_dropout: float = 0.0  # and on the MLP's activation
 
     def small_params(self, threshold: float) -> int:
         """Parameters in tensors below `threshold` elements (ZeRO-3 keeps those whole on every rank)."""
@@ -133,9 +138,21 @@ class ModelShape:
             return weights_in(p, size)
 
         params = list(net.parameters())
-        layers = max(
-            (m for m in net.modules() if isinstance(m, torch.nn.ModuleList)), key=len, default=torch.nn.ModuleList()
-        )
+
+        def blocks(module, key=len):  # the longest ModuleList: a stack's layers
+            lists = (m for m in module.modules() if isinstance(m, torch.nn.ModuleList))
+            return max(lists, key=key, default=torch.nn.ModuleList())
+
+        def weight(m) -> int:  # a stack's blocks hold all its layers' weights (a T5 block's own list of 3 does not)
+            return sum(p.numel() for p in m.parameters())
+
+        base = net.get_base_model() if hasattr(net, "get_base_model") else net
+        decoder = torch.nn.ModuleList()
+        if getattr(config, "is_encoder_decoder", False) and hasattr(base, "get_encoder"):  # both stacks' blocks
+            decoder = blocks(base.get_decoder(), weight)
+            layers = torch.nn.ModuleList([*blocks(base.get_encoder(), weight), *decoder])
+        else:
+            layers = blocks(net)
         layer_params = max((sum(numel(p) for p in layer.parameters()) for layer in layers), default=0)
         in_layers = sum(numel(p) for p in layers.parameters())
         total = sum(numel(p) for p in params)
@@ -171,6 +188,13 @@ class ModelShape:
             model_type=getattr(config, "model_type", ""),
             quantized=quantized,
             num_labels=int(getattr(config, "num_labels", 2) or 2) if task == "classification" else 0,
+            decoder_layers=len(decoder),
+            position_bias=bool(getattr(text, "relative_attention_num_buckets", 0)),
+            dropout=_probability(text, "dropout_rate", "dropout", "hidden_dropout_prob", "resid_pdrop"),
+            attention_dropout=_probability(
+                text, "attention_dropout", "attention_probs_dropout_prob", "attn_pdrop", "dropout_rate"
+            ),
+            activation_dropout=_probability(text, "activation_dropout", "dropout_rate"),
         )
 
 
@@ -180,6 +204,15 @@ def _first(config, *names: str) -> int:
         if value:
             return int(value)
     return 0
+
+
+def _probability(config, *names: str) -> float:
+    """The first of these config fields that the config has (0.0 if none)."""
+    for n in names:
+        value = getattr(config, n, None)
+        if value is not None:
+            return float(value)
+    return 0.0
 
 
 WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -253,9 +286,48 @@ def logit_width(s: ModelShape) -> int:
     return s.num_labels or s.vocab
 
 
-def activation_parts(s: ModelShape, topo: Topology, batch: int, seq: int, cfg: RunConfig, half: bool):
+def seq2seq_activations(s: ModelShape, batch: int, seq: int, nbytes: int, eager: bool, on_gpu: bool):
+    """(encoder layer, decoder layer, shared) bytes autograd saves for an encoder-decoder (T5, BART), the source and
+    the target each seq long (both are cut to max_seq_length). Measured on CPU (docs/memory.md) with what each op
+    saves, as activation_elements counts a decoder-only layer, and:
+      a decoder layer's cross-attention: its norm, q, k and v over the encoder's output, attention output, o input
+                                                                          5 s b h + 2 s b kv
+      the model's dropout (a fresh model config's, e.g. T5's dropout_rate 0.1): each site keeps its noise (fp32 on
+      the CPU, where torch multiplies by it; a bool mask on a GPU) and the dropped copy: after the attention and MLP
+      outputs (cross-attention's output too), and the MLP activation (BART's activation_dropout)
+                                                                                   (2 s b h + s b i) x (noise + w)
+      attention probabilities, b a s^2 per attention call, where they are materialised: eager attention (2, 3 with
+      dropout); SDPA on a CPU falls back to its math kernel, which keeps them, where the mask needs a gradient (T5's
+      learned position bias: self-attention) or attention dropout is on (1, 3 with dropout: probabilities, noise,
+      dropped); on a GPU SDPA's kernels keep none
+      shared by a stack's layers: the mask of each attention kind (b s^2), and on a GPU, with a learned position bias,
+      the bias added to it, which SDPA's kernel keeps (b a s^2 for the encoder's self-attention, the decoder's self-
+      and cross-attention; the CPU's math kernel adds it and keeps none)
+    Nothing is added for a layer's gradients in backward (a decoder-only layer's are): measured on a CPU, a T5's and a
+    BART's training peak was their saved tensors, a layer's gradients taking the place of what it frees."""
+    sbh, sbi, sbkv = seq * batch * s.hidden, seq * batch * s.intermediate, seq * batch * s.kv_dim
+    noise = 1 if on_gpu else 4
+    drop = ((2 * sbh if s.dropout > 0 else 0) + (sbi if s.activation_dropout > 0 else 0)) * (noise + nbytes)
+    scores = batch * s.heads * seq * seq
+    attn_drop = s.attention_dropout > 0
+
+    def probabilities(self_attention: bool) -> float:
+        if eager:
+            return (3 if attn_drop else 2) * scores * nbytes
+        math_kernel = not on_gpu and (attn_drop or (self_attention and s.position_bias))
+        return (scores * (2 * nbytes + noise) if attn_drop else scores * nbytes) if math_kernel else 0.0
+
+    encoder = activation_elements(s, batch, seq) * nbytes + drop + probabilities(True)
+    cross = (5 * sbh + 2 * sbkv) * nbytes + (sbh * (noise + nbytes) if s.dropout > 0 else 0.0) + probabilities(False)
+    shared = 3 * batch * seq * seq * nbytes + (3 * scores * nbytes if s.position_bias and on_gpu else 0.0)
+    return encoder, encoder + cross, shared
+
+
+def activation_parts(
+    s: ModelShape, topo: Topology, batch: int, seq: int, cfg: RunConfig, half: bool, on_gpu: bool = True
+):
     """(activations, logits) Parts for one micro batch; gradient checkpointing keeps only each layer's input and
-    recomputes one layer at a time."""
+    recomputes one layer at a time. An encoder-decoder's layers: seq2seq_activations."""
     tp, in_flight = sharding.activation_split(topo)
     nbytes = 2 if half else s.weight_bytes
     eager = cfg.model.attn_implementation == "eager"
@@ -264,9 +336,17 @@ def activation_parts(s: ModelShape, topo: Topology, batch: int, seq: int, cfg: R
     # a padded or packed batch's attention mask, batch x seq^2, one tensor all layers share and keep for backward
     # (model.masks_converted_once)
     mask = batch * seq * seq * nbytes
+    stacks, one_layer = None, per_layer  # one_layer: what a recomputed layer saves
+    if s.decoder_layers:  # not split by TP or PP: those refuse encoder-decoders
+        encoder, decoder, mask = seq2seq_activations(s, batch, seq, nbytes, eager, on_gpu)
+        stacks = (s.layers - s.decoder_layers) * encoder + s.decoder_layers * decoder
+        one_layer, per_layer = max(encoder, decoder), 0.0
     if cfg.model.gradient_checkpointing:
-        saved = layers * seq * batch * s.hidden * nbytes + per_layer + mask
+        saved = layers * seq * batch * s.hidden * nbytes + one_layer + mask
         how = "layer inputs + one recomputed layer (gradient checkpointing) + the attention mask"
+    elif stacks is not None:
+        saved = stacks + mask
+        how = f"{s.layers - s.decoder_layers} encoder + {s.decoder_layers} decoder layers + masks {mask / 1e6:.0f} MB"
     else:
         saved = layers * per_layer + mask
         how = f"{per_layer / 1e6:.0f} MB x {layers:g} layers + the attention mask {mask / 1e6:.0f} MB"
@@ -411,7 +491,7 @@ def estimate(
     parts = sharding.model_states(topology, shape, mixed_precision, buckets)
     if (accumulation or cfg.train.gradient_accumulation_steps) > 1:  # gradients live across micro batches
         parts = [dataclasses.replace(p, phase=sharding.ALWAYS) if p.name == "gradients" else p for p in parts]
-    parts += activation_parts(shape, topology, batch, cfg.data.max_seq_length, cfg, half)
+    parts += activation_parts(shape, topology, batch, cfg.data.max_seq_length, cfg, half, machines.on_gpu)
     parts += eval_parts(shape, cfg, half, topology)
     t = cfg.train
     if t.method in REFERENCE_METHODS and t.reference == "live" and cfg.peft.method == "none":
