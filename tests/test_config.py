@@ -268,7 +268,18 @@ def test_unknown_flag_is_one_problem(tmp_path, valid):
 def test_list_fields_take_yaml_lists_and_commas_on_the_command_line(tmp_path, text):
     """--peft.target_modules [q_proj,v_proj] (the form --help shows defaults in) is two modules, not '[q_proj' and
     'v_proj]'; so is the comma form. A list left open is a problem naming the key."""
-    base = ["--model", "m/x", "--dataset", "d/x", "--output_dir", str(tmp_path / "o"), "--peft.method", "lora"]
+    base = [
+        "--model",
+        "m/x",
+        "--dataset",
+        "d/x",
+        "--output_dir",
+        str(tmp_path / "o"),
+        "--peft.method",
+        "lora",
+        "--task",
+        "classification",
+    ]
     cfg = parse([*base, "--peft.target_modules", text, "--metrics", "[accuracy]"])
     assert cfg.peft.target_modules == ["q_proj", "v_proj"] and cfg.train.metrics == ["accuracy"]
     assert parse([*base, "--peft.target_modules", "[all-linear]"]).peft.target_modules == ["all-linear"]
