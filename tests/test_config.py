@@ -257,6 +257,30 @@ def test_cli_text_values_stay_verbatim(tmp_path, valid):
     assert cfg.train.max_steps == 1000 and type(cfg.train.max_steps) is int
 
 
+NON_FINITE = [
+    ("--max_steps", ".inf"),
+    ("--max_steps", "1e400"),
+    ("--max_steps", "nan"),
+    ("--peft.r", "1e400"),
+    ("--num_train_epochs", "nan"),
+    ("--num_train_epochs", ".inf"),
+    ("--weight_decay", "nan"),
+    ("--adam_epsilon", ".nan"),
+    ("--seed", "-1"),
+    ("--seed", "99999999999"),
+]
+
+
+@pytest.mark.parametrize(("flag", "text"), NON_FINITE)
+def test_non_finite_numbers_and_seeds_out_of_range_are_problems_of_their_key(tmp_path, valid, flag, text):
+    """Numbers no count, rate or seed can be: one problem naming the key (they passed and then crashed with a
+    traceback: int() of inf in coerce, make_plan of a nan epoch count, AdamW, numpy's seed, after data prep)."""
+    with pytest.raises(ConfigError) as info:
+        parse(["--config", write_yaml(tmp_path / "run.yaml", valid), "--peft.method", "lora", flag, text])
+    assert [k for k, _ in info.value.problems] == [flag[2:]], info.value.problems
+    assert parse(["--config", str(tmp_path / "run.yaml"), "--seed", str(2**32 - 1)]).train.seed == 2**32 - 1
+
+
 def test_unknown_flag_is_one_problem(tmp_path, valid):
     path = write_yaml(tmp_path / "run.yaml", valid)
     with pytest.raises(ConfigError) as info:

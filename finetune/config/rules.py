@@ -225,6 +225,8 @@ def number_problems(cfg: RunConfig) -> list[tuple[str, str]]:
         p.append(("max_steps", f"must be >= 1, or -1 to use num_train_epochs; got {t.max_steps}"))
     if t.max_steps == -1 and t.num_train_epochs <= 0:
         p.append(("num_train_epochs", f"must be > 0 when max_steps is -1; got {t.num_train_epochs}"))
+    if not 0 <= t.seed < 2**32:  # numpy's seeds, and the data order's: 32 bits
+        p.append(("seed", f"must be in [0, 2**32 - 1], got {t.seed}"))
     if not t.learning_rate > 0:
         p.append(("learning_rate", f"must be > 0, got {t.learning_rate}"))
     p += [(key, f"must be >= 0, got {values[key]}") for key in NON_NEGATIVE if (values[key] or 0) < 0]

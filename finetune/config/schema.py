@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import types
@@ -358,7 +359,9 @@ class TrainArgs:
     early_stopping_threshold: float = _f(
         0.0, "How much metric_for_best_model must improve on the best so far to reset early_stopping_patience."
     )
-    seed: int = _f(42, "Seed for init, data order and dropout; results do not depend on the world size.")
+    seed: int = _f(
+        42, "Seed for init, data order and dropout, 0 to 2**32 - 1; results do not depend on the world size."
+    )
     resume_from_checkpoint: str | None = _f(
         None,
         "'latest', a checkpoint directory, or 'auto' (resume when output_dir has a checkpoint, else start fresh: "
@@ -561,6 +564,9 @@ def coerce(section: str, name: str, value: Any) -> tuple[Any, str | None]:
             value = float(value)
         except ValueError:
             pass
+    if base in (int, float) and isinstance(value, float) and not math.isfinite(value):
+        # .inf, nan, 1e400: no count, rate or size is infinite (int() of one raises; a float one crashes later)
+        return value, f"must be a finite number, got {value!r}"
     if base is int:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
             return value, f"expected an integer, got {value!r}"
