@@ -133,11 +133,10 @@ class MetricsLog:
         """On resume: drop rows logged after the checkpoint, so the log continues without duplicates."""
         if not self.enabled or not os.path.exists(self.path):
             return
-        with open(self.path) as f:
-            rows = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        rows = [row for row in read_metrics(os.path.dirname(self.path)) if row.get("step", 0) <= step]
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
-            f.writelines(rows)
+            f.writelines(json.dumps(row) + "\n" for row in rows)
         os.replace(tmp, self.path)
 
     def write(self, row: dict[str, Any]) -> None:
@@ -146,10 +145,33 @@ class MetricsLog:
                 f.write(json.dumps(row) + "\n")
 
 
-def read_metrics(output_dir: str) -> list[dict[str, Any]]:
-    """All rows of a run's metrics.jsonl (for tests, parity and users' scripts)."""
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+def read_metrics(output_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """All rows of a run's metrics.jsonl (resume, curves, `finetune plot`, parity, users' scripts). A last line cut
+    short (an append that did not finish: a full disk, a killed process) is left out with a warning; a line
+    elsewhere that is not a JSON row is a ConfigError naming the file and the line."""
+    path = os.path.join(output_dir, "metrics.jsonl")
+    with open(path) as f:
+        lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
+    rows = []
+    for number, line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        elif number == lines[-1][0]:
+            logging.getLogger("finetune").warning(
+                "%s: its last line (%d) is not a whole JSON row (an append cut short, e.g. by a full disk); left out: "
+                "%.80r",
+                path,
+                number,
+                line.rstrip("\n"),
+            )
+        else:
+            why = f"line {number} is not a JSON row ({line.strip()[:80]!r}); remove or repair that line"
+            raise ConfigError([(path, why)])
+    return rows
 
 
 # ---------------------------------------------------------------- model FLOPs utilisation (MFU)

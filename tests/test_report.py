@@ -242,6 +242,36 @@ def test_finetune_plot_overlays_runs_in_one_png(tmp_path, capsys):
     assert "has no metrics.jsonl" in capsys.readouterr().err
 
 
+def test_a_torn_last_row_is_left_out_and_a_bad_row_elsewhere_is_named(tmp_path, caplog, capsys):
+    """A full disk during an append leaves metrics.jsonl's last line cut short: resume (truncate_after), the curves
+    and `finetune plot` read the whole rows before it and say what they left out (they ended in a JSONDecodeError
+    traceback, exit 1). A line that is not JSON elsewhere is not a torn append: an error naming the file and line."""
+    from finetune.cli import run_cli
+    from finetune.config import ConfigError
+    from finetune.metrics import MetricsLog
+
+    rows = rows_of(4, 2)
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "lo')
+    with caplog.at_level(logging.WARNING, logger="finetune"):
+        assert report.read_rows(tmp_path) == rows
+    assert any("last line (8)" in r.getMessage() and '"lo' in r.getMessage() for r in caplog.records)
+    assert run_cli(["plot", str(tmp_path), "-o", str(tmp_path / "p.png")]) == 0 and (tmp_path / "p.png").is_file()
+    MetricsLog(str(tmp_path), enabled=True).truncate_after(2)  # resume from step 2
+    assert [json.loads(line) for line in log.read_text().splitlines()] == [r for r in rows if r["step"] <= 2]
+    capsys.readouterr()
+
+    lines = log.read_text().splitlines(keepends=True)
+    log.write_text(lines[0] + '{"step": 1, "lo\n' + "".join(lines[1:]))
+    for read in (lambda: report.read_rows(tmp_path), lambda: MetricsLog(str(tmp_path), True).truncate_after(2)):
+        with pytest.raises(ConfigError) as info:
+            read()
+        assert info.value.problems[0][0] == str(log) and "line 2 is not a JSON row" in info.value.problems[0][1]
+    assert run_cli(["plot", str(tmp_path), "-o", str(tmp_path / "p.png")]) == 2
+    err = capsys.readouterr().err
+    assert str(log) in err and "line 2" in err and "Traceback" not in err
+
+
 # ---------------------------------------------------------------- model card
 
 

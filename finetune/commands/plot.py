@@ -27,7 +27,11 @@ def main(argv: list[str]) -> int:
         problems = [(d, "has no metrics.jsonl; give the output_dir of a run") for d in missing]
         print(ConfigError(problems).render(), file=sys.stderr)
         return 2
-    runs = [(run_label(d), read_rows(d)) for d in args.dirs]
+    try:
+        runs = [(run_label(d), read_rows(d)) for d in args.dirs]
+    except ConfigError as e:
+        print(e.render(), file=sys.stderr)
+        return 2
     labels = [label for label, _ in runs]
     if len(set(labels)) < len(labels):  # same names in different folders: say which folder
         runs = [(f"{Path(os.path.abspath(d)).parent.name}/{label}", rows) for d, (label, rows) in zip(args.dirs, runs)]

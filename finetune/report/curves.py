@@ -3,7 +3,6 @@ overlays several runs (commands/plot.py)."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -13,15 +12,16 @@ from typing import Any
 import yaml
 
 from finetune.checkpoint import CONFIG_FILE
+from finetune.metrics import read_metrics
 
 CURVES = "curves.png"
 
 
 def read_rows(output_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    path = Path(output_dir) / "metrics.jsonl"
-    if not path.is_file():
+    """metrics.read_metrics, or no rows when there is no metrics.jsonl yet."""
+    if not (Path(output_dir) / "metrics.jsonl").is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_metrics(output_dir)
 
 
 def run_label(output_dir: str | os.PathLike) -> str:
