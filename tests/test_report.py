@@ -242,6 +242,36 @@ def test_finetune_plot_overlays_runs_in_one_png(tmp_path, capsys):
     assert "has no metrics.jsonl" in capsys.readouterr().err
 
 
+def test_finetune_plot_draws_a_run_into_its_own_dir_and_replaces_only_its_own_pictures(tmp_path, capsys, monkeypatch):
+    """`finetune plot DIR` draws DIR/curves.png, as the run summary says (it wrote ./curves.png, over whatever file
+    was there); an output that finetune did not draw is left alone: exit 2, the file unchanged."""
+    from finetune.cli import run_cli
+
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for run in runs:
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_of(4, 2)))
+    here = tmp_path / "cwd"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    (runs[0] / "curves.png").write_bytes(b"drawn by the run")  # a run's own curves.png is redrawn
+    assert run_cli(["plot", str(runs[0])]) == 0 and png_size(runs[0] / "curves.png") == (1200, 750)
+    assert list(here.iterdir()) == []
+    assert run_cli(["plot", *map(str, runs)]) == 0 and png_size(here / "curves.png") == (1200, 750)
+    assert run_cli(["plot", *map(str, runs)]) == 0  # a previous plot is replaced
+    capsys.readouterr()
+    mine = {here / "curves.png": b"the user's", tmp_path / "notes.png": b"not a plot"}
+    for path, data in mine.items():
+        path.write_bytes(data)
+    for args in ([], ["-o", str(tmp_path / "notes.png")]):
+        assert run_cli(["plot", *map(str, runs), *args]) == 2
+        err = capsys.readouterr().err
+        assert "--output" in err and "not a picture finetune drew" in err and "Traceback" not in err
+    assert {path: path.read_bytes() for path in mine} == mine
+    assert run_cli(["plot", str(runs[0]), "-o", "x.pdf"]) == 2 and "ending in .png" in capsys.readouterr().err
+    assert run_cli(["plot", str(runs[0]), "-o", "no/x.png"]) == 2 and "does not exist" in capsys.readouterr().err
+
+
 def test_a_torn_last_row_is_left_out_and_a_bad_row_elsewhere_is_named(tmp_path, caplog, capsys):
     """A full disk during an append leaves metrics.jsonl's last line cut short: resume (truncate_after), the curves
     and `finetune plot` read the whole rows before it and say what they left out (they ended in a JSONDecodeError

@@ -97,15 +97,31 @@ def build_figure(runs: list[tuple[str, list[dict[str, Any]]]]):
     return fig
 
 
+DRAWN_BY = "finetune"  # the PNG's Software text: tells a picture finetune drew (and may redraw) from a user's file
+
+
 def save_figure(fig, path: str | os.PathLike) -> str:
     """PNG, written to a temporary file and renamed (a reader never sees half a picture)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     FigureCanvasAgg(fig)
     tmp = f"{path}.tmp.png"
-    fig.savefig(tmp, format="png")
+    fig.savefig(tmp, format="png", metadata={"Software": DRAWN_BY})
     os.replace(tmp, path)
     return str(path)
+
+
+def drawn_by_finetune(path: str | os.PathLike) -> bool:
+    """Whether the file at path is a picture finetune drew: a PNG saying so, or a run's own curves.png."""
+    from PIL import Image
+
+    if Path(path).name == CURVES and (Path(path).parent / "metrics.jsonl").is_file():
+        return True
+    try:
+        with Image.open(path) as image:
+            return image.format == "PNG" and image.info.get("Software") == DRAWN_BY
+    except OSError:  # not there, unreadable, not a picture
+        return False
 
 
 _last_drawn: dict[str, float] = {}  # output_dir -> when its curves were last drawn
