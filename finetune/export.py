@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ import yaml
 from finetune.checkpoint import CONFIG_FILE, WriteError, attempt_write, report, resume_hint, which_failed, write_atomic
 from finetune.cluster import host_gather, host_wait
 from finetune.config import ConfigError
+from finetune.config.preflight import looks_local
 from finetune.faults import fault_point
 from finetune.formats import at_rest
 from finetune.model import DTYPES, model_config, quantized_base, save_dtype
@@ -93,9 +95,15 @@ def stamp_dtype(directory: str, dtype: str) -> None:
     write_atomic(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def merge_adapter(adapter_dir: str, out_dir: str, dtype: str | None = None) -> str:
+MERGE_MARKER = "finetune_merge.json"  # in a merged model directory: what it was merged from; marks it replaceable
+
+
+def merge_adapter(adapter_dir: str, out_dir: str, dtype: str | None = None, overwrite: bool = False) -> str:
     """Base model + adapter -> one plain model directory (loads with from_pretrained), atomically, in dtype (None:
     the base model's own, as loaded). The merge itself is done in float32, whatever the base model's dtype.
+
+    out_dir must be new or empty, or hold a previous merge (its MERGE_MARKER) and be ADAPTER/merged or replaced on
+    purpose (overwrite); a ConfigError otherwise, and for a base model that is not where the adapter says.
 
     A classifier adapter's classes come from its labels.json (the base model is rebuilt with that head); an
     encoder-decoder's adapter says so in its task_type."""
@@ -107,6 +115,11 @@ def merge_adapter(adapter_dir: str, out_dir: str, dtype: str | None = None) -> s
     with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
         adapter_config = json.load(f)
     base = ModelArgs(model=adapter_config.get("base_model_name_or_path") or "")
+    problems = _base_model_problems(adapter_dir, base.model) + _merge_output_problems(
+        adapter_dir, base.model, out_dir, overwrite
+    )
+    if problems:
+        raise ConfigError(problems)
     quantized = quantized_base(model_config(base), base.model)  # an unreadable config: from_pretrained says why
     if quantized:
         raise ConfigError([("adapter", quantized)])
@@ -129,11 +142,53 @@ def merge_adapter(adapter_dir: str, out_dir: str, dtype: str | None = None) -> s
     if dtype is None:  # the base model's own dtype, as its config.json says
         dtype = save_dtype(base)
     merged = merged.merge_and_unload().to(DTYPES[dtype])
-    tmp = out_dir.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    merged.save_pretrained(tmp, safe_serialization=True)
-    AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(tmp)
-    if os.path.exists(out_dir):
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".merging-", dir=parent)  # a name of its own: nobody's files are in it
+    try:
+        merged.save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(tmp)
+        marker = {"adapter": os.path.abspath(adapter_dir), "base_model": base.model, "dtype": dtype}
+        write_atomic(os.path.join(tmp, MERGE_MARKER), json.dumps(marker, indent=2) + "\n")
+        if os.path.isdir(out_dir):  # empty, or a previous merge (checked above)
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _base_model_problems(adapter_dir: str, name: str) -> list[tuple[str, str]]:
+    """The base model that adapter_config.json names, where it is local: there, and a model directory."""
+    where = f"base_model_name_or_path in {os.path.join(adapter_dir, 'adapter_config.json')}"
+    fix = "set it there to the base model's directory (or Hub id)"
+    if not name:
+        return [("adapter", f"{where} names no base model; {fix}")]
+    if looks_local(name) and not os.path.isdir(os.path.expanduser(name)):
+        return [("adapter", f"the base model {name!r} ({where}) does not exist here; moved? {fix}")]
+    if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
+        return [("adapter", f"the base model {name!r} ({where}) has no config.json; {fix}")]
+    return []
+
+
+def _merge_output_problems(adapter_dir: str, base: str, out_dir: str, overwrite: bool) -> list[tuple[str, str]]:
+    """Where the merged model may go: never over the adapter, the base model or the current folder (nor a folder
+    holding them), nor over a file of the user's; over a previous merge only in ADAPTER/merged or with overwrite."""
+    out = os.path.realpath(out_dir)
+    kept = {"the adapter": adapter_dir, "the base model": base, "the current folder": os.getcwd()}
+    for what, path in kept.items():
+        if path and os.path.exists(path) and os.path.commonpath([out, os.path.realpath(path)]) == out:
+            return [("--output", f"{out_dir!r} would replace {what} ({path}); choose another --output")]
+    if not os.path.lexists(out_dir):
+        return []
+    if not os.path.isdir(out_dir) or os.path.islink(out_dir):
+        return [("--output", f"{out_dir!r} exists and is not a directory; choose another --output")]
+    if not os.listdir(out_dir):
+        return []
+    if not os.path.isfile(os.path.join(out_dir, MERGE_MARKER)):
+        return [("--output", f"{out_dir!r} holds files that are not a merge finetune wrote (no {MERGE_MARKER}); "
+                             "choose another --output, a new or empty directory")]  # fmt: skip
+    if overwrite or out == os.path.realpath(os.path.join(adapter_dir, "merged")):
+        return []
+    return [("--output", f"{out_dir!r} holds a previous merge; add --overwrite to replace it, or choose another "
+                         "--output")]  # fmt: skip

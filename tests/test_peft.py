@@ -424,3 +424,58 @@ def test_a_classifier_adapter_keeps_every_newly_initialised_layer(assets, tmp_pa
         assert (reloaded(input_ids=ids).logits - want).abs().max().item() <= 1e-5
         merged = AutoModelForSequenceClassification.from_pretrained(merge_adapter(str(out), str(tmp_path / "m"))).eval()
         assert (merged(input_ids=ids).logits - want).abs().max().item() <= 1e-5
+
+
+def test_merge_never_replaces_what_it_did_not_write(assets, tmp_path, capsys):
+    """`finetune merge` replaces only a previous merge: ADAPTER/merged as it stands, another --output with
+    --overwrite. It removed whatever --output held (a user's files, the adapter itself) and then wrote there. A base
+    model that is no longer where adapter_config.json says: exit 2 naming base_model_name_or_path (it was an OSError
+    traceback). Every refusal leaves every file as it was."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.commands.merge import main as merge
+
+    adapter = tmp_path / "final"
+    lora = get_peft_model(AutoModelForCausalLM.from_pretrained(assets.llama), LoraConfig(r=2, init_lora_weights=False))
+    lora.save_pretrained(adapter)
+    AutoTokenizer.from_pretrained(assets.llama).save_pretrained(adapter)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    (tmp_path / "a_file").write_text("mine too")
+
+    def files() -> dict:
+        return {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+
+    assert merge([str(adapter)]) == 0
+    merged = adapter / "merged" / "model.safetensors"
+    first = merged.stat().st_mtime_ns
+    assert merge([str(adapter)]) == 0 and merged.stat().st_mtime_ns != first  # the default place: replaced
+    assert merge([str(adapter), "--output", str(tmp_path / "m")]) == 0
+    before = files()
+    refused = [
+        [str(adapter), "--output", str(tmp_path / "m")],  # a previous merge, without --overwrite
+        [str(adapter), "--output", str(mine), "--overwrite"],  # never a user's files
+        [str(adapter), "--output", str(adapter), "--overwrite"],  # nor the adapter
+        [str(adapter), "--output", str(tmp_path), "--overwrite"],  # nor a folder holding it
+        [str(adapter), "--output", str(tmp_path / "a_file")],
+    ]
+    capsys.readouterr()
+    for args in refused:
+        assert merge(args) == 2, args
+        assert "- --output:" in capsys.readouterr().err
+    assert files() == before
+    assert merge([str(adapter), "--output", str(tmp_path / "m"), "--overwrite"]) == 0
+    assert json.loads((tmp_path / "m" / "finetune_merge.json").read_text())["adapter"] == str(adapter)
+    assert load_file(str(tmp_path / "m" / "model.safetensors")).keys() == load_file(str(merged)).keys()
+
+    moved = tmp_path / "moved"
+    shutil.copytree(adapter, moved, ignore=shutil.ignore_patterns("merged"))
+    config = json.loads((moved / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "gone")
+    (moved / "adapter_config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert merge([str(moved)]) == 2 and not (moved / "merged").exists()
+    err = capsys.readouterr().err
+    assert "base_model_name_or_path" in err and str(tmp_path / "gone") in err and "Traceback" not in err

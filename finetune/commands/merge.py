@@ -10,10 +10,20 @@ from finetune.config import ConfigError
 
 
 def main(argv: list[str]) -> int:
-    """`finetune merge ADAPTER_DIR [--output DIR]`: base model + adapter -> one plain model directory."""
+    """`finetune merge ADAPTER_DIR [--output DIR [--overwrite]]`: base model + adapter -> one plain model directory."""
     parser = argparse.ArgumentParser(prog="finetune merge", description=main.__doc__)
     parser.add_argument("adapter", help="an adapter directory written by finetune (e.g. outputs/run/final)")
-    parser.add_argument("--output", help="where to write the merged model (default: ADAPTER/merged)")
+    parser.add_argument(
+        "--output",
+        help="where to write the merged model: a new or empty directory (default: ADAPTER/merged, where a previous "
+        "merge is replaced)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a previous merge at --output (a directory finetune merge wrote: it holds finetune_merge.json); "
+        "any other files there are never replaced",
+    )
     args = parser.parse_args(argv)
     try:
         if not os.path.isfile(os.path.join(args.adapter, "adapter_config.json")):
@@ -27,7 +37,7 @@ def main(argv: list[str]) -> int:
             )
         from finetune.export import merge_adapter
 
-        out = merge_adapter(args.adapter, args.output or os.path.join(args.adapter, "merged"))
+        out = merge_adapter(args.adapter, args.output or os.path.join(args.adapter, "merged"), overwrite=args.overwrite)
     except ConfigError as e:
         print(e.render(), file=sys.stderr)
         return 2
