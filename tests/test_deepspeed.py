@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -404,6 +405,45 @@ def test_parity_exits_1_on_a_planted_difference(capsys):
         assert report([run("single"), other], args) == 1, other
         shown = capsys.readouterr().out
         assert "<-- above tolerance" in shown or "FAILED" in shown, shown
+
+
+def test_parity_runs_where_the_user_is_reads_overrides_as_finetune_and_replaces_only_its_own_runs(
+    tmp_path, monkeypatch, capsys
+):
+    """What `finetune parity` launches (the launches recorded, not run): from the user's folder (the runs started in
+    the project root, where a relative config or path meant nothing), with the shipped DeepSpeed JSON by its full
+    path; overrides read by finetune's own parser (`-- --packing --seed=3` was paired two by two: exit 2); an
+    output_dir holding anything but parity's runs refused (each run's --overwrite_output_dir replaced it)."""
+    from finetune import launching
+    from finetune.commands import parity
+
+    launched = []
+
+    def launch(cmd, timeout, env=None, log=None, cwd=launching.ROOT, **kw):
+        launched.append((cmd, cwd))
+        return launching.Launched(rc=1, wall_s=0.0, output="not run")
+
+    monkeypatch.setattr(parity.launching, "launch", launch)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "train.jsonl").write_text(json.dumps({"prompt": "p", "response": "r"}) + "\n")
+    (tmp_path / "run.yaml").write_text(json.dumps({"model": "model", "dataset": "train.jsonl"}))
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    base = ["--config", "run.yaml", "--configs", "single,zero1", "--steps", "1"]
+
+    assert parity.main([*base, "--output_dir", "mine"]) == 2 and not launched
+    assert "--output_dir" in capsys.readouterr().err and os.listdir("mine") == ["notes.txt"]
+    assert parity.main([*base, "--output_dir", "par", "--", "--packin"]) == 2 and not launched
+    assert "did you mean --packing?" in capsys.readouterr().err
+    for _ in range(2):  # again: the directory holds parity's runs
+        assert parity.main([*base, "--output_dir", "par", "--", "--packing", "--seed=3"]) == 1
+    assert len(launched) == 4 and {cwd for _, cwd in launched} == {tmp_path}
+    single, zero1 = (cmd for cmd, _ in launched[:2])
+    assert single[single.index("--config") :][:4] == ["--config", "run.yaml", "--packing", "--seed=3"]
+    ds = Path(zero1[zero1.index("--deepspeed_config_file") + 1])
+    assert ds.is_absolute() and ds == ROOT / "ds_configs" / "zero1.json"
 
 
 def test_transformers_still_keeps_unused_conversions_under_zero3():

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 from conftest import (
     ROOT,
     assert_layout,
@@ -48,19 +49,21 @@ def test_lora_causal_lm_same_under_every_backend(assets, tmp_path):
     """single, ZeRO-1, ZeRO-2 with CPU offload, ZeRO-3, ZeRO-3 with CPU offload, FSDP2 (gradient checkpointing on):
     same losses, the same non-empty adapters (ZeRO-3 and FSDP2 shard the frozen base and gather the adapter; ZeRO-1/2
     hold the model whole, as DDP does, and partition the adapter's optimizer states; offload steps the adapter with
-    DeepSpeed's CPU Adam). DDP's adapter: test_resume_layouts' adapter chain, weights against one process's."""
+    DeepSpeed's CPU Adam). DDP's adapter: test_resume_layouts' adapter chain, weights against one process's.
+    Parity runs from the user's folder, with every path relative to it (the config, the model and data in it,
+    output_dir; the runs started in the project root: 'file ... does not exist'), and reads the overrides as
+    `finetune` does (a bare boolean, --key=value: it paired them two by two)."""
     run = tmp_path / "lora.yaml"
     run.write_text(
         json.dumps(
             {
-                "model": assets.llama,
-                "dataset": assets.instruction,
+                "model": os.path.relpath(assets.llama, tmp_path),
+                "dataset": os.path.relpath(assets.instruction, tmp_path),
                 "max_seq_length": 64,
                 "per_device_train_batch_size": 4,
                 "gradient_accumulation_steps": 1,
                 "learning_rate": 1e-2,
                 "eval_fraction": 0.1,
-                "gradient_checkpointing": True,
                 "peft": {"method": "lora", "r": 4, "alpha": 8},
                 "curves": False,
             }
@@ -75,23 +78,32 @@ def test_lora_causal_lm_same_under_every_backend(assets, tmp_path):
             "finetune",
             "parity",
             "--config",
-            str(run),
+            run.name,
             "--steps",
             "5",
             "--configs",
             ",".join(layouts),
             "--output_dir",
-            str(out),
+            out.name,
+            "--",
+            "--gradient_checkpointing",
+            "--run_name=lora-parity",
         ],
-        cwd=ROOT,
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=1200,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        },
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     losses, adapters = {}, {}
     for name in layouts:
+        said = yaml.safe_load((out / name / "run_config.yaml").read_text())
+        assert (said["gradient_checkpointing"], said["run_name"]) == (True, "lora-parity"), name
         adapters[name] = check_adapter(out / name / "final", r=4)
         assert "trainable (" in (out / f"{name}.log").read_text()
         rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]

@@ -5,7 +5,11 @@ the same global batch (a config with fewer processes gets proportionally more gr
 accumulation), then prints one table: per-step loss and exported-weight differences to the first
 config, step time and peak memory per rank. Exits 1 when a difference is above tolerance.
 
-    finetune parity --config examples/sft.yaml --steps 10 [--configs single,ddp,zero3] [-- --seed 3]
+    finetune parity --config examples/sft.yaml --steps 10 [--configs single,ddp,zero3] [-- --seed 3 --packing]
+
+The runs start in the current folder (the config and its paths mean what they mean to `finetune` there); the
+overrides after `--` are read as `finetune` reads them. Each run goes to OUTPUT_DIR/NAME, replacing an earlier
+parity's run there; an OUTPUT_DIR holding anything but parity's runs is refused.
     finetune parity --config examples/sft.yaml --mixed_precision bf16     # every run in bf16
 
 Tolerances. fp32: per-step losses 1e-4 relative, exported weights 1e-5 absolute. bf16 (docs/precision.md):
@@ -19,6 +23,7 @@ weight difference says little; measured, layouts move the update about as much a
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -26,10 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune import launching
-from finetune.config import ConfigError, build_config, load_yaml, parse_cli_value
-from finetune.parallel.topology import describe_observed, read_config_file
+from finetune.config import ConfigError
+from finetune.config.load import parse
+from finetune.parallel.topology import deepspeed_json, describe_observed, read_config_file
 
 ROOT = Path(__file__).resolve().parents[2]
+MARKER = "finetune_parity.json"  # in parity's output_dir: the runs there are parity's, replaced by the next parity
 SINGLE_NODE = ["single", "ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "fsdp2", "fsdp2_offload"]
 
 
@@ -90,8 +97,12 @@ def run_one(name: str, path: Path, ga: int, args: argparse.Namespace, overrides:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     log = out / f"{name}.log"
     launch_args = ("--mixed_precision", args.mixed_precision) if args.mixed_precision else ()
+    json_file = deepspeed_json(path)  # read where parity read it, whatever folder the runs start in
+    launch_args += ("--deepspeed_config_file", str(json_file)) if json_file else ()
+    # The runs start in the user's folder: the run config, the paths in it and the overrides mean what they mean
+    # to `finetune` started there.
     cmd = launching.finetune_command(run_args, path, launch_args)
-    r = launching.launch(cmd, timeout=args.timeout, env=env, log=log)
+    r = launching.launch(cmd, timeout=args.timeout, env=env, log=log, cwd=Path.cwd())
     if r.timed_out:
         return Outcome(name, False, error=f"timed out after {args.timeout} s (log: {log})")
     if r.rc != 0:
@@ -180,7 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="as accelerate launch --mixed_precision, for every run (default: each Accelerate config's own)",
     )
-    parser.add_argument("--output_dir", default="outputs/parity", help="where each run writes (default: %(default)s)")
+    parser.add_argument(
+        "--output_dir",
+        default="outputs/parity",
+        help="where each run writes: a new or empty directory, or a previous parity run's, whose runs are replaced "
+        "(default: %(default)s)",
+    )
     parser.add_argument("--timeout", type=int, default=900, help="seconds allowed per run (default: %(default)s)")
     return parser
 
@@ -195,15 +211,12 @@ def main(argv: list[str]) -> int:
         if getattr(args, key) is None:
             setattr(args, key, value)
     try:
-        values = load_yaml(args.config)
-        pairs = dict(zip(overrides[::2], overrides[1::2]))
-        values.update({k.lstrip("-"): parse_cli_value(k.lstrip("-"), v) for k, v in pairs.items()})
-        cfg = build_config(
-            {**values, "output_dir": os.path.join(args.output_dir, "_check"), "overwrite_output_dir": True}
-        )
+        check = ["--output_dir", os.path.join(args.output_dir, "_check"), "--overwrite_output_dir", "true"]
+        cfg = parse(["--config", args.config, *overrides, *check])  # the overrides as `finetune` reads them
         paths = {Path(name).stem: accelerate_config_path(name) for name in args.configs.split(",") if name}
         if args.steps < 1:
             raise ConfigError([("--steps", f"must be >= 1, got {args.steps}")])
+        output_dir_problem(Path(args.output_dir))
     except ConfigError as e:
         print(e.render(), file=sys.stderr)
         return 2
@@ -216,6 +229,7 @@ def main(argv: list[str]) -> int:
         return 2
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text(json.dumps({"config": os.path.abspath(args.config), "configs": list(paths)}) + "\n")
     outcomes = []
     for name, path in paths.items():
         print(
@@ -226,6 +240,18 @@ def main(argv: list[str]) -> int:
         if not outcomes[-1].ok:
             print(f"[parity] {name} failed: {outcomes[-1].error}", flush=True)
     return report(outcomes, args, base_weights(cfg.model.model))
+
+
+def output_dir_problem(out: Path) -> None:
+    """Each run goes to OUTPUT_DIR/NAME with --overwrite_output_dir: only a directory that holds parity's runs alone
+    (its MARKER), an empty one or a new one will do."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError([("--output_dir", f"{str(out)!r} is a file; give a directory for the runs")])
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise ConfigError(
+            [("--output_dir", f"{str(out)!r} holds files that are not parity's runs (no {MARKER}), which the runs "
+                              "would replace; give a new or empty directory")]
+        )  # fmt: skip
 
 
 def report(outcomes: list[Outcome], args: argparse.Namespace, base: dict | None = None) -> int:

@@ -367,15 +367,24 @@ def read_config_file(
     return topo, ds, mixed
 
 
+def deepspeed_json(path: str | os.PathLike) -> Path | None:
+    """The DeepSpeed JSON an Accelerate config file names (None: none, or inline keys). A relative path is read from
+    the folder above the config's (the shipped configs' accelerate_configs/ -> ds_configs/), not from wherever the
+    command runs."""
+    file = (_config_yaml(Path(path)).get("deepspeed_config") or {}).get("deepspeed_config_file")
+    if not file:
+        return None
+    return Path(file) if Path(file).is_absolute() else Path(path).resolve().parents[1] / file
+
+
 def _deepspeed_file(raw: dict, path: Path, mixed: str | None, kw: dict) -> tuple[dict, str | None]:
     """A DeepSpeed config's JSON (its file, or the inline keys of `accelerate config`), its ZeRO stage and
     offloads (into kw), and the mixed precision its JSON enables when the YAML says none."""
-    dcfg = raw.get("deepspeed_config") or {}
-    file = dcfg.get("deepspeed_config_file")
-    if file:
-        file_path = Path(file) if Path(file).is_absolute() else path.resolve().parents[1] / file
+    file_path = deepspeed_json(path)
+    if file_path:
         ds = json.loads(file_path.read_text())
     else:  # inline keys of `accelerate config`
+        dcfg = raw.get("deepspeed_config") or {}
         ds = {
             "zero_optimization": {
                 "stage": dcfg.get("zero_stage", 2),
