@@ -244,7 +244,7 @@ def test_version_mismatch_between_two_machines(tmp_path):
     ran = two_machines(
         "ddp",
         lambda m: ["check", "--output_dir", str(tmp_path / "out")],
-        env_of=lambda m: {"PYTHONPATH": str(fake)} if m else {},
+        env_of=lambda m: {"PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")])} if m else {},
         timeout=120,
     )
     codes, outs = zip(*ran)
@@ -257,6 +257,25 @@ def test_version_mismatch_between_two_machines(tmp_path):
     rank_of = dict(re.findall(r"(\S+) on rank (\d+)", found.group(1)))  # version -> the rank that has it
     assert set(rank_of) == {REAL_TRANSFORMERS, "99.0.0"} and set(rank_of.values()) == {"0", "1"}, found.group(1)
     assert f"output_dir {tmp_path / 'out'}: writable (created), shared by nodes 0, 1" in out, out
+    for machine, said in enumerate(outs):  # each launcher ends with the problems, not with its traceback
+        assert "Traceback" not in said, said[-4000:]
+        end = said[said.rindex("[launcher]") :]
+        assert re.match(rf"\[launcher\] finetune failed: rank {machine} stopped with the message below.*\n"
+                        r"check failed: 1 problem\n  1\. transformers differs between ranks", end), said[-4000:]  # fmt: skip
+
+
+def test_bad_input_under_accelerate_launch_exits_2_with_the_message(tmp_path):
+    """Under accelerate launch (2 ranks) bad input is exit 2 and the message, as in a run: rank 0 says it and the
+    launcher's report ends with it (the launcher ended in its traceback, exit 1: check left no error file)."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: x\n  bad: [\n")
+    proc = run_killing_the_group(launch_cmd("--config", str(bad), "--timeout", "30"), env_with(), 120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in out, out[-4000:]
+    message = f"finetune: 1 problem in the run config:\n  - --config: {bad} is not valid YAML at line 2"
+    assert proc.stderr.startswith(message), out[-4000:]
+    report = "[launcher] finetune failed: rank 0, rank 1 stopped with the message below"
+    assert proc.stderr.count(message) == 2 and report in proc.stderr.split(message)[1], out[-4000:]
 
 
 def test_rank_that_never_arrives_is_named(tmp_path):

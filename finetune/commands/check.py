@@ -37,6 +37,7 @@ from importlib import metadata
 
 from finetune.config import ConfigError
 from finetune.faults import fault_point
+from finetune.launcher_report import write_error_file
 
 PACKAGES = ("accelerate", "deepspeed", "transformers")
 VERDICT_MARGIN_S = 10  # how much longer than rank 0 the other ranks wait for its verdict
@@ -446,39 +447,62 @@ def arrive(store, prefix: str, facts: dict, timeout: float) -> int | None:
         if verdict == "go":
             return None
         if verdict is None:
-            _report_silent_rank0(store, prefix, rank, world, timeout)
-            return 1
-        return int(verdict.split(":")[1])
+            return stop(1, _report_silent_rank0(store, prefix, rank, world, timeout))
+        code = stop(int(verdict.split(":")[1]), store.get(f"{prefix}/message").decode())
+        store.set(f"{prefix}/stopped/{rank}", "")  # its message is where the launcher reads it: rank 0 may end
+        return code
     arrived, waited = await_arrivals(store, prefix, world, timeout)
     if len(arrived) < world:
         code, report = 1, arrival_report(arrived, world, waited)
+        message = report.splitlines()[-1]  # who never arrived
     else:
         rows = [arrived[r] for r in range(world)]
-        report = config_error_report(rows)
+        report = message = config_error_report(rows)
         blocking = device_problems(rows)
         code = 2 if report else (1 if blocking else 0)
         if blocking and not report:
-            report = f"{_heading(rows, None)}\n{render_table(rows)}\n{render_problems(blocking)}"
+            message = render_problems(blocking)
+            report = f"{_heading(rows, None)}\n{render_table(rows)}\n{message}"
+    if code:
+        stop(code, message)
+        store.set(f"{prefix}/message", message)
     store.set(f"{prefix}/verdict", "go" if code == 0 else f"stop:{code}")
     if report:
         print(report, file=sys.stderr if code == 2 else sys.stdout, flush=True)
+    if code:
+        # The launcher stops the others as soon as one rank ends: each first leaves its message for the report.
+        _await_keys(store, [f"{prefix}/stopped/{r}" for r in arrived if r != 0], VERDICT_MARGIN_S)
     return code or None
 
 
-def _report_silent_rank0(store, prefix: str, rank: int, world: int, timeout: float) -> None:
-    """Rank 0 never arrived or never decided: only the others can tell. The lowest rank that arrived says so."""
+def stop(code: int, message: str) -> int:
+    """A rank stops with `code`: its message (printed by rank 0) in the launcher's error file, as a run's
+    (cli._stop_with), so that `accelerate launch` ends with the message and the code rather than its traceback."""
+    write_error_file(message)
+    return code
+
+
+def _await_keys(store, keys: list[str], limit: float) -> None:
+    start = time.monotonic()
+    while keys and not store.check(keys) and time.monotonic() - start < limit:
+        time.sleep(0.05)
+
+
+def _report_silent_rank0(store, prefix: str, rank: int, world: int, timeout: float) -> str:
+    """Rank 0 never arrived or never decided: only the others can tell. The lowest rank that arrived says so;
+    returns what (the last line: who never arrived)."""
     keys = {r: f"{prefix}/arrived/{r}" for r in range(world)}
     arrived = {r: json.loads(store.get(k)) for r, k in keys.items() if store.check([k])}
-    if min(r for r in arrived if r != 0) != rank:
-        return
     if 0 not in arrived:
-        print(arrival_report(arrived, world, timeout), flush=True)
+        report = arrival_report(arrived, world, timeout)
     else:
-        print(
+        report = (
             f"finetune check rank {rank}: rank 0 arrived but gave no verdict within {timeout + VERDICT_MARGIN_S:.0f} s "
-            "(it died or hung after arriving; see its output)",
-            flush=True,
+            "(it died or hung after arriving; see its output)"
         )
+    if min(r for r in arrived if r != 0) == rank:
+        print(report, flush=True)
+    return report.splitlines()[-1]
 
 
 # ---------------------------------------------------------------- collectives and output_dir
@@ -616,6 +640,8 @@ def _quiet() -> None:
 
 
 def main(argv: list[str]) -> int:
+    """Exit code 0, 1 or 2 on every rank; under `accelerate launch` the launcher's too, ending with the message
+    (each rank that stops leaves it in the launcher's error file: `stop`)."""
     args, overrides = build_parser().parse_known_args(argv)
     _quiet()
     facts = local_facts(args, overrides)
@@ -630,21 +656,22 @@ def main(argv: list[str]) -> int:
         try:
             store = connect_store(rank, args.timeout)
             fault_point("hang-check", 0)  # tests: FINETUNE_FAULT=hang-check:0:<rank> hangs a rank before it arrives
-            stop = arrive(store, prefix, facts, args.timeout)
+            code = arrive(store, prefix, facts, args.timeout)
         except ConfigError as e:
             print(e.render(), file=sys.stderr)
-            return 2
+            return stop(2, e.render())
         except (RuntimeError, TimeoutError) as e:  # torch's DistError and its kin are RuntimeErrors
             where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
             first = (str(e).strip().splitlines() or [""])[0][:300]
-            print(f"finetune check rank {rank}: the launcher's store at {where} failed: {first}", flush=True)
-            return 1
-        if stop is not None:
-            return stop
+            message = f"finetune check rank {rank}: the launcher's store at {where} failed: {first}"
+            print(message, flush=True)
+            return stop(1, message)
+        if code is not None:
+            return code
         group = (store, prefix, facts, args.timeout)
     elif facts["config_error"]:
         print(facts["config_error"], file=sys.stderr)
-        return 2
+        return stop(2, facts["config_error"])
     return _collect_and_report(facts, args, group)
 
 
@@ -666,9 +693,18 @@ def _collect_and_report(facts: dict, args: argparse.Namespace, group: tuple | No
         if not is_peer_failure(e):
             raise
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        print(f"finetune check rank {facts['rank']}: a collective failed or timed out: {first}", flush=True)
-        return 1
+        message = f"finetune check rank {facts['rank']}: a collective failed or timed out: {first}"
+        print(message, flush=True)
+        return stop(1, message)
     report, code = render_report(rows, _heading(rows, backend))
+    if code:
+        stop(code, report[report.index("check failed:") :])  # every rank: the numbered problems
+    try:
+        if backend:
+            dist.barrier()  # every rank's message is in place before one ends (and the launcher stops the others)
+    except Exception as e:
+        if not is_peer_failure(e):  # a peer gone after the gather: the report stands
+            raise
     if facts["rank"] == 0:
         print(report, flush=True)
     if backend:
