@@ -6,6 +6,7 @@ accelerate launch --config_file accelerate_configs/ddp.yaml finetune --config RU
 
 from __future__ import annotations
 
+import difflib
 import os
 import signal
 import sys
@@ -16,6 +17,8 @@ from finetune.config.load import parse
 from finetune.launcher_report import write_error_file
 from finetune.report import PushFailed
 from finetune.stop import STOP, Diverged, Preempted, Stopped
+
+SUBCOMMANDS = ("parity", "merge", "plan", "plot", "prepare", "check")  # dispatched in run_cli
 
 
 def _is_main_rank() -> bool:
@@ -58,6 +61,7 @@ def run_cli(argv: list[str] | None = None) -> int:
     stop_in_callbacks(lambda: _stopped_message(rank, cfg))
     try:
         STOP.install()  # in the try: the launcher's SIGTERM can land while the handler is being installed
+        _no_misspelled_subcommand(argv)
         cfg = parse(argv)
         STOP.install(cfg.train.preemption_signal)
         from finetune.run import run
@@ -72,6 +76,15 @@ def run_cli(argv: list[str] | None = None) -> int:
             raise
         return code
     return 0
+
+
+def _no_misspelled_subcommand(argv: list[str]) -> None:
+    """`finetune chek ...`: a word first that is close to a subcommand's name is taken for it, not for a stray
+    argument of a training run."""
+    if argv and not argv[0].startswith("-"):
+        close = difflib.get_close_matches(argv[0], SUBCOMMANDS, n=1, cutoff=0.6)
+        if close:
+            raise ConfigError([(argv[0], f"unknown command; did you mean `finetune {close[0]}`?")])
 
 
 def _stopping(e: BaseException, rank: str, cfg) -> int | None:

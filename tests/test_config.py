@@ -110,6 +110,13 @@ def test_cli_unknown_flag_suggests_the_field(tmp_path, valid):
     assert "--max_step: unknown option; did you mean --max_steps?" in proc.stderr, proc.stderr
 
 
+def test_a_misspelled_subcommand_is_named_with_the_right_one(tmp_path):
+    """`finetune chek` said only "unexpected argument; options take the form --field value"."""
+    proc = run_cli("chek", "--config", "run.yaml")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "- chek: unknown command; did you mean `finetune check`?" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("marker", RUN_MARKERS)
 def test_output_dir_with_a_previous_run_is_refused(valid, marker):
     out = Path(valid["output_dir"])
