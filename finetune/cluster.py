@@ -8,6 +8,7 @@
                        the global main's shared cache, or into its own node-local one), then by the rest
   fetch_model(...)     Hub downloads: each machine's local main first, the others from its cache
   probe_storage(...)   is output_dir one filesystem every machine sees, or one per machine?
+  agree_on_data(...)   every machine prepared the same data (node-local caches from each machine's own files)
   describe(...)        machines, processes per machine, hosts and the rendezvous, for the start log
   from_writer(...)     a value computed by the process that writes a machine's files, for every process
 
@@ -240,6 +241,39 @@ def agree_on_resume(acc, path: str | None) -> None:
                 )
             ]
         )
+
+
+def agree_on_data(num_machines: int, facts: dict[str, object], key: str) -> None:
+    """Every machine must train on the same rows. Each machine prepares its data from its own files (node_first: a
+    node-local cache), and nothing else compares them: machines holding other contents of the same files trained
+    silently on different data, and with other row counts planned other step counts, then the one with more steps
+    waited ddp_timeout in a collective the other never joined. facts (Datasets.content, the step count) are
+    gathered from every rank, and a difference is refused on every machine with the same message. One small
+    collective; none on one machine."""
+    if num_machines <= 1:
+        return
+    views = host_gather((machine_rank(), socket.gethostname(), facts))
+    differ = [name for name in facts if len({repr(f.get(name)) for *_, f in views}) > 1]
+    if not differ:
+        return
+    machines: dict[int, tuple[str, dict]] = {}
+    for m, host, f in views:
+        machines.setdefault(m, (host, f))
+    found = []
+    for name in differ:
+        holders: dict[str, list[str]] = {}
+        for m, (host, f) in sorted(machines.items()):
+            holders.setdefault(str(f.get(name)), []).append(f"machine {m} ({host})")
+        found.append(f"{name}: " + ", ".join(f"{v} on {' and '.join(ms)}" for v, ms in holders.items()))
+    raise ConfigError(
+        [
+            (
+                key,
+                f"the machines prepared different data ({'; '.join(found)}); give every machine the same files (copy "
+                "them to the same path on each, or put them on a filesystem every machine mounts)",
+            )
+        ]
+    )
 
 
 def from_writer(acc, storage: Storage, compute):

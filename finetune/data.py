@@ -6,8 +6,10 @@ The formats, their shapes and what the loss sees of each: finetune/formats.py.
 from __future__ import annotations
 
 import gc
+import hashlib
 import inspect
 import itertools
+import json
 import logging
 import os
 import time
@@ -47,6 +49,39 @@ class Datasets:
     @property
     def streamed(self) -> bool:
         return isinstance(self.train, StreamedRows)
+
+    def content(self) -> dict[str, object]:
+        """What two machines that built these datasets from the same data agree on, and machines holding different
+        files (same names, other contents or lengths) do not: row counts and a hash of sampled rows (content_hash).
+        A stream's train rows are not counted ahead: its first row (shuffled, tokenized) stands for them."""
+        train = self.train.first if self.streamed else self.train
+        facts = {
+            "train rows": "streamed" if self.streamed else len(self.train),
+            "train content" + (" (first streamed row)" if self.streamed else ""): content_hash(train),
+            "supervised tokens": self.supervised_tokens,
+            "eval rows": len(self.eval) if self.eval is not None else 0,
+            "eval content": content_hash(self.eval),
+        }
+        if self.mixture is not None and len(self.mixture.names) > 1:
+            facts["rows per source"] = self.mixture.sizes
+        return facts
+
+
+HASHED_ROWS = 32  # content_hash reads this many rows of a split, whatever its size
+
+
+def content_hash(rows) -> str | None:
+    """12 hex digits of sha256 over a tokenized split's length and HASHED_ROWS of its rows at fixed positions spread
+    over it (every column), or over one row (a dict). Reads those rows only: as cheap at 10M rows as at 100. Not
+    datasets' _fingerprint, which hashes the source files' paths and modification times: machines holding the same
+    data at other paths or copied at other times differ there."""
+    if rows is None:
+        return None
+    if not isinstance(rows, dict):
+        n = len(rows)
+        picks = sorted({i * n // HASHED_ROWS for i in range(HASHED_ROWS)}) if n else []
+        rows = [n, rows.with_format(None)[picks] if picks else {}]
+    return hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 # ---------------------------------------------------------------- loading
@@ -508,6 +543,7 @@ class StreamedRows(torch.utils.data.IterableDataset):
     def __init__(self, rows: Any, empty: tuple[str, str]):
         self.rows = rows  # a datasets.IterableDataset of token rows
         self.empty = empty  # the problem when a pass yields no row
+        self.first: dict | None = None  # the stream's first row (build_stream reads it at start)
 
     def set_epoch(self, epoch: int) -> None:
         """accelerate's loader calls it; a stream's run is one epoch (its passes are counted in __iter__)."""
@@ -570,7 +606,7 @@ def build_stream(
         f"{data.max_seq_length}); check the data"
     )
     stream = StreamedRows(train, ("dataset", empty))
-    next(iter(stream))  # bad rows at the start, or none to learn, fail here rather than at step 1
+    stream.first = next(iter(stream))  # bad rows at the start, or none to learn, fail here rather than at step 1
     logger.info(
         "streaming: shuffled in a buffer of %d rows (shuffle_buffer_size), tokenized%s as training reads",
         data.shuffle_buffer_size, " and packed" if data.packing else "",

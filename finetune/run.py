@@ -176,6 +176,8 @@ def build_data(cfg: RunConfig, acc, topology: parallel.Topology, tokenizer):
         raise ConfigError([("method", f"method {t.method} cannot train {ds.format} data; {fix}")])
     eval_metrics = metrics.load_metrics(t.metrics, cfg.model.task) if ds.eval is not None else {}
     plan = parallel.make_plan(t, None if ds.streamed else len(ds.train), topology)
+    data_key = "prepared_data" if cfg.data.prepared_data else "dataset"
+    cluster.agree_on_data(topology.num_machines, {**ds.content(), "optimizer steps": plan.total_steps}, data_key)
     if t.profile_window and t.profile_window[1] > plan.total_steps:
         fix = f"the run takes {plan.total_steps} optimizer steps; profile steps within them, or raise max_steps"
         raise ConfigError([("profile_steps", f"{t.profile_steps} ends after the last step: {fix}")])

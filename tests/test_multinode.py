@@ -172,6 +172,28 @@ def _crash_copy(out: Path, step: int) -> None:
     (out / "checkpoints" / "latest").write_text(f"step_{step}\n")
 
 
+def test_machines_holding_different_data_are_refused_before_training(assets, tmp_path):
+    """Each machine prepares its data from its own disk: machine 1's file holds the same rows in another order (the
+    same row count, token counts and step count: nothing else tells). Refused on both machines with one message
+    naming what differs, before any model loads; before, they trained silently on different data."""
+    rows = Path(assets.instruction).read_text().splitlines()
+    (tmp_path / "machine1.jsonl").write_text("\n".join(reversed(rows)) + "\n")
+    outs = (tmp_path / "machine0", tmp_path / "machine1")
+    data = (assets.instruction, str(tmp_path / "machine1.jsonl"))
+    more = ("--max_steps", "4", "--eval_fraction", "0")
+    ran = conftest.two_machines(
+        "multinode_ddp",
+        lambda m: ["--output_dir", str(outs[m]), "--disable_tqdm", "true", *base_args(assets.llama, data[m], *more)],
+        timeout=180,
+    )
+    assert [code for code, _ in ran] == [2, 2], ran[0][1][-3000:] + ran[1][1][-3000:]
+    said = re.search(r"dataset: the machines prepared different data \(train content: (\w+) on machine 0 \([^)]*\), (\w+) "
+                     r"on machine 1 \([^)]*\)\); give every machine the same files", ran[0][1])  # fmt: skip
+    assert said and said[1] != said[2], ran[0][1][-3000:]
+    assert said[0] in ran[1][1], ran[1][1][-3000:]  # machine 1's launcher ends with the same message
+    assert "model:" not in ran[0][1] and not (outs[0] / "metrics.jsonl").exists()
+
+
 def test_fsdp2_without_a_shared_output_dir_is_refused_before_training(assets, tmp_path):
     outs = (tmp_path / "machine0", tmp_path / "machine1")
     results = launch(outs, "multinode_fsdp2", *run_args(assets), timeout=180)
