@@ -37,9 +37,8 @@ def usable_cores() -> int:
 
 
 def machine_rank() -> int:
-    """This process's machine (node) index: torchrun's GROUP_RANK, 0 without a launcher."""
-    group_rank = Launcher.read().group_rank
-    return group_rank if group_rank is not None else 0
+    """This process's machine (node) index, as the launcher says it (Launcher.node); 0 without a launcher."""
+    return Launcher.read().node
 
 
 _host_group = None  # start_host_group's

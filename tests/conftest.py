@@ -320,12 +320,63 @@ def two_machines(
         else:
             raise AssertionError("3 ports in a row were taken before machine 0 could listen on them")
         procs.append(start(1, port))
-        deadline = time.monotonic() + timeout
-        results = []
+        return _outcomes(procs, timeout)
+    finally:
         for p in procs:
-            output, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
-            results.append((p.returncode, output))
-        return results
+            kill_job(p)
+
+
+def _outcomes(procs: list[subprocess.Popen], timeout: int) -> list[tuple[int, str]]:
+    """(returncode, output) of each process, all within timeout seconds."""
+    deadline = time.monotonic() + timeout
+    results = []
+    for p in procs:
+        output, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
+        results.append((p.returncode, output))
+    return results
+
+
+def pdsh_machines(
+    config: str, args_of: Callable[[int], list[str]], hostfile: Path, timeout: int = 300
+) -> list[tuple[int, str]]:
+    """Machine 0 and machine 1 of accelerate_configs/<config>.yaml (a DeepSpeed one) under DeepSpeed's pdsh
+    launcher, one process each, on 127.0.0.1 only: the command pdsh would run over ssh on each machine (DeepSpeed's
+    PDSHRunner.get_cmd, from the command accelerate builds for `deepspeed_multinode_launcher: pdsh`: deepspeed's
+    launch.py with --node_rank 0|1), run here, each in accelerate's environment (which pdsh carries in
+    .deepspeed_env). (returncode, output) per machine; nothing outlives the call. args_of(m) must be the same but
+    for --output_dir (pdsh runs one command everywhere)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+    from deepspeed.launcher import runner as ds_runner
+    from deepspeed.launcher.multinode_runner import PDSHRunner
+
+    hostfile.write_text("machine0 slots=1\nmachine1 slots=1\n")
+    port = free_port()
+    commands = []
+    for machine in (0, 1):
+        launch = [
+            "--config_file", str(ROOT / "accelerate_configs" / f"{config}.yaml"),
+            "--deepspeed_multinode_launcher", "pdsh", "--deepspeed_hostfile", str(hostfile),
+            "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(machine),
+            "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "-m", "finetune", *args_of(machine),
+        ]  # fmt: skip
+        args, defaults, mixed = _validate_launch_command(launch_command_parser().parse_args(launch))
+        args.deepspeed_fields_from_accelerate_config = ",".join(
+            [*(defaults.deepspeed_config if defaults else {}), *(["mixed_precision"] if mixed else [])]
+        )
+        cmd, env = prepare_deepspeed_cmd_env(args)  # ["deepspeed", "--hostfile", ..., "--launcher", "pdsh", ...]
+        ds_args = ds_runner.parse_args(cmd[1:])
+        hosts = ds_runner.parse_inclusion_exclusion(ds_runner.fetch_hostfile(str(hostfile)), "", "")
+        pdsh, _, env = PDSHRunner(ds_args, ds_runner.encode_world_info(hosts)).get_cmd(dict(env), hosts)
+        on_node = pdsh[pdsh.index(sys.executable) :]  # after `pdsh ... -w hosts`, the exports and the cd
+        commands.append(([a.replace("%n", str(machine)) for a in on_node], env))
+    procs: list[subprocess.Popen] = []
+    try:
+        for cmd, env in commands:
+            env = {**env, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+            out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, **out, start_new_session=True))
+        return _outcomes(procs, timeout)
     finally:
         for p in procs:
             kill_job(p)

@@ -110,7 +110,10 @@ def test_two_machines_sharing_output_dir_equal_one_machine(assets, tmp_path, ref
 @pytest.mark.parametrize("config", ["multinode_zero3"])  # (DDP's per-machine copy: save_on_each_node, the same path)
 def test_two_machines_each_with_its_own_output_dir_equal_one_machine_and_resume(assets, tmp_path, reference, config):
     """No shared filesystem (one output_dir per machine): every machine keeps a complete checkpoint and resumes
-    from its own copy; final/ and metrics.jsonl are written once, on machine 0."""
+    from its own copy; final/ and metrics.jsonl are written once, on machine 0. The resume runs under DeepSpeed's
+    pdsh launcher (`deepspeed_multinode_launcher: pdsh`, docs/cluster.md), whose launch.py names the machine and
+    the processes per machine otherwise than torchrun (CROSS_RANK, CROSS_SIZE, LOCAL_SIZE): there the run took
+    itself for one machine, left machine 1's shards of every checkpoint in .tmp_step_N and could not resume."""
     outs = (tmp_path / "machine0", tmp_path / "machine1")
     results = launch(outs, config, *run_args(assets))
     assert_two_machines(results, config)
@@ -118,8 +121,26 @@ def test_two_machines_each_with_its_own_output_dir_equal_one_machine_and_resume(
     same_run(reference(config), results[0])
     assert (outs[0] / "final").is_dir() and not (outs[1] / "final").exists()
     assert not (outs[1] / "metrics.jsonl").exists()
-    for rank, out in enumerate(outs):  # each machine's own complete copy
-        ckpt = out / "checkpoints" / "step_2"
+    _assert_complete_copies(outs, "step_2", config)
+    crash_after(outs[0], 2)
+    _crash_copy(outs[1], 2)
+    ran = conftest.pdsh_machines(
+        config,
+        lambda m: ["--output_dir", str(outs[m]), "--disable_tqdm", "true", *run_args(assets), "--resume_from_checkpoint", "latest"],
+        tmp_path / "hostfile",
+    )  # fmt: skip
+    resumed = [Result(code, output, out) for (code, output), out in zip(ran, outs)]
+    assert_two_machines(resumed, config)
+    assert [r["step"] for r in resumed[0].train_rows] == [1, 2, 3, 4]
+    same_run(reference(config), resumed[0])
+    _assert_complete_copies(outs, "step_4", config)  # written under pdsh
+    assert not list(outs[1].glob("checkpoints/.tmp_*"))
+
+
+def _assert_complete_copies(outs: tuple[Path, Path], step: str, config: str) -> None:
+    """Each machine holds its own complete copy of the checkpoint, named by its `latest`."""
+    for rank, out in enumerate(outs):
+        ckpt = out / "checkpoints" / step
         assert (out / "checkpoints" / "latest").read_text().strip() == "step_4"
         names = {p.name for p in ckpt.rglob("*")}
         if config == "multinode_zero3":  # this rank's ZeRO partition and model states
@@ -127,12 +148,6 @@ def test_two_machines_each_with_its_own_output_dir_equal_one_machine_and_resume(
         else:  # what accelerate writes on the global main only, unless save_on_each_node
             own = {"model.safetensors", "optimizer.bin"}
         assert own | {f"random_states_{rank}.pkl", "scheduler.bin", "trainer_state.json"} <= names, sorted(names)
-    crash_after(outs[0], 2)
-    _crash_copy(outs[1], 2)
-    resumed = launch(outs, config, *run_args(assets), "--resume_from_checkpoint", "latest")
-    assert_two_machines(resumed, config)
-    assert [r["step"] for r in resumed[0].train_rows] == [1, 2, 3, 4]
-    same_run(reference(config), resumed[0])
 
 
 def test_dpo_with_an_output_dir_per_machine_resumes_on_each_machine(assets, tmp_path):

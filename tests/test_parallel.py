@@ -160,6 +160,16 @@ def test_the_launcher_environment_is_read_in_one_place():
     assert (got.family, got.distributed, got.use_cpu, got.tp_size) == ("ddp", True, False, 1)
     assert Launcher.read({"OMPI_COMM_WORLD_SIZE": "3"}).world_size == 3
     assert Launcher.read({"ACCELERATE_NUM_MACHINES": "2"}).machines(4) == 2
+    # DeepSpeed's launch.py (its pdsh and nossh launchers; tests/test_multinode.py runs pdsh's), then MPI's names
+    pdsh = {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "LOCAL_SIZE": "2", "CROSS_RANK": "1", "CROSS_SIZE": "2"}
+    got = Launcher.read(pdsh)
+    assert (got.node, got.machines(4), got.local_world_size) == (1, 2, 2)
+    mpi = {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    got = Launcher.read(mpi)
+    assert (got.world_size, got.rank, got.node, got.machines(4)) == (4, 3, 1, 2)
+    assert Launcher.read({"MV2_COMM_WORLD_LOCAL_SIZE": "2", "MV2_COMM_WORLD_RANK": "2"}).node == 1
+    assert Launcher.read({"MPI_LOCALNRANKS": "4", "PMI_RANK": "5", "PMI_SIZE": "8"}).machines(8) == 2
+    assert Launcher.read({"WORLD_SIZE": "4", "RANK": "3"}).node == 0  # nothing says how many per machine: one
     alone = Launcher.read({})
     assert (alone.world_size, alone.rank, alone.local_rank, alone.node, alone.distributed) == (1, 0, None, 0, False)
     fsdp_tp = {"ACCELERATE_USE_FSDP": "true", "ACCELERATE_USE_PARALLELISM_CONFIG": "true"}

@@ -36,6 +36,23 @@ def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int | 
     return default if value is None or value == "" else int(value)
 
 
+def _first(env: Mapping[str, str], keys: tuple[str, ...], default: int | None = None) -> int | None:
+    """The first of keys the launcher set, as an integer (launchers name the same fact differently)."""
+    return next((v for v in (_int(env, k) for k in keys) if v is not None), default)
+
+
+# Each fact as each launcher names it: torchrun (accelerate's multi-GPU and DeepSpeed `standard` launchers),
+# DeepSpeed's launch.py (run on each node by its pdsh and nossh launchers; its mpich and impi runners set LOCAL_SIZE
+# too), then MPI's own (DeepSpeed's openmpi, mvapich and mpich launchers; accelerate reads the same names in
+# utils/environment.py get_cpu_distributed_information).
+RANK_KEYS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
+LOCAL_SIZE_KEYS = (
+    "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"
+)  # fmt: skip
+NODE_KEYS = ("GROUP_RANK", "CROSS_RANK")  # torchrun's, DeepSpeed launch.py's index of this machine
+MACHINES_KEYS = ("ACCELERATE_NUM_MACHINES", "CROSS_SIZE")
+
+
 def deepspeed_offloads(zero: Mapping) -> tuple[bool, bool]:
     """(optimizer states, parameters) offloaded, from a DeepSpeed config's zero_optimization section."""
     return tuple(
@@ -50,16 +67,17 @@ def deepspeed_offloads(zero: Mapping) -> tuple[bool, bool]:
 class Launcher:
     """What the launcher put in this process's environment, read here and nowhere else: `accelerate launch` turns
     the Accelerate config into ACCELERATE_USE_* / PARALLELISM_CONFIG_* / MEGATRON_LM_* variables (accelerate's
-    utils/launch.py), torchrun adds the ranks (RANK, LOCAL_RANK, GROUP_RANK, ...), MPI its own sizes. Read afresh
+    utils/launch.py), torchrun adds the ranks (RANK, LOCAL_RANK, GROUP_RANK, ...), DeepSpeed's launch.py and MPI
+    name some of them otherwise (RANK_KEYS, LOCAL_SIZE_KEYS, NODE_KEYS, MACHINES_KEYS). Read afresh
     at each call (`read`): a family's `environment` may set variables (ACCELERATE_USE_CPU) before others read them."""
 
     torchrun_world_size: int | None  # WORLD_SIZE
     mpi_world_size: int | None  # OMPI_COMM_WORLD_SIZE, else PMI_SIZE
-    rank: int  # RANK (0 without a launcher)
+    rank: int  # RANK_KEYS (0 without a launcher)
     local_rank: int | None  # LOCAL_RANK
-    local_world_size: int | None  # LOCAL_WORLD_SIZE: processes on this machine
-    group_rank: int | None  # GROUP_RANK: torchrun's index of this machine
-    num_machines: int  # ACCELERATE_NUM_MACHINES (0: not said)
+    local_world_size: int | None  # LOCAL_SIZE_KEYS: processes on this machine
+    group_rank: int | None  # NODE_KEYS: the launcher's index of this machine
+    num_machines: int  # MACHINES_KEYS (0: not said)
     use_cpu: bool  # ACCELERATE_USE_CPU: `accelerate launch --cpu`, or a CPU rank (ddp.environment)
     use_deepspeed: bool  # ACCELERATE_USE_DEEPSPEED
     deepspeed_config_file: str | None  # ACCELERATE_DEEPSPEED_CONFIG_FILE: the DeepSpeed JSON
@@ -84,11 +102,11 @@ class Launcher:
         return cls(
             torchrun_world_size=_int(env, "WORLD_SIZE"),
             mpi_world_size=mpi if mpi is not None else _int(env, "PMI_SIZE"),
-            rank=_int(env, "RANK", 0),
+            rank=_first(env, RANK_KEYS, 0),
             local_rank=_int(env, "LOCAL_RANK"),
-            local_world_size=_int(env, "LOCAL_WORLD_SIZE"),
-            group_rank=_int(env, "GROUP_RANK"),
-            num_machines=_int(env, "ACCELERATE_NUM_MACHINES", 0),
+            local_world_size=_first(env, LOCAL_SIZE_KEYS),
+            group_rank=_first(env, NODE_KEYS),
+            num_machines=_first(env, MACHINES_KEYS, 0),
             use_cpu=_true(env.get("ACCELERATE_USE_CPU", "")),
             use_deepspeed=_true(env.get("ACCELERATE_USE_DEEPSPEED")),
             deepspeed_config_file=env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"),
@@ -143,12 +161,14 @@ class Launcher:
 
     @property
     def node(self) -> int:
-        """This process's machine: torchrun's GROUP_RANK; without it, derived from the ranks."""
-        local_world = self.local_world_size if self.local_world_size is not None else 1
-        return self.group_rank if self.group_rank is not None else self.rank // local_world
+        """This process's machine: as the launcher says; else from the ranks (MPI places consecutive ranks on a
+        machine); 0 where nothing says how many run on a machine (then machines() is 1)."""
+        if self.group_rank is not None:
+            return self.group_rank
+        return self.rank // self.local_world_size if self.local_world_size else 0
 
     def machines(self, num_processes: int) -> int:
-        """Machines of a job of num_processes: accelerate's word, else from the processes per machine."""
+        """Machines of a job of num_processes: as the launcher says, else from the processes per machine."""
         local = self.local_world_size if self.local_world_size is not None else num_processes
         return self.num_machines or max(1, num_processes // max(1, local))
 
