@@ -95,6 +95,9 @@ def _stopping(e: BaseException, rank: str, cfg) -> int | None:
         return 143
     if isinstance(e, ConfigError):
         _stop_with(e.render())
+        from finetune.parallel.base import tell_waiting_ranks
+
+        tell_waiting_ranks(e)
         return 2
     if isinstance(e, Preempted):
         message = (
@@ -103,7 +106,9 @@ def _stopping(e: BaseException, rank: str, cfg) -> int | None:
         )
         _stop_with(message)
         return 128 + signal.Signals[e.signame].value
-    if isinstance(e, (Diverged, PushFailed, WriteError)):  # the run failed for a reason it can name
+    from finetune.parallel.base import NeverJoined
+
+    if isinstance(e, (Diverged, PushFailed, WriteError, NeverJoined)):  # the run failed for a reason it can name
         _stop_with(f"finetune: {e}")
         return 1
     if isinstance(e, KeyboardInterrupt):

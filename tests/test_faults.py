@@ -11,6 +11,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -244,6 +245,46 @@ def test_torchrun_still_shares_one_store_across_restarts(monkeypatch):
     worker_store(ours, 0).set("gloo/rank_0", "attempt 0's address")
     assert not worker_store(ours, 1).check(["gloo/rank_0"])
     assert worker_store(ours, 0).check(["gloo/rank_0"])
+
+
+def test_ranks_that_never_join_are_named_and_a_refusal_reaches_the_waiting_ranks(monkeypatch, capsys):
+    """base.await_join, in the rendezvous every rank passes before the process group: a rank that never comes is
+    named after the timeout (exit 1, one line); a rank that refused its run config before joining tells the
+    waiting ones, which stop at once with its problems and where it was (exit 2). (tests/test_multinode.py runs the
+    refusal on two machines.)"""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from finetune import cli
+    from finetune.config import ConfigError
+    from finetune.parallel import base
+
+    port = conftest.free_port()
+    agent = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "3", "RANK": "0", "GROUP_RANK": "0"}
+    for k, v in {**env, "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}.items():
+        monkeypatch.setenv(k, v)
+    store, rank, world = base._attempt_store()
+    start = time.monotonic()
+    with pytest.raises(base.NeverJoined) as never:
+        base.await_join(store, rank, world, timedelta(seconds=1))
+    assert 1 <= time.monotonic() - start < 5
+    assert str(never.value).startswith("ranks 1, 2 of 3 never came to start the run within 1 s (ddp_timeout)")
+    assert cli._stopping(never.value, "0", None) == 1 and f"finetune: {never.value}" in capsys.readouterr().err
+
+    monkeypatch.setenv("RANK", "2")  # rank 2, on machine 1, refuses its config before joining
+    monkeypatch.setenv("GROUP_RANK", "1")
+    base.tell_waiting_ranks(ConfigError([("dataset", "no file or directory matches 'x.jsonl'")]))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("GROUP_RANK", "0")
+    start = time.monotonic()
+    with pytest.raises(ConfigError) as refused:
+        base.await_join(store, rank, world, timedelta(seconds=60))
+    assert time.monotonic() - start < 5
+    where = f"on machine 1 ({socket.gethostname()}), rank 2"
+    assert refused.value.problems == [("dataset", f"{where}: no file or directory matches 'x.jsonl'")]
+    del agent
 
 
 def preempt(out, assets, launcher: str, more: tuple = ()) -> str:

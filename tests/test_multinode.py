@@ -209,6 +209,26 @@ def test_machines_holding_different_data_are_refused_before_training(assets, tmp
     assert "model:" not in ran[0][1] and not (outs[0] / "metrics.jsonl").exists()
 
 
+def test_a_machine_that_refuses_its_config_stops_the_others_at_once(assets, tmp_path):
+    """Machine 1 lacks the data file and refuses its run config before the ranks join; machine 0, whose config is
+    good, stops too, at once, with machine 1's problem and where it was (exit 2). Before, it waited ddp_timeout in
+    the process group's start and ended in two tracebacks naming a store key."""
+    outs = (tmp_path / "machine0", tmp_path / "machine1")
+    data = (assets.instruction, str(tmp_path / "missing.jsonl"))
+    more = ("--max_steps", "4", "--eval_fraction", "0", "--ddp_timeout", "60")
+    start = time.monotonic()
+    ran = conftest.two_machines(
+        "multinode_ddp",
+        lambda m: ["--output_dir", str(outs[m]), "--disable_tqdm", "true", *base_args(assets.llama, data[m], *more)],
+        timeout=180,
+    )
+    assert [code for code, _ in ran] == [2, 2], ran[0][1][-3000:] + ran[1][1][-3000:]
+    assert time.monotonic() - start < 50  # not ddp_timeout's 60 s
+    missing = f"no file or directory matches '{data[1]}'"
+    assert re.search(rf"dataset: on machine 1 \([^)]*\), rank 1: {re.escape(missing)}", ran[0][1]), ran[0][1][-3000:]
+    assert f"dataset: {missing}" in ran[1][1] and "Traceback" not in ran[0][1] + ran[1][1]
+
+
 def test_fsdp2_without_a_shared_output_dir_is_refused_before_training(assets, tmp_path):
     outs = (tmp_path / "machine0", tmp_path / "machine1")
     results = launch(outs, "multinode_fsdp2", *run_args(assets), timeout=180)

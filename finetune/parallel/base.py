@@ -7,6 +7,9 @@ family. (The surface every family offers is typed in surface.py.)
 from __future__ import annotations
 
 import datetime
+import json
+import socket
+import time
 from collections.abc import Iterable
 
 import torch
@@ -46,7 +49,7 @@ def restart_init_method() -> str | None:
     machines each agent counts its own restarts; they agree when a failure restarts every machine's ranks, as it
     does when a rank dies and its peers' collectives fail.)
     tests/test_faults.py::test_torchrun_still_shares_one_store_across_restarts fails once torch separates attempts
-    itself, and then this can go."""
+    itself, and then the prefix can go; the join (await_join), which this rendezvous also holds, stays."""
     if not Launcher.read().agent_store:
         return None
     from torch.distributed.rendezvous import register_rendezvous_handler
@@ -87,14 +90,76 @@ def start_process_group(train, cpu: bool | None = None):
 
 
 def _attempt_rendezvous(url: str, **kwargs):
-    """env:// (rank, world size and the store from torchrun's environment), the store behind the attempt's prefix."""
+    """env:// (rank, world size and the store from torchrun's environment), the store behind the attempt's prefix;
+    it returns once every rank has joined (await_join)."""
     from urllib.parse import urlparse
 
+    store, rank, world_size = _attempt_store(f"env://?{urlparse(url).query}", **kwargs)
+    await_join(store, rank, world_size, kwargs.get("timeout") or datetime.timedelta(seconds=600))
+    yield store, rank, world_size
+
+
+def _attempt_store(url: str = "env://", **kwargs):
     import torch.distributed as dist
     from torch.distributed.rendezvous import rendezvous
 
-    store, rank, world_size = next(rendezvous(f"env://?{urlparse(url).query}", **kwargs))
-    yield dist.PrefixStore(f"finetune/attempt_{Launcher.read().restart}", store), rank, world_size
+    store, rank, world_size = next(rendezvous(url, **kwargs))
+    return dist.PrefixStore(f"finetune/attempt_{Launcher.read().restart}", store), rank, world_size
+
+
+class NeverJoined(Exception):
+    """Ranks that never came to start the process group within ddp_timeout."""
+
+
+JOIN_POLL_S = 0.5
+
+
+def await_join(store, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
+    """Every rank announces itself in the rendezvous store and waits there for the others, before the process
+    group (whose own wait, in gloo's or nccl's setup, ends after the same timeout in a store error per rank that
+    names a key, not a rank). torchrun starts every machine's ranks together, so a rank that is missing has stopped
+    or is stuck before its start: a rank that refused its run config (on its machine only: a data file missing
+    there) says so in the store (tell_waiting_ranks), and the others stop at once with its problems (ConfigError);
+    a rank that never comes is named after `timeout` (ddp_timeout; NeverJoined)."""
+    if world_size <= 1:
+        return
+    store.set(f"joined/{rank}", f"machine {Launcher.read().node} ({socket.gethostname()})")
+    store.add("joined", 1)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while store.add("joined", 0) < world_size:
+        if store.check(["refused"]):
+            refusal = json.loads(store.get("refused"))
+            where = f"on machine {refusal['machine']} ({refusal['host']}), rank {refusal['rank']}"
+            raise ConfigError([(key, f"{where}: {message}") for key, message in refusal["problems"]])
+        if time.monotonic() > deadline:
+            missing = [r for r in range(world_size) if not store.check([f"joined/{r}"])]
+            ranks = ", ".join(map(str, missing))
+            raise NeverJoined(
+                f"rank{'s' * (len(missing) > 1)} {ranks} of {world_size} never came to start the run within "
+                f"{timeout.total_seconds():.0f} s (ddp_timeout): {'they' if len(missing) > 1 else 'it'} stopped or "
+                "hung before its start; see the output of the launch on "
+                f"{'their machines' if len(missing) > 1 else 'its machine'} (every machine's launcher prints its "
+                "ranks' messages)"
+            )
+        time.sleep(JOIN_POLL_S)
+
+
+def tell_waiting_ranks(error: ConfigError) -> None:
+    """A rank that refuses its run config before the process group started: its problems into the rendezvous
+    store, where the ranks of the other machines, which may have accepted theirs, wait to join (await_join) and
+    would otherwise wait ddp_timeout for it. Best effort, under torchrun only (its agent hosts the store); the
+    refusal itself is already said."""
+    import torch.distributed as dist
+
+    launcher = Launcher.read()
+    if not launcher.agent_store or launcher.world_size <= 1 or dist.is_initialized():
+        return
+    try:
+        store, rank, _ = _attempt_store(timeout=datetime.timedelta(seconds=10))
+        refusal = {"rank": rank, "machine": launcher.node, "host": socket.gethostname(), "problems": error.problems}
+        store.compare_set("refused", "", json.dumps(refusal))  # the first refusal stays (a waiting rank's repeats it)
+    except Exception:  # the store is gone (its host stopped too): no one is waiting there
+        pass
 
 
 def save_from_this_process(net, directory: str, **kwargs) -> None:
