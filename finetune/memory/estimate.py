@@ -138,21 +138,7 @@ class ModelShape:
             return weights_in(p, size)
 
         params = list(net.parameters())
-
-        def blocks(module, key=len):  # the longest ModuleList: a stack's layers
-            lists = (m for m in module.modules() if isinstance(m, torch.nn.ModuleList))
-            return max(lists, key=key, default=torch.nn.ModuleList())
-
-        def weight(m) -> int:  # a stack's blocks hold all its layers' weights (a T5 block's own list of 3 does not)
-            return sum(p.numel() for p in m.parameters())
-
-        base = net.get_base_model() if hasattr(net, "get_base_model") else net
-        decoder = torch.nn.ModuleList()
-        if getattr(config, "is_encoder_decoder", False) and hasattr(base, "get_encoder"):  # both stacks' blocks
-            decoder = blocks(base.get_decoder(), weight)
-            layers = torch.nn.ModuleList([*blocks(base.get_encoder(), weight), *decoder])
-        else:
-            layers = blocks(net)
+        layers, decoder = _stacks(net, config)
         layer_params = max((sum(numel(p) for p in layer.parameters()) for layer in layers), default=0)
         in_layers = sum(numel(p) for p in layers.parameters())
         total = sum(numel(p) for p in params)
@@ -165,7 +151,6 @@ class ModelShape:
         heads = _first(text, "num_attention_heads", "n_head")
         head_dim = getattr(text, "head_dim", None) or hidden // max(heads, 1)
         kv_heads = _first(text, "num_key_value_heads", "n_head", "num_attention_heads")
-        names = {n.rsplit(".", 1)[-1] for n, _ in net.named_modules()}
         quantized = sum(numel(p) for p in params if getattr(p, "quant_state", None) is not None)
         if load_in_4bit and not quantized:  # the base's linears, frozen under the adapter (its own stay in full)
             quantized = sum(numel(m.weight) for m in linears if not m.weight.requires_grad)
@@ -178,7 +163,7 @@ class ModelShape:
             kv_dim=kv_heads * head_dim,
             intermediate=getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden,
             vocab=_first(text, "vocab_size"),
-            gated_mlp=any("gate" in n for n in names),
+            gated_mlp=any("gate" in n.rsplit(".", 1)[-1] for n, _ in net.named_modules()),
             layer_params=layer_params,
             root_params=total - in_layers,
             largest_module=max(own, default=0),
@@ -196,6 +181,24 @@ class ModelShape:
             ),
             activation_dropout=_probability(text, "activation_dropout", "dropout_rate"),
         )
+
+
+def _stacks(net, config):
+    """(every block, the decoder's blocks): an encoder-decoder's both stacks, else the longest ModuleList."""
+    import torch
+
+    def blocks(module, key=len):  # the longest ModuleList: a stack's layers
+        lists = (m for m in module.modules() if isinstance(m, torch.nn.ModuleList))
+        return max(lists, key=key, default=torch.nn.ModuleList())
+
+    def weight(m) -> int:  # a stack's blocks hold all its layers' weights (a T5 block's own list of 3 does not)
+        return sum(p.numel() for p in m.parameters())
+
+    base = net.get_base_model() if hasattr(net, "get_base_model") else net
+    if getattr(config, "is_encoder_decoder", False) and hasattr(base, "get_encoder"):  # both stacks' blocks
+        decoder = blocks(base.get_decoder(), weight)
+        return torch.nn.ModuleList([*blocks(base.get_encoder(), weight), *decoder]), decoder
+    return blocks(net), torch.nn.ModuleList()
 
 
 def _first(config, *names: str) -> int:

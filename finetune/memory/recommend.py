@@ -66,23 +66,21 @@ def recommend(
                     faster = {p.stem: skipped[p.stem] for p in paths[: paths.index(path)] if p.stem in skipped}
                     why = _why(est, machines, faster)
                     return Recommendation(name, micro, per_rank // micro, checkpointing, est, why)
+    return Recommendation("", 0, 0, True, None, _why_none(skipped, cfg, machines, smallest))
+
+
+def _why_none(skipped: dict[str, str], cfg: RunConfig, machines: Machines, smallest: Estimate | None) -> str:
+    """Why no config is recommended: those tried do not fit, the others are left out for their reasons."""
     tried = [n for n, why in skipped.items() if why == "does not fit at this batch"]
     left_out = _reasons({n: why for n, why in skipped.items() if n not in tried})
     if not tried:
-        return Recommendation(
-            "", 0, 0, True, None, f"no config given can run this job on {machines.describe()}: {left_out}"
-        )
-    return Recommendation(
-        "",
-        0,
-        0,
-        True,
-        None,
+        return f"no config given can run this job on {machines.describe()}: {left_out}"
+    return (
         f"nothing fits on {machines.describe()}: {', '.join(tried)} "
         f"{'does' if len(tried) == 1 else 'do'} not fit even at micro batch 1 with gradient checkpointing"
         f"{'; ' + left_out if left_out else ''}: use more or larger devices, a shorter max_seq_length"
         + (", or LoRA (peft.method: lora)" if cfg.peft.method == "none" else "")
-        + _eval_hint(smallest),
+        + _eval_hint(smallest)
     )
 
 
