@@ -335,6 +335,52 @@ def test_unsupported_model_type_is_refused_before_loading(on_a_gpu_machine_with_
     assert set(megatron.supported_model_types()) >= {"gpt2", "llama", "megatron-bert"}
 
 
+LLAMA3_ROPE = {  # Llama 3.1's
+    "rope_type": "llama3",
+    "rope_theta": 5e5,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def test_llama_3_rope_goes_to_megatron_and_what_it_cannot_build_is_refused(
+    on_a_gpu_machine_with_megatron, run_values, assets, tmp_path
+):
+    """Llama 3.x's RoPE scaling reaches Megatron (use_rope_scaling; it trained plain RoPE and said nothing: final/
+    2.4e-3 off one process's, test_megatron_cpu's bf16 checkpoint test compares it). What the Megatron-LM finetune
+    builds cannot be is refused under `model` before anything loads: biases (its Llama had none and the conversion
+    dropped them), other RoPE scalings or llama3 values, and Llama-named model types of other architectures
+    (accelerate's substring rule took llama4_text for llama, and the conversion failed with a KeyError)."""
+    import shutil
+
+    from transformers import LlamaConfig
+
+    args = megatron.architecture_args(LlamaConfig(rope_parameters=LLAMA3_ROPE), "llama")
+    assert (args["use_rope_scaling"], args["rope_scaling_factor"], args["rotary_base"]) == (True, 8.0, 500000)
+    assert "use_rope_scaling" not in megatron.architecture_args(LlamaConfig(), "llama")
+
+    def with_config(name: str, **change) -> str:
+        model = tmp_path / name
+        shutil.copytree(assets.llama, model)
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, **change}))
+        return str(model)
+
+    check(build_config({**run_values, "model": with_config("llama3", rope_parameters=LLAMA3_ROPE)}))
+    yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 128}
+    refused = {
+        "attention_bias: true and mlp_bias: true": with_config("bias", attention_bias=True, mlp_bias=True),
+        "factor 32.0": with_config("llama3_2", rope_parameters={**LLAMA3_ROPE, "factor": 32.0}),
+        "rope_type 'yarn'": with_config("yarn", rope_parameters=yarn),
+        "model type 'llama4_text' is not one": with_config("llama4", model_type="llama4_text"),
+    }
+    for words, model in refused.items():
+        found = problems(build_config({**run_values, "model": model}))
+        assert list(found) == ["model"] and words in found["model"], (words, found)
+
+
 def test_missing_or_mismatched_converted_checkpoint(on_a_gpu_machine_with_megatron, run_values, assets, tmp_path):
     check(build_config(run_values))  # no <model>/megatron: finetune converts the HF weights itself
     model = with_converted_checkpoint(assets.llama, tmp_path, tp=4)

@@ -191,23 +191,36 @@ def test_tp2_sequence_parallel_equals_one_process_and_resumes(megatron_lm, asset
 
 
 @pytest.mark.slow
-def test_a_checkpoint_saved_in_bf16_trains_as_one_process_without_a_false_warning(megatron_lm, assets, table, tmp_path):
-    """Hub checkpoints are saved in bf16. Megatron-LM trains its own GPT (fp32 weights without mixed precision;
-    16-bit ones with fp32 main weights in its optimizer under bf16/fp16), so the start log must not warn of 16-bit
-    weights updated without master weights (it did: the HF model finetune builds on the meta device for its config
-    took the checkpoint's dtype). The losses, eval loss and final/ equal one process's on the same checkpoint (which
-    loads it in fp32, torch_dtype's default; both export fp32 to compare the trained weights, not bf16 rounding)."""
+def test_a_llama_3_checkpoint_saved_in_bf16_trains_as_one_process_without_a_false_warning(
+    megatron_lm, assets, table, tmp_path
+):
+    """A Hub checkpoint as Llama 3.x ships it: saved in bf16, with llama3 RoPE scaling. Megatron-LM trains its own
+    GPT (fp32 weights without mixed precision; 16-bit ones with fp32 main weights in its optimizer under bf16/fp16),
+    so the start log must not warn of 16-bit weights updated without master weights (it did: the HF model finetune
+    builds on the meta device for its config took the checkpoint's dtype). The losses, eval loss and final/ equal
+    one process's on the same checkpoint (which loads it in fp32, torch_dtype's default; both export fp32 to compare
+    the trained weights, not bf16 rounding). Before the RoPE scaling reached Megatron, final/ was 2.4e-3 off."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    bf16 = tmp_path / "llama_bf16"
-    AutoModelForCausalLM.from_pretrained(assets.llama, dtype=torch.bfloat16).save_pretrained(bf16)
+    bf16 = tmp_path / "llama3_bf16"
+    model = AutoModelForCausalLM.from_pretrained(assets.llama, dtype=torch.bfloat16)
+    model.config.rope_parameters = {  # Llama 3.1's (RoPE has no weights: the same checkpoint otherwise)
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    model.save_pretrained(bf16)
     AutoTokenizer.from_pretrained(assets.llama).save_pretrained(bf16)
     run_args = [str(bf16) if a == assets.llama else a for a in args(assets, 4, "--save_dtype", "float32")]
     one = finetune(tmp_path / "one", *run_args)
     tp = run_megatron(megatron_lm, tmp_path / "tp", *run_args)
-    assert "bfloat16" in (bf16 / "config.json").read_text()
+    assert "bfloat16" in (bf16 / "config.json").read_text() and '"llama3"' in (bf16 / "config.json").read_text()
     assert "no fp32 master weights" not in tp.output, tp.output[-3000:]
     compare(one, tp, table, "tp2_bf16_checkpoint")
+    assert "use_rope_scaling ................................ True" in megatron_printed(tp)
 
 
 @pytest.mark.slow
@@ -322,6 +335,18 @@ def test_the_product_never_imports_the_stand_in():
     for path in (ROOT / "finetune").rglob("*.py"):
         text = path.read_text()
         assert "cuda_standin" not in text and "FINETUNE_CUDA_STANDIN" not in text, path
+
+
+def test_megatron_still_applies_llama3_rope_scaling_with_llama_3_1s_values(megatron_lm):
+    """The reason for megatron.MEGATRON_LLAMA3_ROPE: gpt_builders passes Megatron's GPTModel use_rope_scaling alone,
+    so RotaryEmbedding._apply_scaling's defaults are the values it applies. When this fails, Megatron passes the
+    factor (or others) on: let finetune pass the model's and refuse less (llama_problems)."""
+    rope = Path(megatron_lm, "megatron", "core", "models", "common", "embeddings", "rotary_pos_embedding.py")
+    defaults = re.search(r"def _apply_scaling\(\s*self,\s*freqs,([^)]*)\)", rope.read_text()).group(1)
+    found = dict(re.findall(r"(\w+)=([\d.]+)", defaults))
+    assert {k: float(v) for k, v in found.items()} == megatron.MEGATRON_LLAMA3_ROPE, found
+    builder = Path(megatron_lm, "megatron", "training", "gpt_builders.py").read_text()
+    assert "rope_scaling=args.use_rope_scaling" in builder and "rope_scaling_factor" not in builder
 
 
 def test_megatron_still_calls_np_product(megatron_lm):

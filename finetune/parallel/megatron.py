@@ -93,11 +93,13 @@ class MegatronLayout:
 
 
 def megatron_family(model_type: str) -> str | None:
-    """The accelerate Megatron model family a HF model_type maps to, by accelerate's own rule
-    (MegatronLMPlugin.set_network_size_args: the first registered name contained in the model type)."""
+    """The accelerate Megatron model family of a HF model_type: the model type itself when accelerate has a parser
+    registered under exactly that name, else None. Not accelerate's own rule (MegatronLMPlugin.set_network_size_args
+    takes the first registered name contained in the model type), which hands llama4_text or mllama, whose
+    architectures are not Llama's, to the llama parser: their weights then fail to convert, or convert wrong."""
     from accelerate.utils.dataclasses import MODEL_CONFIGS_TO_MEGATRON_PARSERS
 
-    return next((name for name in MODEL_CONFIGS_TO_MEGATRON_PARSERS if name in model_type.lower()), None)
+    return model_type if model_type in MODEL_CONFIGS_TO_MEGATRON_PARSERS else None
 
 
 def supported_model_types() -> list[str]:
@@ -417,6 +419,8 @@ def _model_problems(p: list, cfg: RunConfig, config, layout: MegatronLayout, lau
                 "DDP/DeepSpeed/FSDP2 config",
             )
         )
+    if family == "llama":
+        p += llama_problems(config)
     heads, _, layers = _heads_layers(config)
     if heads and heads % layout.tp:
         p.append((KEY, f"megatron_lm_tp_degree {layout.tp} must divide the model's {heads} attention heads"))
@@ -431,6 +435,53 @@ def _model_problems(p: list, cfg: RunConfig, config, layout: MegatronLayout, lau
     heads, kv, _ = _heads_layers(config)
     if kv and kv % layout.tp:
         p.append((KEY, f"megatron_lm_tp_degree {layout.tp} must divide the model's {kv} key/value heads"))
+
+
+def rope_parameters(config) -> dict:
+    """A Llama config's RoPE parameters (transformers 5: rope_parameters; before: rope_scaling), with its rope_type
+    ("default" where it names none)."""
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def llama_problems(config) -> list[tuple[str, str]]:
+    """What of a Llama's architecture the Megatron-LM model finetune builds (`architecture_args`) and the weights it
+    converts (`hf_to_megatron`) leave out: it would train another model, and say nothing."""
+    p = []
+    other = "train this model with accelerate_configs/tp2.yaml, ddp.yaml or a zero*.yaml config instead"
+    biases = [k for k in ("attention_bias", "mlp_bias") if getattr(config, k, False)]
+    if biases:
+        p.append(
+            (
+                "model",
+                f"the model's config has {' and '.join(f'{k}: true' for k in biases)}, and finetune builds Megatron-LM's "
+                f"Llama without biases (add_bias_linear false; the conversion maps no bias tensor); {other}",
+            )
+        )
+    rope = rope_parameters(config)
+    kind = rope["rope_type"]
+    if kind == "llama3":
+        differ = {k: rope.get(k) for k, v in MEGATRON_LLAMA3_ROPE.items() if rope.get(k) != v}
+        if differ:
+            p.append(
+                (
+                    "model",
+                    f"the model's llama3 RoPE scaling has {', '.join(f'{k} {v}' for k, v in differ.items())}, and the "
+                    "Megatron-LM finetune runs applies llama3 scaling with "
+                    f"{', '.join(f'{k} {v:g}' for k, v in MEGATRON_LLAMA3_ROPE.items())} only (gpt_builders passes no "
+                    f"factor; RotaryEmbedding._apply_scaling's defaults); {other}",
+                )
+            )
+    elif kind != "default":
+        p.append(
+            (
+                "model",
+                f"the model's RoPE scaling is rope_type {kind!r}, and finetune runs Megatron-LM with plain RoPE or "
+                f"Llama 3's llama3 scaling only; {other}",
+            )
+        )
+    return p
 
 
 def _converted_problems(p: list, cfg: RunConfig, layout: MegatronLayout) -> None:
@@ -524,13 +575,31 @@ def plugin_kwargs(cfg: RunConfig, env: Mapping[str, str] = os.environ, config=No
     return kwargs
 
 
+# Llama 3's RoPE scaling as Megatron-LM applies it at the pinned commit: RotaryEmbedding._apply_scaling's defaults
+# (core/models/common/embeddings/rotary_pos_embedding.py), which gpt_builders.py leaves as they are (it passes
+# rope_scaling alone, no factor): Llama 3.1's values. Other values are refused (llama_problems).
+MEGATRON_LLAMA3_ROPE = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
 def architecture_args(config, family: str | None) -> dict[str, Any]:
     """Megatron arguments for the parts of a Llama-family architecture accelerate's parser leaves out (GQA,
-    SwiGLU, RMSNorm, no biases, untied output, RoPE base, head size); Megatron's defaults fit GPT-2."""
+    SwiGLU, RMSNorm, no biases, untied output, RoPE base and Llama 3's RoPE scaling, head size); Megatron's
+    defaults fit GPT-2. What they cannot express is refused before the run (llama_problems)."""
     if family != "llama" or config is None:
         return {}
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
+    rope = rope_parameters(config)
+    scaling = (
+        {"use_rope_scaling": True, "rope_scaling_factor": float(rope["factor"])}
+        if rope["rope_type"] == "llama3"
+        else {}
+    )
     return {
         "group_query_attention": kv != heads,
         "num_query_groups": kv,
@@ -540,10 +609,8 @@ def architecture_args(config, family: str | None) -> dict[str, Any]:
         "norm_epsilon": config.rms_norm_eps,
         "add_bias_linear": False,
         "untie_embeddings_and_output_weights": not getattr(config, "tie_word_embeddings", False),
-        "rotary_base": int(
-            getattr(config, "rope_theta", None)
-            or (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 1e4)
-        ),
+        "rotary_base": int(getattr(config, "rope_theta", None) or rope.get("rope_theta", 1e4)),
+        **scaling,
         "kv_channels": getattr(config, "head_dim", None) or config.hidden_size // heads,
     }
 
