@@ -216,12 +216,14 @@ class MixtureSampler(torch.utils.data.Sampler):
 def summarize_by_source(
     stats: dict[str, torch.Tensor], metrics: dict[str, Any], n_labels: int | None, names: list[str] | None
 ) -> dict[str, float]:
-    """metrics.summarize over all eval rows, then over each source's rows as eval_<name>_<metric>. Backends
-    whose eval statistics are per batch rather than per row (Megatron-LM) report the overall values only."""
+    """metrics.summarize over all eval rows, then over each source's rows as eval_<name>_<metric>. A backend
+    whose eval statistics are sums over the batch rather than per row (Megatron-LM) passes on no `source`
+    (its gather_for_metrics): the overall values only."""
     out = summarize(stats, metrics, n_labels)
     source = stats.get(SOURCE)
-    if names is None or source is None or len(source) != len(stats["nll"]):
+    if names is None or source is None:
         return out
+    assert len(source) == len(stats["nll"]), "a source for every eval row"
     for i, name in enumerate(names):
         rows = source == i
         if rows.any():

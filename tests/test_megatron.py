@@ -381,6 +381,27 @@ def test_llama_3_rope_goes_to_megatron_and_what_it_cannot_build_is_refused(
         assert list(found) == ["model"] and words in found["model"], (words, found)
 
 
+def test_megatron_reports_eval_values_over_all_rows_only(on_a_gpu_machine_with_megatron, run_values, assets):
+    """Megatron-LM's eval statistics are sums over each batch (and over the data-parallel replicas), so they carry no
+    row to tag with a mixture's source: no eval_<source>_... is reported, and a per-source metric_for_best_model is
+    refused at start. Before, the per-source values came out whenever a batch was one row (and were this rank's
+    rows' tags on every replica's sums: wrong), and such a metric failed after the steps to the first eval."""
+    from finetune.mixture import summarize_by_source
+
+    backend = megatron.Backend.__new__(megatron.Backend)  # gather_for_metrics needs no state
+    one_row_batch = {"nll": torch.tensor([12.0]), "count": torch.tensor([4.0]), "source": torch.tensor([1])}
+    out = summarize_by_source(backend.gather_for_metrics(one_row_batch), {}, None, ["aa", "bb"])
+    assert set(out) == {"eval_loss", "eval_perplexity"} and out["eval_loss"] == 3.0, out
+
+    values = {k: v for k, v in run_values.items() if k != "dataset"}
+    values["datasets"] = [{"dataset": assets.instruction, "format": "instruction", "name": n} for n in ("aa", "bb")]
+    values |= {"eval_fraction": 0.1, "eval_steps": 2, "save_steps": 2, "metric_for_best_model": "eval_bb_loss"}
+    found = problems(build_config(values))
+    assert list(found) == ["metric_for_best_model"], found
+    assert "'eval_bb_loss'" in found["metric_for_best_model"] and "eval_loss" in found["metric_for_best_model"]
+    check(build_config({**values, "metric_for_best_model": "eval_loss"}))
+
+
 def test_missing_or_mismatched_converted_checkpoint(on_a_gpu_machine_with_megatron, run_values, assets, tmp_path):
     check(build_config(run_values))  # no <model>/megatron: finetune converts the HF weights itself
     model = with_converted_checkpoint(assets.llama, tmp_path, tp=4)

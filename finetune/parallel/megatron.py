@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from finetune.config import RunConfig
+from finetune.config.rules import effective_metric
 from finetune.model import model_config
 from finetune.parallel import base, ddp
 from finetune.parallel.topology import Launcher
@@ -57,6 +58,9 @@ MEGATRON_LR_STYLES = {
     "constant_with_warmup": "constant",
 }
 DOCS = "docs/megatron.md"
+# What Megatron-LM's eval reports (Backend.eval_stats: the batch's summed NLL and supervised-token count): no
+# per-source values (Backend.gather_for_metrics), no metric that needs logits.
+MEGATRON_EVAL_KEYS = ("eval_loss", "eval_perplexity")
 NOTES: list[str] = []  # what this module did before the Accelerator, for the start log (Backend.observed)
 KEY = "accelerate config"  # the problem is in the Accelerate config (or this machine), not in the run config
 logger = logging.getLogger("finetune")
@@ -242,6 +246,7 @@ def megatron_problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here:
     _setting_problems(p, cfg, layout)
     _unsupported_problems(p, cfg)
     _model_option_problems(p, cfg)
+    _eval_problems(p, cfg)
     _layout_problems(p, cfg, layout, launcher)
     config = model_config(cfg.model)
     if config is None:
@@ -372,6 +377,21 @@ def _unsupported_problems(p: list, cfg: RunConfig) -> None:
                 "length_aware_batching",
                 "is not supported under Megatron-LM (accelerate rebuilds the train loader with a fixed batch "
                 "size); set length_aware_batching: false",
+            )
+        )
+
+
+def _eval_problems(p: list, cfg: RunConfig) -> None:
+    """What the eval under Megatron-LM cannot report (MEGATRON_EVAL_KEYS)."""
+    metric = effective_metric(cfg.train)
+    if metric is not None and metric not in MEGATRON_EVAL_KEYS:
+        p.append(
+            (
+                "metric_for_best_model",
+                f"is {cfg.train.metric_for_best_model!r}, but Megatron-LM's eval reports only "
+                f"{' and '.join(MEGATRON_EVAL_KEYS)}, over all eval rows (its eval statistics are sums over each "
+                "batch: no per-source values, no metrics from logits); set metric_for_best_model: eval_loss, or use "
+                "a DDP/DeepSpeed/FSDP2 config",
             )
         )
 
@@ -853,7 +873,12 @@ class Backend(ddp.Backend):
         return {"nll": sums[:1], "count": sums[1:]}
 
     def gather_for_metrics(self, stats):
-        return stats  # already summed over the data-parallel replicas
+        """The batch's statistics, already summed over the data-parallel replicas (eval_stats), without the mixture's
+        `source` column: that tags this rank's rows, and a sum over every replica's rows has no row to tag, so
+        Megatron-LM reports the overall eval values only (no eval_<source>_...; docs/data.md)."""
+        from finetune.mixture import SOURCE
+
+        return {k: v for k, v in stats.items() if k != SOURCE}
 
     def writes_after_its_collectives(self) -> bool:
         """No: dist_checkpointing.save has rank 0 torch.save common.pt before the sharded save's collectives."""
