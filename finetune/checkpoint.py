@@ -46,7 +46,13 @@ from finetune.config.preflight import (
 )
 from finetune.faults import fault_point
 from finetune.parallel.base import save_from_this_process, unwrap
-from finetune.parallel.topology import has_portable_copy, resumes_across_layouts, writes_whole_tensors
+from finetune.parallel.topology import (
+    describe_layout,
+    has_portable_copy,
+    native_layout_changes,
+    resumes_across_layouts,
+    writes_whole_tensors,
+)
 
 CONFIG_FILE = "run_config.yaml"
 PORTABLE = "portable"
@@ -487,8 +493,6 @@ class Resume:
     def describe(self) -> str:
         if not self.portable:
             return self.path
-        from finetune.parallel.topology import describe_layout
-
         return f"{self.path} (written by {describe_layout(self.saved['layout'])}, converted)"
 
     def model_dir(self) -> str:
@@ -594,7 +598,8 @@ def find_resume(path: str | None, layout: dict[str, Any], run_config: dict[str, 
     if not path:
         return None
     saved = read_trainer_state(path)
-    was, here = dict(saved["layout"]), dict(layout)
+    # (a layout entry that the checkpoint's writer did not record yet is not compared: it resumes as it did then)
+    was, here = dict(saved["layout"]), {k: v for k, v in layout.items() if k in saved["layout"]}
     batch_was, batch_here = was.pop("global_batch_size"), here.pop("global_batch_size")
     resume = Resume(path, saved, portable=was != here, changes=config_changes(path, run_config))
     if batch_was != batch_here:
@@ -625,9 +630,11 @@ def find_resume(path: str | None, layout: dict[str, Any], run_config: dict[str, 
             [
                 (
                     "resume_from_checkpoint",
-                    f"{resume.describe()} cannot be resumed here: a checkpoint in a backend's own format only "
-                    "(Megatron-LM) resumes under the layout that wrote it, and other layouts do not resume into "
-                    "that backend; use the same Accelerate config, or start from the exported final/ model",
+                    f"{path} was written by {describe_layout(saved['layout'])} and cannot be resumed by this run, "
+                    f"{describe_layout(layout)} ({'; '.join(native_layout_changes(was, here))}): a checkpoint in a "
+                    "backend's own format only (Megatron-LM) resumes under the layout that wrote it, and other "
+                    "layouts do not resume into that backend; set those back in the Accelerate config (or on the "
+                    "accelerate launch command line), or start from the exported final/ model",
                 )
             ]
         )

@@ -66,8 +66,8 @@ def set_scheduler_position(scheduler, position: int) -> None:
 def reschedule(scheduler, learning_rate: float, position: int) -> None:
     """A resume with a changed learning rate or schedule (max_steps, warmup, type): the restored schedule
     continues from `position` with the run config's peak learning rate and formula (the restored state holds
-    the old peak; the formula is always the current config's). Schedulers without torch's LambdaLR state
-    (Megatron-LM's own) keep theirs."""
+    the old peak; the formula is always the current config's). Megatron-LM's own scheduler, which has no
+    LambdaLR state, takes the run's values when its backend loads the checkpoint (megatron.Backend.load_state)."""
     inner = getattr(scheduler, "scheduler", scheduler)
     if not hasattr(inner, "base_lrs"):
         return

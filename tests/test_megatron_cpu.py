@@ -61,7 +61,14 @@ def args(assets, micro: int = 4, *more: str) -> list[str]:
     return base_args(assets.llama, assets.instruction, *batch, *steps, *more)
 
 
-def run_megatron(megatron_lm: str, out: Path, *run_args: str, layout: tuple[str, ...] = (), timeout: int = 300):
+def run_megatron(
+    megatron_lm: str,
+    out: Path,
+    *run_args: str,
+    layout: tuple[str, ...] = (),
+    timeout: int = 300,
+    expect_ok: bool = True,
+):
     """accelerate launch --config_file accelerate_configs/megatron_tp2.yaml [layout] -m finetune ..., the ranks
     with the CUDA stand-in and Megatron-LM on PYTHONPATH (the launcher process ignores the stand-in)."""
     path = os.pathsep.join(p for p in (str(STANDIN), megatron_lm, os.environ.get("PYTHONPATH")) if p)
@@ -74,6 +81,7 @@ def run_megatron(megatron_lm: str, out: Path, *run_args: str, layout: tuple[str,
             extra_env=env,
             timeout=timeout,
             launch_args=("--num_processes", "2", *layout),
+            expect_ok=expect_ok,
         )
     except BaseException:
         kill_leftovers(out)  # a failed run's leftovers must not outlive the test
@@ -236,13 +244,62 @@ def test_pp2_two_micro_batches_equals_one_process(megatron_lm, assets, single, t
 
 
 @pytest.mark.slow
-def test_distributed_optimizer_dp2_equals_one_process(megatron_lm, assets, single, table, tmp_path):
-    """TP 1 x PP 1 x DP 2 with Megatron's distributed optimizer; eval rows accelerate repeats count once."""
+def test_distributed_optimizer_dp2_equals_one_process_and_resumes_with_a_new_schedule(
+    megatron_lm, assets, single, table, tmp_path
+):
+    """TP 1 x PP 1 x DP 2 with Megatron's distributed optimizer; eval rows accelerate repeats count once.
+
+    Resumed from step_2 with another schedule (max_steps 5, learning rate 2e-3, warmup 8 steps: longer than the
+    run), its learning rates and losses are one process's resumed with the same change: before, the fp32 resume with
+    the distributed optimizer crashed in Megatron's load ("a view of a leaf Variable that requires grad"), Megatron's
+    scheduler asserted the checkpoint's lengths, then kept the checkpoint's peak learning rate, and a warmup as long
+    as the run asserted too. A resume under another mixed precision or without the distributed optimizer is refused
+    before anything loads (exit 2, naming both Accelerate keys; it was a KeyError from Megatron's load)."""
     dp = run_megatron(megatron_lm, tmp_path / "dp", *args(assets, 2), layout=DP2)
     layouts = rank_layouts(dp.output_dir)
     assert [(r["tp"], r["pp"], r["dp"]) for r in layouts] == [(1, 1, 2)] * 2
     assert "use_distributed_optimizer ....................... True" in megatron_printed(dp)
     compare(single, dp, table, "dp2_distributed_optimizer")
+
+    change = (
+        "--max_steps",
+        "5",
+        "--learning_rate",
+        "2e-3",
+        "--warmup_steps",
+        "8",
+        "--resume_from_checkpoint",
+        "latest",
+    )
+    for run in (single, dp):
+        shutil.copytree(run.output_dir, tmp_path / f"{run.output_dir.name}_part")
+        crash_after(tmp_path / f"{run.output_dir.name}_part", 2)
+    one = finetune(tmp_path / f"{single.output_dir.name}_part", *args(assets), *change)
+    resumed = run_megatron(megatron_lm, tmp_path / "dp_part", *args(assets, 2), *change, layout=DP2)
+    assert [r["step"] for r in resumed.train_rows] == [1, 2, 3, 4, 5]
+    rates = [[r["learning_rate"] for r in run.train_rows[2:]] for run in (one, resumed)]
+    assert rates[0] == pytest.approx([2e-3 * s / 8 for s in (3, 4, 5)]), rates  # (logged after each step)
+    assert rates[1] == pytest.approx(rates[0], rel=1e-12), rates
+    later = max_rel_diff(one.losses()[2:], resumed.losses()[2:])
+    table["dp2_resume_step2_new_schedule"] = {"loss_max_rel": later}
+    assert later <= LOSS_RTOL, (one.losses(), resumed.losses())
+
+    refused = run_megatron(
+        megatron_lm,
+        resumed.output_dir,
+        *args(assets, 2),
+        "--resume_from_checkpoint",
+        "latest",
+        layout=(*DP2[:-2], "--mixed_precision", "bf16"),
+        expect_ok=False,
+    )
+    assert refused.returncode == 2 and "Traceback" not in refused.output, refused.output[-3000:]
+    for words in (
+        "megatron_lm_use_distributed_optimizer is True in the checkpoint, False now",
+        "mixed_precision is no in the checkpoint, bf16 now",
+        "MEGATRON_LM TP 1 x PP 1 x DP 2, distributed optimizer, mixed precision no on 2 process(es)",
+    ):
+        assert words in refused.output, (words, refused.output[-3000:])
 
 
 @pytest.mark.slow

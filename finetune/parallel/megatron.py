@@ -570,6 +570,10 @@ def plugin_kwargs(cfg: RunConfig, env: Mapping[str, str] = os.environ, config=No
         # Megatron pads the vocabulary to a multiple of this x TP, and the padded logits enter the softmax: with
         # 1 the padded vocabulary is the real one whenever TP divides it (the loss is the HF model's loss)
         "make_vocab_size_divisible_by": 1,
+        # finetune owns the schedule (a resume may change max_steps, the learning rate or the warmup: checkpoint.py
+        # SCHEDULE_KEYS): Megatron's scheduler takes this run's values, not the checkpoint's (where they differ it
+        # would assert otherwise), and its position (num_steps) from the checkpoint
+        "override_opt_param_scheduler": True,
         **architecture_args(config, family),
         **(te_spec_args() if uses_transformer_engine() else LOCAL_SPEC_ARGS),
     }
@@ -744,7 +748,13 @@ def make_scheduler(optimizer, plan, warmup: int):
     from accelerate.utils import MegatronLMDummyScheduler
 
     dp = plan.data_parallel_size
-    return MegatronLMDummyScheduler(optimizer, total_num_steps=plan.total_steps * dp, warmup_num_steps=warmup * dp)
+    # Megatron's scheduler asserts warmup < decay steps, where every other backend's schedule (optim.build_scheduler)
+    # warms up over the whole run when warmup_steps >= total steps. Within the warmup Megatron's learning rate is
+    # max_lr x steps / warmup as theirs, and decay steps (here train_iters) count only after it: decaying from
+    # step warmup + 1 gives the same learning rates at every step the run takes (only the one logged after the last
+    # step may differ, where warmup equals the total steps: there the HF linear schedule has reached 0).
+    total = max(plan.total_steps, warmup + 1)
+    return MegatronLMDummyScheduler(optimizer, total_num_steps=total * dp, warmup_num_steps=warmup * dp)
 
 
 class Backend(ddp.Backend):
@@ -765,10 +775,18 @@ class Backend(ddp.Backend):
         super().__init__(accelerator, topology, cfg)
         self.hf = None  # the HF model given to prepare: its config, and save_pretrained for export
         self.optimizer = None  # Megatron's optimizer (accelerate's wrapper): its fp32 main weights for export
+        self.scheduler = None  # Megatron's scheduler (accelerate's wrapper): a resume sets this run's peak in it
         self.grad_norm = None
         self.eval_dict: dict = {}
         for note in NOTES:
             logger.info("megatron: %s", note)
+
+    def layout(self, plan) -> dict:
+        """What a checkpoint records about the run that writes it, and the mixed precision too: Megatron's own
+        checkpoint holds its optimizer's state as its precision keeps it (fp32 main weights beside 16-bit ones, or
+        none), and as the distributed optimizer shards it (Topology.distributed_optimizer), so a resume with either
+        changed is one under another layout, refused before anything loads (checkpoint.find_resume)."""
+        return {**super().layout(plan), "mixed_precision": self.mixed_precision}
 
     def fp32_master_weights(self) -> bool:
         """Megatron-LM updates its own GPT's weights, never the HF model finetune builds for its config (on the meta
@@ -802,7 +820,7 @@ class Backend(ddp.Backend):
             return self.eval_dict
 
         engine.train_step, engine.eval_step = keep_grad_norm, keep_eval_dict
-        self.optimizer = prepared[1]
+        self.optimizer, self.scheduler = prepared[1], prepared[4]
         _named(prepared[1], OptimizerStepRunsInForward)
         _named(prepared[4], SchedulerStepRunsInForward)
         return prepared
@@ -886,11 +904,23 @@ class Backend(ddp.Backend):
 
     def load_state(self, path: str) -> None:
         """Megatron's initial load of pretrained_checkpoint leaves args.finetune on, which makes every later
-        load skip the optimizer, scheduler, RNG and iteration: resume must turn it off first."""
+        load skip the optimizer, scheduler, RNG and iteration: resume must turn it off first.
+
+        The schedule is this run's, from the checkpoint's position on (a resume may change the learning rate,
+        max_steps or the warmup, as on every backend: checkpoint.SCHEDULE_KEYS): the plugin's
+        override_opt_param_scheduler makes Megatron's scheduler keep this run's lengths and peak, but each
+        parameter group carries its own peak (max_lr), restored with the optimizer's state, which wins over the
+        scheduler's: set back to this run's learning rate, then the learning rate is computed again."""
+        import torch
         from megatron.training import get_args
 
         get_args().finetune = False
-        self.acc.load_state(path)
+        with torch.no_grad():  # loading writes into parameters in place: with fp32 and the distributed optimizer the
+            self.acc.load_state(path)  # main weights are the parameters themselves (a leaf that requires grad)
+        for group in self.optimizer.param_groups:
+            if "max_lr" in group:
+                group["max_lr"] = self.cfg.train.learning_rate
+        self.scheduler.scheduler.step(0)  # Megatron's OptimizerParamScheduler: the learning rate at its position
 
     def hf_model(self, model):
         return self.hf

@@ -196,6 +196,7 @@ class Topology:
     fsdp_version: int = 0  # 0: not FSDP
     offload_optimizer: bool = False  # optimizer states (and step) on the CPU
     offload_params: bool = False  # parameters on the CPU between uses
+    distributed_optimizer: bool = False  # Megatron-LM: optimizer states sharded over the data-parallel ranks
 
     @property
     def replicas(self) -> int:
@@ -222,6 +223,8 @@ class Topology:
         out = asdict(self)
         out.pop("process_index"), out.pop("dp_rank")
         out["world_size"] = out.pop("num_processes")
+        if self.family != "megatron":  # (the layouts of other families, and their checkpoints, never had it)
+            out.pop("distributed_optimizer")
         return out
 
     @property
@@ -259,6 +262,8 @@ class Topology:
             wrong.append(f"ZeRO stage {self.zero_stage} under {self.family}")
         if self.fsdp_version and self.family != "fsdp":
             wrong.append(f"FSDP{self.fsdp_version} under {self.family}")
+        if self.distributed_optimizer and self.family != "megatron":
+            wrong.append(f"Megatron-LM's distributed optimizer under {self.family}")
         if wrong:
             raise ValueError(f"not a topology: {'; '.join(wrong)}")
 
@@ -283,6 +288,7 @@ class Topology:
             # Megatron's rank order tp-cp-ep-dp-pp: rank = tp_rank + tp * (dp_rank + dp * pp_rank)
             dp = n // (tp * pp)
             kw.update(tp=tp, pp=pp, num_micro_batches=launcher.megatron_micro_batches, dp=dp, dp_rank=(rank // tp) % dp)
+            kw.update(distributed_optimizer=launcher.megatron_distributed_optimizer)
         else:
             pc = getattr(accelerator, "parallelism_config", None)
             tp = pc.tp_size if pc is not None and pc.tp_enabled else 1
@@ -318,12 +324,41 @@ def distributed_type_name(state) -> str:
 
 
 def describe_layout(layout: dict) -> str:
-    """A checkpoint's recorded layout in words: "DEEPSPEED ZeRO-3 on 2 process(es)"."""
+    """A checkpoint's recorded layout in words: "DEEPSPEED ZeRO-3 on 2 process(es)", "MEGATRON_LM TP 2 x PP 1 x DP 1,
+    distributed optimizer, mixed precision bf16 on 2 process(es)"."""
     detail = [f"ZeRO-{layout['zero_stage']}" if layout.get("zero_stage") else ""]
     detail += [f"FSDP{layout['fsdp_version']}" if layout.get("fsdp_version") else ""]
-    detail += [f"TP {layout['tp']}" if layout.get("tp", 1) > 1 else ""]
-    what = " ".join([layout["distributed_type"], *[d for d in detail if d]])
+    if layout.get("family") == "megatron":
+        detail += [f"TP {layout['tp']} x PP {layout['pp']} x DP {layout['dp']}"]
+        detail += [", distributed optimizer" if layout.get("distributed_optimizer") else ""]
+        detail += [f", mixed precision {layout['mixed_precision']}" if "mixed_precision" in layout else ""]
+    else:
+        detail += [f"TP {layout['tp']}" if layout.get("tp", 1) > 1 else ""]
+    what = " ".join([layout["distributed_type"], *[d for d in detail if d]]).replace(" ,", ",")
     return f"{what} on {layout['world_size']} process(es)"
+
+
+# A recorded layout's entries, by the Accelerate config key (or `accelerate launch` flag) that sets them.
+ACCELERATE_KEYS = {
+    "world_size": "num_processes",
+    "tp": "megatron_lm_tp_degree",
+    "pp": "megatron_lm_pp_degree",
+    "dp": "the data-parallel size (num_processes / (TP x PP))",
+    "num_micro_batches": "megatron_lm_num_micro_batches",
+    "distributed_optimizer": "megatron_lm_use_distributed_optimizer",
+}
+
+
+def native_layout_changes(was: Mapping, here: Mapping) -> list[str]:
+    """What differs between the layout a checkpoint in a backend's own format (Megatron-LM's) was written under and
+    this run's, each named by the Accelerate config key that sets it: "megatron_lm_use_distributed_optimizer is True
+    in the checkpoint, False now"."""
+    keys = [k for k in dict.fromkeys([*was, *here]) if k not in ("checkpoint_format", "global_batch_size")]
+    return [
+        f"{ACCELERATE_KEYS.get(k, k)} is {was.get(k)} in the checkpoint, {here.get(k)} now"
+        for k in keys
+        if was.get(k) != here.get(k)
+    ]
 
 
 def describe_observed(row: dict) -> str:
@@ -369,7 +404,9 @@ def read_config_file(
         mcfg = raw.get("megatron_lm_config") or {}
         tp, pp = int(mcfg.get("megatron_lm_tp_degree", 1)), int(mcfg.get("megatron_lm_pp_degree", 1))
         kw.update(tp=tp, pp=pp, num_micro_batches=int(mcfg.get("megatron_lm_num_micro_batches", 1)))
-        ds = {"megatron_distributed_optimizer": bool(mcfg.get("megatron_lm_use_distributed_optimizer", False))}
+        distributed_optimizer = _true(mcfg.get("megatron_lm_use_distributed_optimizer", False))
+        kw.update(distributed_optimizer=distributed_optimizer)
+        ds = {"megatron_distributed_optimizer": distributed_optimizer}
     tp_size = int((raw.get("parallelism_config") or {}).get("parallelism_config_tp_size", 1))
     if family in ("ddp", "fsdp") and tp_size > 1:
         family = family if family == "fsdp" else "tensor"
