@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import types
 from pathlib import Path
@@ -400,6 +401,30 @@ def test_megatron_reports_eval_values_over_all_rows_only(on_a_gpu_machine_with_m
     assert list(found) == ["metric_for_best_model"], found
     assert "'eval_bb_loss'" in found["metric_for_best_model"] and "eval_loss" in found["metric_for_best_model"]
     check(build_config({**values, "metric_for_best_model": "eval_loss"}))
+
+
+def test_the_documented_megatron_commands_pass_the_checks(monkeypatch, assets, tmp_path):
+    """docs/megatron.md's Run commands, with a local model and data in place of the Hub's (and the tiny model's 512
+    positions): accepted as written
+    (examples/sft.yaml alone is refused, for each override the doc gives). Before, the doc's command was refused."""
+    from finetune.config import parse
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(megatron, "megatron_lm_missing", lambda: None)
+    monkeypatch.chdir(ROOT)
+    run = (ROOT / "docs" / "megatron.md").read_text().split("### Run", 1)[1].split("\n### ", 1)[0]
+    commands = re.findall(
+        r"accelerate launch --config_file accelerate_configs/(\w+)\.yaml -m finetune ([^\n]*\\\n[^\n]*)", run
+    )
+    assert [name for name, _ in commands] == ["megatron_tp2", "megatron_tp2_pp2"], run
+    local = ["--dataset", assets.instruction, "--output_dir", str(tmp_path / "out"), "--max_seq_length", "512"]
+    for name, command in commands:
+        argv = command.replace("\\\n", " ").split()
+        argv[argv.index("--model") + 1] = assets.llama
+        launched_as(monkeypatch, name)
+        check(parse([*argv, *local]))
+        found = problems(parse(["--config", "examples/sft.yaml", "--model", assets.llama, *local]))
+        assert set(found) == {"gradient_accumulation_steps", "packing", "per_device_eval_batch_size"}, found
 
 
 def test_missing_or_mismatched_converted_checkpoint(on_a_gpu_machine_with_megatron, run_values, assets, tmp_path):
