@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,9 +72,10 @@ class BestRule:
         return value > than if self.greater_is_better else value < than
 
     def update(self, state: Any, value: float) -> Verdict:
-        """Record one evaluation's value at state.step in the trainer state; the verdict."""
+        """Record one evaluation's value at state.step in the trainer state; the verdict. A NaN is never the best
+        (transformers' Trainer starts from an infinite best): once best, nothing would have beaten it."""
         best = state.best_metric
-        new_best = best is None or self.better(value, best)
+        new_best = not math.isnan(value) and (best is None or self.better(value, best))
         if self.patience is not None:
             improved = best is None or (new_best and abs(value - best) > self.threshold)
             state.evals_without_improvement = 0 if improved else state.evals_without_improvement + 1

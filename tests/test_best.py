@@ -24,7 +24,7 @@ def expected_stop(values: list[float], patience: int, threshold: float, greater:
     any strictly better value."""
     best, bad = None, 0
     for i, v in enumerate(values):
-        better = best is None or (v > best if greater else v < best)
+        better = v == v and (best is None or (v > best if greater else v < best))  # NaN (v != v) is never better
         if best is None or (better and abs(v - best) > threshold):
             bad = 0
         else:
@@ -45,8 +45,10 @@ def transformers_stop(values: list[float], patience: int, threshold: float, grea
     callback, control = EarlyStoppingCallback(patience, threshold), TrainerControl()
     for i, v in enumerate(values):
         callback.on_evaluate(args, state, control, metrics={"eval_loss": v})
-        if state.best_metric is None or (v > state.best_metric if greater else v < state.best_metric):
-            state.best_metric = v  # Trainer._determine_best_metric, after the callbacks
+        if state.best_metric is None:  # Trainer._determine_best_metric, after the callbacks
+            state.best_metric = float("-inf") if greater else float("inf")
+        if v > state.best_metric if greater else v < state.best_metric:
+            state.best_metric = v
         if control.should_training_stop:
             return i
     return None
@@ -57,6 +59,7 @@ SEQUENCES = [
     [5.0, 4.0, 3.995, 3.99, 3.98, 2.0],  # improvements below the threshold
     [1.0, 2.0, 3.0, 2.5, 4.0],
     [3.0, 3.0, 3.0],
+    [float("nan"), 5.0, 4.0, float("nan"), 3.9, float("nan"), 3.0],  # a NaN eval is never the best
 ]
 
 
@@ -70,7 +73,7 @@ def test_rule_is_transformers_early_stopping(values, patience, threshold, greate
     for i, v in enumerate(values):
         state.step = i + 1
         verdict = rule.update(state, v)
-        if best is None or (v > best if greater else v < best):
+        if v == v and (best is None or (v > best if greater else v < best)):
             best = v
             assert verdict.new_best and state.best_step == i + 1
         else:
