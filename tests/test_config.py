@@ -288,6 +288,15 @@ def test_non_finite_numbers_and_seeds_out_of_range_are_problems_of_their_key(tmp
     assert parse(["--config", str(tmp_path / "run.yaml"), "--seed", str(2**32 - 1)]).train.seed == 2**32 - 1
 
 
+def test_a_fraction_of_the_run_as_steps_says_a_count_is_expected(tmp_path, valid):
+    """transformers takes eval_steps: 0.1 as a tenth of the run; here it is one problem saying a count is wanted."""
+    with pytest.raises(ConfigError) as info:
+        parse(["--config", write_yaml(tmp_path / "run.yaml", valid), "--eval_steps", "0.1"])
+    assert info.value.problems == [
+        ("eval_steps", "expected a number of steps, got 0.1 (a fraction of the run is not taken here)")
+    ]
+
+
 def test_unknown_flag_is_one_problem(tmp_path, valid):
     path = write_yaml(tmp_path / "run.yaml", valid)
     with pytest.raises(ConfigError) as info:

@@ -569,6 +569,8 @@ def coerce(section: str, name: str, value: Any) -> tuple[Any, str | None]:
         return value, f"must be a finite number, got {value!r}"
     if base is int:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            if name.endswith("_steps") and isinstance(value, float) and 0 < value < 1:  # transformers' ratio form
+                return value, f"expected a number of steps, got {value!r} (a fraction of the run is not taken here)"
             return value, f"expected an integer, got {value!r}"
         return int(value), None
     if base is float:
