@@ -382,3 +382,81 @@ def test_training_and_eval_forwards_build_no_kv_cache(assets):
         assert caches == [None, None] and model.config.use_cache
         net(input_ids=ids)  # the model's own default is untouched: a plain forward still builds one
         assert caches[-1] is not None
+
+
+def test_the_accelerate_side_cannot_override_what_the_run_config_owns(tmp_path):
+    """accelerate's DeepSpeedPlugin fills the JSON's "auto" accumulation and clipping from what the launcher passes
+    (an inline deepspeed_config key, `accelerate launch --gradient_accumulation_steps`), and its accumulation then
+    replaces the run config's; deepspeed.problems refuses every such value that differs, each naming the Accelerate
+    key and the run-config key, as it refuses a JSON's. Also refused before any model loads: a JSON train_batch_size
+    that is not the run's (DeepSpeed asserted after the model loaded), ZeRO stage 0, NVMe offload where DeepSpeed's
+    async_io op cannot load (here only), and an FSDP1 config (finetune runs FSDP2 only). Each environment is the one
+    accelerate's own launcher code builds from the config file (topology.launch_environment)."""
+    import json
+
+    import yaml
+
+    from finetune.config import build_config
+    from finetune.parallel import deepspeed, fsdp
+    from finetune.parallel.topology import launch_environment
+
+    values = {"model": "(config given)", "dataset": "d.jsonl", "output_dir": str(tmp_path)}
+    values |= {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 2, "max_grad_norm": 1.0}
+    cfg = build_config(values, check_filesystem=False)
+
+    def refused(acc: dict, ds: dict | None = None, flags: dict | None = None, here: bool = True) -> dict[str, str]:
+        acc = {"distributed_type": "DEEPSPEED", "num_processes": 2, **acc}
+        if ds is not None:
+            shipped = json.loads((ROOT / "ds_configs" / "zero2.json").read_text())
+            (tmp_path / "ds.json").write_text(json.dumps({**shipped, **ds}))
+            acc["deepspeed_config"] = {"deepspeed_config_file": str(tmp_path / "ds.json")}
+        (tmp_path / "acc.yaml").write_text(yaml.safe_dump(acc))
+        env = {**launch_environment(tmp_path / "acc.yaml", 2), **(flags or {})}
+        module = fsdp if acc["distributed_type"] == "FSDP" else deepspeed
+        return dict(module.problems(cfg, env, here=here))
+
+    assert refused({}, {}) == {}  # the shipped JSON: everything "auto"
+    # `accelerate launch --gradient_accumulation_steps 4 / --gradient_clipping 0.5` (accelerate's launch.py sets these)
+    flag = {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4", "ACCELERATE_GRADIENT_CLIPPING": "0.5"}
+    got = refused({}, {}, flag)
+    assert set(got) == {"gradient_accumulation_steps", "max_grad_norm"}, got
+    assert "--gradient_accumulation_steps" in got["gradient_accumulation_steps"]
+    assert "gradient_accumulation_steps=2" in got["gradient_accumulation_steps"]
+    assert "--gradient_clipping" in got["max_grad_norm"] and "max_grad_norm=1.0" in got["max_grad_norm"]
+    same = {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "2", "ACCELERATE_GRADIENT_CLIPPING": "1.0"}
+    assert refused({}, {}, same) == {}
+    # what `accelerate config` writes inline: gradient_accumulation_steps 1; and a clipping of its own
+    inline = {"gradient_accumulation_steps": 1, "gradient_clipping": 0.5, "zero_stage": 2}
+    got = refused({"deepspeed_config": inline})
+    assert set(got) == {"gradient_accumulation_steps", "max_grad_norm"}, got
+    assert "deepspeed_config key gradient_accumulation_steps" in got["gradient_accumulation_steps"]
+    assert refused({"deepspeed_config": {**inline, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0}}) == {}
+    # train_batch_size: per device 2 x accumulation 2 x 2 processes
+    got = refused({}, {"train_batch_size": 16})
+    assert list(got) == ["per_device_train_batch_size"] and '"auto"' in got["per_device_train_batch_size"], got
+    assert "= 8" in got["per_device_train_batch_size"]
+    assert refused({}, {"train_batch_size": 8}) == {}
+    # ZeRO stage 0, from a JSON or inline
+    assert list(refused({}, {"zero_optimization": {"stage": 0}})) == ["zero_stage"]
+    got = refused({"deepspeed_config": {"zero_stage": 0}})
+    assert list(got) == ["zero_stage"] and "accelerate_configs/ddp.yaml" in got["zero_stage"], got
+    # NVMe offload: refused where DeepSpeed's async_io op cannot load (this machine's libaio decides), never in plans
+    nvme = {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}}
+    got = refused({}, {"zero_optimization": nvme})
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if AsyncIOBuilder().is_compatible():
+        assert got == {}
+    else:
+        assert list(got) == ["offload_param"] and "libaio-dev" in got["offload_param"], got
+    assert refused({}, {"zero_optimization": nvme}, here=False) == {}
+    from finetune.parallel.topology import Topology
+
+    where = {"offload_optimizer": True, "offload_params": True, "offload_to": ("cpu", "nvme")}
+    said = Topology("deepspeed", "DEEPSPEED", num_processes=2, num_machines=1, process_index=0, dp=2, **where).summary()
+    assert "offload optimizer to CPU, parameters to NVMe" in said, said
+    # FSDP1 (no fsdp_version: accelerate's default) anywhere; FSDP2 not
+    fsdp_config = {"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_offload_params": False}
+    got = refused({"distributed_type": "FSDP", "fsdp_config": fsdp_config})
+    assert list(got) == ["fsdp_version"] and "accelerate_configs/fsdp2.yaml" in got["fsdp_version"], got
+    assert refused({"distributed_type": "FSDP", "fsdp_config": {**fsdp_config, "fsdp_version": 2}}) == {}

@@ -33,7 +33,7 @@ import torch
 from finetune import console
 from finetune.config import RunConfig, TrainArgs
 from finetune.parallel import base, ddp
-from finetune.parallel.topology import Launcher
+from finetune.parallel.topology import DEEPSPEED_KEYS, Launcher, deepspeed_offload_devices
 
 
 def project_cache() -> Path:
@@ -48,8 +48,12 @@ def environment(cfg: RunConfig) -> None:
     # Importing DeepSpeed logs "Setting accelerator to CPU" (no GPU) through its own console handler: to the
     # rank's log instead of the screen (finetune/console.py).
     console.quiet_import("deepspeed")
-    # accelerate fills the JSON's "gradient_clipping": "auto" from this (else it would use 1.0).
-    os.environ["ACCELERATE_GRADIENT_CLIPPING"] = str(cfg.train.max_grad_norm)
+    # accelerate's DeepSpeedPlugin fills the JSON's "auto" accumulation and clipping from these (else from its own
+    # defaults, 1 and 1.0), and its accumulation then replaces the Accelerator's. A value the launcher set (the
+    # Accelerate config, `accelerate launch --gradient_accumulation_steps`) is kept: problems() refuses it unless it
+    # equals the run config's.
+    for key, value in _launcher_owned(cfg.train).items():
+        os.environ.setdefault(DEEPSPEED_KEYS[key], str(value))
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(project_cache() / "torch_extensions"))
     announce_op_builds()
     compile_on_first_call()
@@ -60,37 +64,61 @@ def environment(cfg: RunConfig) -> None:
     # accelerate's CPU mode (ACCELERATE_USE_CPU) would silently turn a DeepSpeed config into plain MULTI_CPU.
 
 
-def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here: bool = True) -> list[tuple[str, str]]:
-    """A DeepSpeed JSON whose batch/accumulation/clipping contradict the run config, or that defines its own
-    optimizer or scheduler (the run config's AdamW and schedule are used on every backend)."""
-    path = Launcher.read(env).deepspeed_config_file
-    if not path:
-        return []
-    try:
+def _launcher_owned(train: TrainArgs) -> dict[str, float]:
+    """The Accelerate config's DeepSpeed keys (topology.DEEPSPEED_KEYS) the run config owns -> the run config's
+    value."""
+    return {"gradient_accumulation_steps": train.gradient_accumulation_steps, "gradient_clipping": train.max_grad_norm}
+
+
+RUN_CONFIG_FIELD = {"gradient_accumulation_steps": "gradient_accumulation_steps", "gradient_clipping": "max_grad_norm"}
+
+
+def requested_config(launcher: Launcher) -> tuple[dict, str]:
+    """The DeepSpeed config the launch asks for, before accelerate fills its "auto" values: the JSON file, or the
+    one accelerate's DeepSpeedPlugin builds from the Accelerate config's inline keys; and how to name it in a
+    message. OSError / JSONDecodeError for a JSON that cannot be read."""
+    path = launcher.deepspeed_config_file
+    if path:
         with open(path) as f:
-            ds = json.load(f)
+            return json.load(f), f"the DeepSpeed config {path}"
+    keys = launcher.deepspeed_keys
+    zero = {
+        "stage": int(keys.get("zero_stage", 2)),
+        "offload_optimizer": {"device": keys.get("offload_optimizer_device", "none")},
+        "offload_param": {"device": keys.get("offload_param_device", "none")},
+        "stage3_gather_16bit_weights_on_model_save": keys.get("zero3_save_16bit_model", "false") == "true",
+    }
+    return {"zero_optimization": zero}, "the Accelerate config's deepspeed_config"
+
+
+def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here: bool = True) -> list[tuple[str, str]]:
+    """What the run config owns set otherwise on the Accelerate side (an inline deepspeed_config key, an `accelerate
+    launch` flag, a DeepSpeed JSON value), a DeepSpeed JSON that defines its own optimizer or scheduler (the run
+    config's AdamW and schedule are used on every backend), and what finetune's DeepSpeed cannot run: ZeRO stage 0,
+    NVMe offload where DeepSpeed's async I/O op cannot load (here only: finetune plan plans for other machines)."""
+    launcher = Launcher.read(env)
+    out = _set_by_the_launcher(cfg.train, launcher)
+    try:
+        ds, where = requested_config(launcher)
     except (OSError, json.JSONDecodeError) as e:
-        return [
-            (
-                "deepspeed_config_file",
-                f"cannot read {path}: {e}; fix the JSON, or point the Accelerate config's deepspeed_config_file "
-                "at a valid file",
-            )
-        ]
-    out = []
-    if cfg.peft.load_in_4bit and str((ds.get("zero_optimization") or {}).get("stage")) == "3":
+        path = launcher.deepspeed_config_file
+        fix = "fix the JSON, or point the Accelerate config's deepspeed_config_file at a valid file"
+        return [*out, ("deepspeed_config_file", f"cannot read {path}: {e}; {fix}")]
+    zero = ds.get("zero_optimization") or {}
+    if cfg.peft.load_in_4bit and str(zero.get("stage")) == "3":
         why = (
             "transformers loads a 4-bit model without ZeRO-3's partitioned start, and DeepSpeed would partition "
             "bitsandbytes' packed weights, a path never proven"
         )
-        out.append(base.qlora_refused(f"ZeRO-3 ({path})", why))
-    for key, (field, ours) in _owned_by_run_config(cfg.train).items():
+        out.append(base.qlora_refused(f"ZeRO-3 ({where})", why))
+    out += _not_run(zero, where, here)
+    for key, (field, ours, said) in _owned_by_run_config(cfg.train, launcher.world_size).items():
         value = ds.get(key, "auto")
-        if value != "auto" and float(value) != float(ours):
+        if value != "auto" and not _same(value, ours):
             out.append(
                 (
                     field,
-                    f"the DeepSpeed config {path} sets {key}={value} but the run config has {field}={ours}; "
+                    f"{where} sets {key}={value} but the run config has {said}; "
                     'set it to "auto" in the JSON (finetune fills it)',
                 )
             )
@@ -99,20 +127,85 @@ def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here: bool = T
             out.append(
                 (
                     key,
-                    f"the DeepSpeed config {path} defines its own {key}; remove it: the run config's AdamW and "
+                    f"{where} defines its own {key}; remove it: the run config's AdamW and "
                     "lr_scheduler_type are used on every backend",
                 )
             )
     return out
 
 
-def _owned_by_run_config(train: TrainArgs) -> dict[str, tuple[str, float]]:
-    """DeepSpeed JSON key -> (run-config field, value) for the keys accelerate fills when "auto"."""
-    return {
+def _set_by_the_launcher(train: TrainArgs, launcher: Launcher) -> list[tuple[str, str]]:
+    """An accumulation or clipping the Accelerate side sets (inline deepspeed_config, `accelerate launch` flags) that
+    differs from the run config's: accelerate would train with it (and fill the JSON's "auto" from it)."""
+    out = []
+    for key, ours in _launcher_owned(train).items():
+        value, field = launcher.deepspeed_keys.get(key), RUN_CONFIG_FIELD[key]
+        if value is not None and not _same(value, ours):
+            out.append(
+                (
+                    field,
+                    f"the Accelerate side sets {key} {value} (its deepspeed_config key {key}, or `accelerate launch "
+                    f"--{key}`) but the run config has {field}={ours}; the run config owns it: remove it from the "
+                    f"Accelerate config and the launch command, or set the run config's {field} to {value}",
+                )
+            )
+    return out
+
+
+def _not_run(zero: Mapping, where: str, here: bool) -> list[tuple[str, str]]:
+    """What finetune's DeepSpeed does not run: ZeRO stage 0 (DeepSpeed's default stage); NVMe offload where the
+    async_io op cannot load (here: on this machine)."""
+    out = []
+    if str(zero.get("stage", 0)) == "0":
+        out.append(
+            (
+                "zero_stage",
+                f"{where} asks for ZeRO stage 0 (DeepSpeed without ZeRO), which finetune does not run; for the same "
+                "data parallelism without sharding use accelerate_configs/ddp.yaml, else ZeRO stage 1, 2 or 3",
+            )
+        )
+    nvme = [k for k, d in zip(("offload_optimizer", "offload_param"), deepspeed_offload_devices(zero)) if d == "nvme"]
+    blocker = async_io_blocker() if nvme and here else None
+    if blocker:
+        out.append((nvme[0], f"{where} offloads {' and '.join(nvme)} to NVMe, but {blocker}"))
+    return out
+
+
+def _same(value, ours: float) -> bool:
+    try:
+        return float(value) == float(ours)
+    except (TypeError, ValueError):
+        return False
+
+
+def async_io_blocker() -> str | None:
+    """Why DeepSpeed's async I/O op (NVMe offload) cannot load on this machine; None when it can."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if AsyncIOBuilder().is_compatible(verbose=False):
+        return None
+    return (
+        "DeepSpeed's async_io op cannot be built here (it needs libaio: install libaio-dev, e.g. `apt install "
+        "libaio-dev`); or offload to the CPU instead (offload device cpu: accelerate_configs/zero3_offload.yaml)"
+    )
+
+
+def _owned_by_run_config(train: TrainArgs, world_size: int) -> dict[str, tuple[str, float, str]]:
+    """DeepSpeed JSON key -> (run-config field, value, how a message says it) for the keys accelerate fills when
+    "auto"."""
+    owned = {
         "train_micro_batch_size_per_gpu": ("per_device_train_batch_size", train.per_device_train_batch_size),
         "gradient_accumulation_steps": ("gradient_accumulation_steps", train.gradient_accumulation_steps),
         "gradient_clipping": ("max_grad_norm", train.max_grad_norm),
     }
+    out = {key: (field, value, f"{field}={value}") for key, (field, value) in owned.items()}
+    rows = train.per_device_train_batch_size * train.gradient_accumulation_steps * world_size
+    said = (
+        f"per_device_train_batch_size {train.per_device_train_batch_size} x gradient_accumulation_steps "
+        f"{train.gradient_accumulation_steps} x {world_size} process(es) = {rows}"
+    )
+    out["train_batch_size"] = ("per_device_train_batch_size", rows, said)
+    return out
 
 
 def accelerator_kwargs(cfg: RunConfig) -> dict:

@@ -50,6 +50,15 @@ def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here: bool = T
     launcher = Launcher.read(env)
     tp = launcher.tp_size
     p = tensor.model_problems(cfg, tp) if tp > 1 else []
+    if launcher.fsdp_version != 2:
+        p.append(
+            (
+                "fsdp_version",
+                f"the Accelerate config asks for FSDP{launcher.fsdp_version} (its fsdp_config has no `fsdp_version: "
+                "2`), and finetune runs FSDP2 only (torch's fully_shard: its mixed precision, checkpoints and full "
+                "weights by name); add `fsdp_version: 2` under fsdp_config, or start from accelerate_configs/fsdp2.yaml",
+            )
+        )
     sizes = launcher.parallelism_sizes
     mesh = math.prod(sizes.values())
     if launcher.use_parallelism_config and mesh != launcher.world_size:

@@ -49,15 +49,30 @@ RANK_KEYS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
 LOCAL_SIZE_KEYS = (
     "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"
 )  # fmt: skip
+# The Accelerate config's DeepSpeed keys (inline, or `accelerate launch --<key>`) as accelerate's launcher passes them
+DEEPSPEED_KEYS = {
+    "gradient_accumulation_steps": "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+    "gradient_clipping": "ACCELERATE_GRADIENT_CLIPPING",
+    "zero_stage": "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+    "offload_optimizer_device": "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+    "offload_param_device": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+    "zero3_save_16bit_model": "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
+}
 NODE_KEYS = ("GROUP_RANK", "CROSS_RANK")  # torchrun's, DeepSpeed launch.py's index of this machine
 MACHINES_KEYS = ("ACCELERATE_NUM_MACHINES", "CROSS_SIZE")
 
 
+def deepspeed_offload_devices(zero: Mapping) -> tuple[str, str]:
+    """Where (optimizer states, parameters) are offloaded ("none", "cpu", "nvme"), from a DeepSpeed config's
+    zero_optimization section."""
+    return tuple(
+        str((zero.get(key) or {}).get("device") or "none").lower() for key in ("offload_optimizer", "offload_param")
+    )
+
+
 def deepspeed_offloads(zero: Mapping) -> tuple[bool, bool]:
     """(optimizer states, parameters) offloaded, from a DeepSpeed config's zero_optimization section."""
-    return tuple(
-        zero.get(key, {}).get("device", "none") not in ("none", None) for key in ("offload_optimizer", "offload_param")
-    )
+    return tuple(device != "none" for device in deepspeed_offload_devices(zero))
 
 
 # ---------------------------------------------------------------- the launcher's environment, before the Accelerator
@@ -81,7 +96,12 @@ class Launcher:
     use_cpu: bool  # ACCELERATE_USE_CPU: `accelerate launch --cpu`, or a CPU rank (ddp.environment)
     use_deepspeed: bool  # ACCELERATE_USE_DEEPSPEED
     deepspeed_config_file: str | None  # ACCELERATE_DEEPSPEED_CONFIG_FILE: the DeepSpeed JSON
+    # ACCELERATE_DEEPSPEED_<ZERO_STAGE|OFFLOAD_OPTIMIZER_DEVICE|OFFLOAD_PARAM_DEVICE|ZERO3_SAVE_16BIT_MODEL> and
+    # ACCELERATE_GRADIENT_<ACCUMULATION_STEPS|CLIPPING>, by the Accelerate config's key (the inline `deepspeed_config`
+    # keys of `accelerate config`, or `accelerate launch` flags): what accelerate's DeepSpeedPlugin fills the JSON from
+    deepspeed_keys: Mapping[str, str]
     use_fsdp: bool  # ACCELERATE_USE_FSDP
+    fsdp_version: int  # FSDP_VERSION (1 where unset, as accelerate's FSDP plugin reads it)
     use_parallelism_config: bool  # ACCELERATE_USE_PARALLELISM_CONFIG
     parallelism_sizes: Mapping[str, int]  # PARALLELISM_CONFIG_<TP|DP_REPLICATE|DP_SHARD|CP>_SIZE (1: not said)
     use_megatron: bool  # ACCELERATE_USE_MEGATRON_LM
@@ -110,7 +130,9 @@ class Launcher:
             use_cpu=_true(env.get("ACCELERATE_USE_CPU", "")),
             use_deepspeed=_true(env.get("ACCELERATE_USE_DEEPSPEED")),
             deepspeed_config_file=env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"),
+            deepspeed_keys={k: env[v] for k, v in DEEPSPEED_KEYS.items() if v in env},
             use_fsdp=_true(env.get("ACCELERATE_USE_FSDP")),
+            fsdp_version=_int(env, "FSDP_VERSION", 1),
             use_parallelism_config=_true(env.get("ACCELERATE_USE_PARALLELISM_CONFIG")),
             parallelism_sizes={
                 k: _int(env, f"PARALLELISM_CONFIG_{k.upper()}_SIZE", 1)
@@ -197,6 +219,7 @@ class Topology:
     offload_optimizer: bool = False  # optimizer states (and step) on the CPU
     offload_params: bool = False  # parameters on the CPU between uses
     distributed_optimizer: bool = False  # Megatron-LM: optimizer states sharded over the data-parallel ranks
+    offload_to: tuple[str, str] = ("cpu", "cpu")  # where offloaded (optimizer states, parameters) live: cpu or nvme
 
     @property
     def replicas(self) -> int:
@@ -221,7 +244,7 @@ class Topology:
     def layout(self) -> dict:
         """What a checkpoint records about the run that wrote it (a resume under another layout converts)."""
         out = asdict(self)
-        out.pop("process_index"), out.pop("dp_rank")
+        out.pop("process_index"), out.pop("dp_rank"), out.pop("offload_to")  # (where offloaded state lives: not)
         out["world_size"] = out.pop("num_processes")
         if self.family != "megatron":  # (the layouts of other families, and their checkpoints, never had it)
             out.pop("distributed_optimizer")
@@ -243,9 +266,13 @@ class Topology:
             parts.append(f"ZeRO-{self.zero_stage}")
         if self.fsdp_version:
             parts.append(f"FSDP{self.fsdp_version}")
-        if self.offload_optimizer or self.offload_params:
-            what = [n for n, on in (("optimizer", self.offload_optimizer), ("parameters", self.offload_params)) if on]
-            parts.append(f"offload {'+'.join(what)} to CPU")
+        offloaded = zip(("optimizer", "parameters"), (self.offload_optimizer, self.offload_params), self.offload_to)
+        to: dict[str, list[str]] = {}
+        for what, on, device in offloaded:
+            if on:
+                to.setdefault("NVMe" if device == "nvme" else "CPU", []).append(what)
+        if to:
+            parts.append("offload " + ", ".join(f"{'+'.join(what)} to {device}" for device, what in to.items()))
         sizes = f"data parallel {self.dp} x tensor {self.tp} x pipeline {self.pp}"
         return f"{', '.join(parts)}; {sizes} on {self.num_machines} machine(s)"
 
@@ -277,8 +304,10 @@ class Topology:
         kw: dict = {}
         if family == "deepspeed":
             plugin = state.deepspeed_plugin
-            optimizer, params = deepspeed_offloads(plugin.deepspeed_config.get("zero_optimization", {}))
+            zero = plugin.deepspeed_config.get("zero_optimization", {})
+            optimizer, params = deepspeed_offloads(zero)
             kw.update(zero_stage=int(plugin.zero_stage), offload_optimizer=optimizer, offload_params=params)
+            kw.update(offload_to=deepspeed_offload_devices(zero))
         elif family == "fsdp":
             plugin = state.fsdp_plugin
             offload = fsdp_offloads(plugin)  # FSDP's CPU offload moves parameters, gradients and optimizer states
@@ -452,6 +481,7 @@ def _deepspeed_file(raw: dict, path: Path, mixed: str | None, kw: dict) -> tuple
     zero = ds.get("zero_optimization", {})
     optimizer, params = deepspeed_offloads(zero)
     kw.update(zero_stage=int(zero.get("stage", 0)), offload_optimizer=optimizer, offload_params=params)
+    kw.update(offload_to=deepspeed_offload_devices(zero))
     for key in ("bf16", "fp16"):
         if mixed in (None, "no") and str((ds.get(key) or {}).get("enabled")).lower() == "true":
             mixed = key
