@@ -457,3 +457,53 @@ def test_transformers_still_keeps_unused_conversions_under_zero3():
     assert "model_to_load._weight_conversions = weight_mapping\n" in inspect.getsource(
         deepspeed._load_state_dict_into_zero3_model
     )
+
+
+def test_zero3_fp16_checkpoints_before_the_first_update_and_resumes(assets, tmp_path):
+    """A DeepSpeed JSON with fp16 whose loss scale starts too high (the opening steps skipped by the loss scaler) and,
+    as accelerate config's default answer writes, stage3_gather_16bit_weights_on_model_save false. The step-2
+    checkpoint comes before any update (the step-6 one after): it holds no Adam moments, as DDP's (asking DeepSpeed for them raised
+    KeyError 'exp_avg' on both ranks); the gather is set true (else a ValueError at the first checkpoint, nothing
+    saved), so final/ is the trained model; and 2 + resume + 4 steps == 6 steps, the loss scale included (a reset
+    scale would skip more steps)."""
+    import shutil
+
+    import yaml
+    from conftest import crash_after
+
+    ds = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
+    ds["fp16"] = {"enabled": True, "initial_scale_power": 21, "loss_scale_window": 1000, "hysteresis": 1}
+    ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
+    # "none" offload devices, as accelerate config writes them: nothing offloaded (was reported as offload_params True)
+    ds["zero_optimization"] |= {"offload_param": {"device": "none"}, "offload_optimizer": {"device": "none"}}
+    (tmp_path / "zero3_fp16.json").write_text(json.dumps(ds))
+    acc = yaml.safe_load((ROOT / "accelerate_configs" / "zero3.yaml").read_text())
+    acc["deepspeed_config"]["deepspeed_config_file"] = str(tmp_path / "zero3_fp16.json")
+    config = tmp_path / "zero3_fp16.yaml"
+    config.write_text(yaml.safe_dump(acc))
+    args = base_args(assets.llama, assets.instruction, "--max_steps", "6", "--save_steps", "2", "--eval_fraction", "0")
+    args += ["--per_device_train_batch_size", "2", "--learning_rate", "1e-3"]
+    straight = finetune(tmp_path / "straight", *args, launcher=str(config))
+    rows = straight.train_rows
+    assert not rows[-1]["offload_params"] and not rows[-1]["offload_optimizer"], rows[-1]
+    skipped = [r["skipped_steps"] for r in rows]
+    assert skipped[:2] == [1, 2] and skipped[-1] == skipped[-2] < 5, skipped  # the first ones skipped, then updates
+    assert "stage3_gather_16bit_weights_on_model_save set true" in straight.output
+    moments = {
+        step: {
+            k.split("/")[0]
+            for k in load_file(str(straight.output_dir / f"checkpoints/step_{step}/portable/optimizer.safetensors"))
+        }
+        for step in (2, 6)
+    }
+    assert moments == {2: set(), 6: {"param", "exp_avg", "exp_avg_sq"}}, moments
+    base = load_file(os.path.join(assets.llama, "model.safetensors"))
+    final = load_file(str(straight.output_dir / "final" / "model.safetensors"))
+    assert set(final) == set(base) and max_tensor_diff(final, base) > 1e-4  # trained, whole
+    part = tmp_path / "resumed"
+    shutil.copytree(straight.output_dir, part)
+    crash_after(part, 2)
+    resumed = finetune(part, *args, "--resume_from_checkpoint", "latest", launcher=str(config))
+    assert "resumed from" in resumed.output
+    assert resumed.losses() == straight.losses()
+    assert max_tensor_diff(load_file(str(part / "final" / "model.safetensors")), final) == 0

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,6 +35,8 @@ from finetune import console
 from finetune.config import RunConfig, TrainArgs
 from finetune.parallel import base, ddp
 from finetune.parallel.topology import DEEPSPEED_KEYS, Launcher, deepspeed_offload_devices
+
+logger = logging.getLogger("finetune")
 
 
 def project_cache() -> Path:
@@ -259,6 +262,26 @@ def _json_says_bf16() -> bool:
         return False
 
 
+def gather_16bit_weights_on_save(plugin) -> bool:
+    """Under ZeRO-3 finetune's checkpoints and export need the full weights gathered from the partitions, which
+    DeepSpeed and accelerate do only with zero_optimization.stage3_gather_16bit_weights_on_model_save true; false (a
+    JSON's, or `zero3_save_16bit_model: false`, accelerate config's default answer) trained, then failed at the
+    first checkpoint or export with nothing saved. The switch affects saving only (DeepSpeed's engine reads it in
+    save_16bit_model alone): set true, and said. Returns True when it was set."""
+    zero = plugin.deepspeed_config.setdefault("zero_optimization", {})
+    was = zero.get("stage3_gather_16bit_weights_on_model_save")
+    if str(zero.get("stage")) != "3" or was is True:
+        return False
+    zero["stage3_gather_16bit_weights_on_model_save"] = True
+    plugin.zero3_save_16bit_model = True
+    logger.info(
+        "ZeRO-3: stage3_gather_16bit_weights_on_model_save set true (the DeepSpeed config had %s): finetune's "
+        "checkpoints and export gather the full weights",
+        json.dumps(was),
+    )
+    return True
+
+
 def keep_used_weight_conversions(model) -> None:
     """Workaround (transformers 5.23): under ZeRO-3, from_pretrained keeps every weight conversion it tried as the
     ones to revert on save (integrations/deepspeed.py: `model_to_load._weight_conversions = weight_mapping`),
@@ -280,6 +303,7 @@ class Backend(ddp.Backend):
     def __init__(self, accelerator, topology, cfg: RunConfig):
         super().__init__(accelerator, topology, cfg)
         bf16_through_autocast(accelerator.state.deepspeed_plugin)
+        gather_16bit_weights_on_save(accelerator.state.deepspeed_plugin)
 
     def writes_after_its_collectives(self) -> bool:
         return True  # made so: finish_collectives_after_a_write_error
@@ -370,8 +394,8 @@ class Backend(ddp.Backend):
         engine = model
         return {
             "zero_stage": int(engine.zero_optimization_stage()),
-            "offload_optimizer": bool(engine.zero_cpu_offload()),
-            "offload_params": bool(engine.zero_offload_param()),
+            "offload_optimizer": _offloaded(engine.zero_offload_optimizer()),
+            "offload_params": _offloaded(engine.zero_offload_param()),
             "parameter_shard": base.local_fraction(engine.module.parameters(), self.numel),
             "fp32_master_copy": any(a.data_ptr() != b.data_ptr() for a, b in _master_and_weights(engine.optimizer)),
         }
@@ -403,8 +427,12 @@ class Backend(ddp.Backend):
         return weights
 
     def full_adam_moments(self, model, optimizer):
+        """As DDP's: no moments before the first update went through (fp16's loss scaler can skip the opening steps:
+        DeepSpeed creates Adam's state at the first applied step, and asking for it before then raised)."""
         from deepspeed.utils import safe_get_full_optimizer_state
 
+        if not _updated(optimizer):
+            return {}  # (and no relink: DeepSpeed links its views itself at the first update)
         relink_optimizer_states(optimizer)
         out = {}
         main = self.acc.is_main_process
@@ -440,6 +468,20 @@ class Backend(ddp.Backend):
                     safe_set_full_fp32_param(p, value)
                 else:
                     safe_set_full_optimizer_state(p, value, key)
+
+
+def _updated(optimizer) -> bool:
+    """Whether an update went through: the inner optimizer (over this rank's flat fp32 partitions) has Adam's state,
+    which DeepSpeed creates at the first applied step. The same on every rank (a skipped step is skipped by all)."""
+    zero = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer
+    inner = getattr(zero, "optimizer", zero)
+    return bool(getattr(inner, "state", True))
+
+
+def _offloaded(offload) -> bool:
+    """Whether an engine's offload config (DeepSpeed's zero_offload_optimizer/_param: None, or an object whose
+    device may be "none") offloads anything (to the CPU or NVMe)."""
+    return offload is not None and str(getattr(offload.device, "value", offload.device)) != "none"
 
 
 def _master_and_weights(zero) -> list[tuple[torch.Tensor, torch.Tensor]]:
