@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune import chunked_loss, cluster
-from finetune.config import REFERENCE_METHODS
+from finetune.config import PREFERENCE_METRICS, REFERENCE_METHODS
 from finetune.config.schema import REFERENCE_FILE
 from finetune.data import PAIR_INDEX
 from finetune.formats import IGNORE
@@ -198,15 +198,11 @@ def _row_sums(stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _named(sums: dict[str, float]) -> dict[str, float]:
+    """The row's statistics, in PREFERENCE_METRICS' order (what metric_for_best_model may name)."""
     n = max(sums["pairs"], 1)
-    return {
-        "rewards_chosen": sums["chosen_reward"] / n,
-        "rewards_rejected": sums["rejected_reward"] / n,
-        "reward_margin": (sums["chosen_reward"] - sums["rejected_reward"]) / n,
-        "reward_accuracy": sums["correct"] / n,
-        "logps_chosen": sums["chosen_logps"] / n,
-        "logps_rejected": sums["rejected_logps"] / n,
-    }
+    chosen, rejected = sums["chosen_reward"], sums["rejected_reward"]
+    values = (chosen, rejected, chosen - rejected, sums["correct"], sums["chosen_logps"], sums["rejected_logps"])
+    return {k: v / n for k, v in zip(PREFERENCE_METRICS, values, strict=True)}
 
 
 # ---------------------------------------------------------------- the reference: the starting model

@@ -332,6 +332,18 @@ def test_dpo_learns_a_preference_it_was_not_shown(assets, tmp_path):
     start, end = r.eval_rows[0], r.eval_rows[-1]
     assert start["step"] == 0 and start["eval_reward_margin"] == 0 and start["eval_reward_accuracy"] == 0
     assert end["step"] == 40 and end["eval_reward_accuracy"] >= 0.9 and end["eval_reward_margin"] > 1, end
+    # each statistic the eval reports may be metric_for_best_model, and only those (it checked sft's keys: refused
+    # eval_reward_accuracy and took perplexity, which then stopped the run at its first eval)
+    from finetune.config import build_config
+
+    reported = [k for k in end if k.startswith(("eval_loss", "eval_reward", "eval_logps"))]
+    assert len(reported) == 7, end
+    values = {"model": "m", "dataset": "d.jsonl", "output_dir": str(tmp_path / "x"), "method": "dpo"}
+    for key in reported:
+        build_config({**values, "metric_for_best_model": key}, check_filesystem=False)
+    with pytest.raises(ConfigError) as refused:
+        build_config({**values, "metric_for_best_model": "perplexity"}, check_filesystem=False)
+    assert [k for k, _ in refused.value.problems] == ["metric_for_best_model"]
     # generation eval: the prompts continued and scored against the chosen answers, at every eval
     assert all("eval_exact_match" in row for row in (start, end))
     samples = [row["eval_samples"] for row in r.rows if "eval_samples" in row]

@@ -18,6 +18,7 @@ from finetune.config.schema import (
     NO_EVAL_DATA,
     PEFT_METHODS,
     PREEMPTION_SIGNALS,
+    PREFERENCE_METRICS,
     REFERENCE_METHODS,
     REFERENCES,
     SCHEDULERS,
@@ -349,7 +350,10 @@ def computed_metrics(cfg: RunConfig) -> tuple[list[str], list[str]]:
     Per source too (eval_<name>_...) for a mixture."""
     names = cfg.train.metrics if cfg.train.metrics is not None else DEFAULT_METRICS[cfg.model.task]
     shipped = set(shipped_metrics())
-    keys = ["loss"] + (["perplexity"] if cfg.model.task != "classification" else [])
+    if cfg.train.method != "sft":  # a preference method's eval: its loss and reward statistics
+        keys = ["loss", *PREFERENCE_METRICS]
+    else:
+        keys = ["loss"] + (["perplexity"] if cfg.model.task != "classification" else [])
     keys += [n for n in names if n in shipped]  # accuracy, f1, exact_match report their own name
     prefixes = [os.path.basename(n.rstrip("/")) for n in names if n not in shipped]  # e.g. rouge -> rougeL
     scopes = [""]

@@ -28,6 +28,8 @@ TASKS = ("causal_lm", "classification", "seq2seq")
 FORMATS = ("auto", "text", "instruction", "chat", "classification", "source_target", "preference")
 METHODS = ("sft", "dpo", "ipo", "orpo", "simpo")  # sft: the formats above; the others: preference pairs
 REFERENCE_METHODS = ("dpo", "ipo")  # compared with a reference model (ORPO and SimPO need none)
+# what a preference method's rows report beside the loss (train rows as named, eval rows as eval_<name>)
+PREFERENCE_METRICS = ("rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen", "logps_rejected")  # fmt: skip
 REFERENCES = ("precomputed", "live")  # where dpo/ipo's reference log-probs come from (TrainArgs.reference)
 
 
