@@ -149,6 +149,21 @@ def _as_list(x) -> list[int]:
     return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
 
+def _without_answers(ds) -> str:
+    """What of the eval data has no text answers to generate, in words ('' when all has): the data's format, or a
+    mixture's sources each in their own (chat and instruction sources generate alike)."""
+    from finetune.mixture import SOURCE
+
+    m = ds.mixture
+    if ds.format in PROMPT_FORMATS:
+        return ""
+    if m is None or len(m.formats) != len(m.names):  # (a mixture prepared before its sources' formats were kept)
+        return f"the data is in the {ds.format} format, which has"
+    evaluated = sorted(set(ds.eval[SOURCE])) if SOURCE in ds.eval.column_names else range(len(m.names))
+    unfit = [f"source {m.names[i]!r} ({m.formats[i]} format)" for i in evaluated if m.formats[i] not in PROMPT_FORMATS]
+    return f"the eval rows of {', '.join(unfit)} have" if unfit else ""
+
+
 def build_generation(cfg: RunConfig, ds, tokenizer) -> GenerationEval | None:
     """The generation eval of this run, or None when it is off. Before the model loads: a format without
     text answers is a ConfigError here."""
@@ -157,13 +172,15 @@ def build_generation(cfg: RunConfig, ds, tokenizer) -> GenerationEval | None:
     t = cfg.train
     if not t.generation_max_new_tokens or ds.eval is None:
         return None
-    if ds.format not in PROMPT_FORMATS:
+    unfit = _without_answers(ds)
+    if unfit:
         raise ConfigError(
             [
                 (
                     "generation_max_new_tokens",
-                    f"the data is in the {ds.format} format, which has no prompt/answer split to generate and "
-                    "score; use instruction, chat (or source_target) data, or drop generation_max_new_tokens",
+                    f"{unfit} no prompt/answer split to generate and score; use instruction, chat (or "
+                    "source_target) data, or drop generation_max_new_tokens"
+                    + (" (or give such a source no eval rows: eval_fraction 0)" if "source" in unfit else ""),
                 )
             ]
         )

@@ -51,6 +51,7 @@ class Mixture:
     weights: list[float]
     sizes: list[int]
     per_source_eval: bool = False  # eval rows carry their source (several sources, or `datasets:`)
+    formats: list[str] = dataclasses.field(default_factory=list)  # each source's (empty: prepared before they were)
 
 
 def build_mixture_datasets(
@@ -61,7 +62,7 @@ def build_mixture_datasets(
     sources = sources_of(data)
     if not data.datasets:
         ds = build_datasets(data, task, tokenizer, seed, main_first)
-        return dataclasses.replace(ds, mixture=Mixture([sources[0].name], [1.0], [len(ds.train)]))
+        return dataclasses.replace(ds, mixture=Mixture([sources[0].name], [1.0], [len(ds.train)], formats=[ds.format]))
     parts = [_build_source(i, s, task, tokenizer, seed, main_first) for i, s in enumerate(sources)]
     _check_same_labels(parts)
     import datasets
@@ -83,7 +84,8 @@ def build_mixture_datasets(
         )
     if PAIR_INDEX in train.column_names:  # preference pairs: each pair's place in the concatenation
         train, evalset = (_reindexed(x) for x in (train, evalset))
-    mixture = Mixture([s.name for s in sources], [s.weight for s in sources], [len(p.train) for p in parts], True)
+    sizes, formats = [len(p.train) for p in parts], [p.format for p in parts]
+    mixture = Mixture([s.name for s in sources], [s.weight for s in sources], sizes, True, formats)
     for s, p, share in zip(sources, parts, quotas(len(train), mixture.weights)):
         logger.info(
             "source %s: %d train rows (%s format), %d per epoch (weight %g), %s eval rows",

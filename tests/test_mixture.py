@@ -301,3 +301,33 @@ def test_mixture_run_equal_under_ddp_and_one_process_with_eval_per_source(assets
         assert a["eval_loss"] == pytest.approx(mean, rel=1e-6)
         assert a[f"eval_{names[0]}_perplexity"] == pytest.approx(math.exp(losses[names[0]]), rel=1e-6)
     assert "source chat:" in ddp.output and "per epoch (weight 0.5)" in ddp.output
+
+
+def test_generation_eval_takes_a_mixture_of_sources_with_answers(assets, tmp_path):
+    """Chat and instruction sources both have prompts and answers: generation eval runs on their mix (it was refused:
+    'the data is in the mixed format'); a text source with eval rows is named, and one without any is no matter."""
+    import contextlib
+
+    from transformers import AutoTokenizer
+
+    from finetune.generate import build_generation
+    from finetune.mixture import build_mixture_datasets
+
+    tokenizer = AutoTokenizer.from_pretrained(assets.llama)
+    base = {"model": assets.llama, "output_dir": str(tmp_path / "x"), "eval_fraction": 0, "max_seq_length": 64}
+    chat = {"dataset": assets.chat, "eval_fraction": 0.1, "name": "chat"}
+    instruction = {"dataset": assets.instruction, "eval_fraction": 0.05, "name": "instr"}
+
+    def generation(*sources):
+        cfg = build_config({**base, "datasets": list(sources), "generation_max_new_tokens": 4})
+        ds = build_mixture_datasets(cfg.data, "causal_lm", tokenizer, 42, contextlib.nullcontext)
+        assert ds.format == "mixed"  # sources of two formats
+        return build_generation(cfg, ds, tokenizer)
+
+    mixed = generation(chat, instruction)
+    assert mixed is not None and mixed.examples
+    assert generation(chat, {"dataset": assets.text, "eval_fraction": 0, "name": "notes"}) is not None
+    with pytest.raises(ConfigError) as refused:
+        generation(chat, {"dataset": assets.text, "eval_fraction": 0.1, "name": "notes"})
+    assert refused.value.problems[0][0] == "generation_max_new_tokens"
+    assert "source 'notes' (text format)" in refused.value.problems[0][1], refused.value.problems
