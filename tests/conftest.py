@@ -396,6 +396,20 @@ def classification_args(model: str, assets) -> list[str]:
     ]
 
 
+def edited_deepspeed_config(tmp_path: Path, shipped: str, edit: Callable[[dict], None]) -> str:
+    """A copy of a shipped DeepSpeed Accelerate config (accelerate_configs/<shipped>.yaml) whose JSON a user edited
+    (`edit` changes it in place): the new Accelerate config's path, for finetune(launcher=...)."""
+    import yaml
+
+    acc = yaml.safe_load((ROOT / "accelerate_configs" / f"{shipped}.yaml").read_text())
+    ds = json.loads((ROOT / acc["deepspeed_config"]["deepspeed_config_file"]).read_text())
+    edit(ds)
+    (tmp_path / f"{shipped}_edited.json").write_text(json.dumps(ds))
+    acc["deepspeed_config"]["deepspeed_config_file"] = str(tmp_path / f"{shipped}_edited.json")
+    (tmp_path / f"{shipped}_edited.yaml").write_text(yaml.safe_dump(acc))
+    return str(tmp_path / f"{shipped}_edited.yaml")
+
+
 def base_args(model: str, dataset: str, *more: str) -> list[str]:
     """Arguments every small run shares: tiny batches, fp32, log every step."""
     return [

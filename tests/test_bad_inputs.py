@@ -638,7 +638,10 @@ CASES = [
     ),
     Case(
         "seq2seq_under_fsdp2",
-        lambda c: (c.env.update(ACCELERATE_USE_FSDP="true"), c.yaml(model=c.assets.t5, task="seq2seq"))[1],
+        lambda c: (
+            c.env.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2"),
+            c.yaml(model=c.assets.t5, task="seq2seq"),
+        )[1],
         "task",
         "zero3.yaml",
         stage=DATA,

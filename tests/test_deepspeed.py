@@ -468,19 +468,15 @@ def test_zero3_fp16_checkpoints_before_the_first_update_and_resumes(assets, tmp_
     scale would skip more steps)."""
     import shutil
 
-    import yaml
-    from conftest import crash_after
+    from conftest import crash_after, edited_deepspeed_config
 
-    ds = json.loads((ROOT / "ds_configs" / "zero3.json").read_text())
-    ds["fp16"] = {"enabled": True, "initial_scale_power": 21, "loss_scale_window": 1000, "hysteresis": 1}
-    ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
-    # "none" offload devices, as accelerate config writes them: nothing offloaded (was reported as offload_params True)
-    ds["zero_optimization"] |= {"offload_param": {"device": "none"}, "offload_optimizer": {"device": "none"}}
-    (tmp_path / "zero3_fp16.json").write_text(json.dumps(ds))
-    acc = yaml.safe_load((ROOT / "accelerate_configs" / "zero3.yaml").read_text())
-    acc["deepspeed_config"]["deepspeed_config_file"] = str(tmp_path / "zero3_fp16.json")
-    config = tmp_path / "zero3_fp16.yaml"
-    config.write_text(yaml.safe_dump(acc))
+    def edit(ds: dict) -> None:
+        ds["fp16"] = {"enabled": True, "initial_scale_power": 21, "loss_scale_window": 1000, "hysteresis": 1}
+        ds["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
+        # "none" offload devices, as accelerate config writes them: nothing offloaded (reported as offload_params True)
+        ds["zero_optimization"] |= {"offload_param": {"device": "none"}, "offload_optimizer": {"device": "none"}}
+
+    config = edited_deepspeed_config(tmp_path, "zero3", edit)
     args = base_args(assets.llama, assets.instruction, "--max_steps", "6", "--save_steps", "2", "--eval_fraction", "0")
     args += ["--per_device_train_batch_size", "2", "--learning_rate", "1e-3"]
     straight = finetune(tmp_path / "straight", *args, launcher=str(config))

@@ -333,16 +333,9 @@ def test_deepspeed_bf16_mode_exports_its_fp32_masters_and_resumes(assets, tmp_pa
     itself and converted into DDP (the masters and Adam state by name, portable/)."""
     import shutil
 
-    import yaml
-    from conftest import crash_after
+    from conftest import crash_after, edited_deepspeed_config
 
-    ds = json.loads((ROOT / "ds_configs" / "zero1.json").read_text())
-    ds["bf16"] = {"enabled": True}
-    (tmp_path / "zero1_bf16.json").write_text(json.dumps(ds))
-    acc = yaml.safe_load((ROOT / "accelerate_configs" / "zero1.yaml").read_text())
-    acc["deepspeed_config"]["deepspeed_config_file"] = str(tmp_path / "zero1_bf16.json")
-    config = tmp_path / "zero1_bf16.yaml"
-    config.write_text(yaml.safe_dump(acc))
+    config = edited_deepspeed_config(tmp_path, "zero1", lambda ds: ds.update(bf16={"enabled": True}))
     args = base_args(assets.llama, assets.instruction, "--max_steps", "4", "--save_steps", "2", "--eval_fraction", "0")
     args += ["--gradient_accumulation_steps", "2", "--per_device_train_batch_size", "2"]
     bf16 = ("--mixed_precision", "bf16")
