@@ -263,6 +263,15 @@ def compute_references(acc, backend, model, splits: dict, collate, batch_size: i
     return out
 
 
+def references_made_from(ds, model: str) -> str:
+    """What the reference log-probs were computed from, as a resume checks it: the pairs' tokens (data.content_hash
+    of each split) and the model. Not datasets' _fingerprint, which hashes the data files' paths and modification
+    times: machines sharing output_dir, each with its own copy of the same data, refused every resume."""
+    from finetune.data import content_hash
+
+    return f"{content_hash(ds.train)}/{content_hash(ds.eval)}/{model}"
+
+
 def load_or_compute_references(acc, backend, model, ds, collate, batch_size: int, output_dir: str, step: int,
                                writes: bool, fingerprint: str) -> dict[str, torch.Tensor]:  # fmt: skip
     """The starting model's log-probs: a run at step 0 computes them and saves them in output_dir (`writes`: the

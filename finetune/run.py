@@ -331,10 +331,9 @@ def with_references(cfg: RunConfig, acc, backend, p: Prepared, ds: data.Datasets
         p.live_reference = live_reference(cfg, backend, p, tokenizer)
         return
     collate = data.Collator(tokenizer.pad_token_id, positions=chunked_loss.installed(backend.hf_model(p.model)))
-    fingerprint = f"{ds.train._fingerprint}/{ds.eval._fingerprint if ds.eval is not None else ''}/{cfg.model.model}"
     tables = preference.load_or_compute_references(
         acc, backend, p.model, ds, collate, cfg.train.per_device_eval_batch_size,
-        cfg.train.output_dir, step, storage.writes, fingerprint,
+        cfg.train.output_dir, step, storage.writes, preference.references_made_from(ds, cfg.model.model),
     )  # fmt: skip
     p.references.train, p.references.eval = tables["train"], tables.get("eval")
 

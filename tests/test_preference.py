@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from conftest import base_args, crash_after, finetune, max_rel_diff, max_weight_diff
 
-from finetune.config import ConfigError, DataArgs
+from finetune.config import ConfigError, DataArgs, build_config
 from finetune.preference import pair_losses, sequence_logps
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -334,7 +334,6 @@ def test_dpo_learns_a_preference_it_was_not_shown(assets, tmp_path):
     assert end["step"] == 40 and end["eval_reward_accuracy"] >= 0.9 and end["eval_reward_margin"] > 1, end
     # each statistic the eval reports may be metric_for_best_model, and only those (it checked sft's keys: refused
     # eval_reward_accuracy and took perplexity, which then stopped the run at its first eval)
-    from finetune.config import build_config
 
     reported = [k for k in end if k.startswith(("eval_loss", "eval_reward", "eval_logps"))]
     assert len(reported) == 7, end
@@ -364,7 +363,6 @@ def test_a_mixture_of_preference_sources_trains_with_one_reference_row_per_pair(
     reference row (indices 0..N-1 in train and in eval), and a DPO run over the mixture starts at log 2."""
     import yaml
 
-    from finetune.config import build_config
     from finetune.mixture import build_mixture_datasets
 
     sources = [
@@ -386,7 +384,6 @@ def test_a_mixture_of_preference_sources_trains_with_one_reference_row_per_pair(
 
 
 def test_a_live_reference_needs_a_method_that_compares(tmp_path):
-    from finetune.config import build_config
 
     values = {"model": "m", "dataset": "d.jsonl", "output_dir": str(tmp_path), "method": "dpo", "reference": "live"}
     for more, key, says in (
@@ -403,7 +400,6 @@ def test_a_live_reference_refuses_a_continued_adapter(tmp_path):
     """reference: live with an adapter runs the policy with its adapter disabled: the base model, which is where
     training starts only for a fresh adapter (LoRA's B = 0). Continuing one (peft.adapter) would pull towards the
     base model, not the model training starts from: refused, naming both keys and the fix."""
-    from finetune.config import build_config
 
     values = {"model": "m", "dataset": "d.jsonl", "output_dir": str(tmp_path), "method": "dpo", "reference": "live"}
     continued = {"method": "lora", "adapter": str(tmp_path / "sft" / "final")}
@@ -492,3 +488,32 @@ def test_fsdp2_reshards_the_frozen_reference_after_each_pass(assets, tmp_path):
     assert list(reports) == ["rank0.json", "rank1.json"]
     for name, passes in reports.items():
         assert len(passes) == 2 and passes == [[], []], (name, passes)  # a pass per step; nothing left whole
+
+
+def test_references_are_made_from_the_pairs_not_the_files_paths_or_times(assets, tmp_path):
+    """The check a resume makes of reference_logps.pt: a copy of the same pairs at another path and time (another
+    machine's own copy beside a shared output_dir) is the same data; other pairs are not. It hashed datasets'
+    fingerprints, which hold the file's path and modification time: that machine's resume was always refused."""
+    import contextlib
+    import os
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from finetune.data import build_datasets
+    from finetune.preference import references_made_from
+
+    tokenizer = AutoTokenizer.from_pretrained(assets.llama)
+
+    def made_from(path) -> str:
+        cfg = build_config({"model": assets.llama, "dataset": str(path), "output_dir": str(tmp_path / "x"),
+                            "method": "dpo", "eval_fraction": 0.1}, check_filesystem=False)  # fmt: skip
+        ds = build_datasets(cfg.data, "causal_lm", tokenizer, 42, contextlib.nullcontext)
+        return references_made_from(ds, assets.llama)
+
+    original = pairs(tmp_path / "pairs.jsonl", n=40)
+    (tmp_path / "machine1").mkdir()
+    copy = shutil.copy(original, tmp_path / "machine1" / "pairs.jsonl")
+    os.utime(copy, (1_000_000, 1_000_000))
+    assert made_from(original) == made_from(copy)
+    assert made_from(original) != made_from(pairs(tmp_path / "other.jsonl", n=40, seed=1))
