@@ -55,8 +55,8 @@ def environment(cfg: RunConfig) -> None:
     # defaults, 1 and 1.0), and its accumulation then replaces the Accelerator's. A value the launcher set (the
     # Accelerate config, `accelerate launch --gradient_accumulation_steps`) is kept: problems() refuses it unless it
     # equals the run config's.
-    for key, value in _launcher_owned(cfg.train).items():
-        os.environ.setdefault(DEEPSPEED_KEYS[key], str(value))
+    for key in SET_BY_THE_LAUNCHER_TOO:
+        os.environ.setdefault(DEEPSPEED_KEYS[key], str(_run_config_values(cfg.train)[key][1]))
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(project_cache() / "torch_extensions"))
     announce_op_builds()
     compile_on_first_call()
@@ -67,13 +67,18 @@ def environment(cfg: RunConfig) -> None:
     # accelerate's CPU mode (ACCELERATE_USE_CPU) would silently turn a DeepSpeed config into plain MULTI_CPU.
 
 
-def _launcher_owned(train: TrainArgs) -> dict[str, float]:
-    """The Accelerate config's DeepSpeed keys (topology.DEEPSPEED_KEYS) the run config owns -> the run config's
-    value."""
-    return {"gradient_accumulation_steps": train.gradient_accumulation_steps, "gradient_clipping": train.max_grad_norm}
+def _run_config_values(train: TrainArgs) -> dict[str, tuple[str, float]]:
+    """DeepSpeed key -> (run-config field, its value): what the run config owns of a DeepSpeed config."""
+    return {
+        "train_micro_batch_size_per_gpu": ("per_device_train_batch_size", train.per_device_train_batch_size),
+        "gradient_accumulation_steps": ("gradient_accumulation_steps", train.gradient_accumulation_steps),
+        "gradient_clipping": ("max_grad_norm", train.max_grad_norm),
+    }
 
 
-RUN_CONFIG_FIELD = {"gradient_accumulation_steps": "gradient_accumulation_steps", "gradient_clipping": "max_grad_norm"}
+# Of those, what the Accelerate side sets too (an inline deepspeed_config key, an `accelerate launch` flag:
+# topology.DEEPSPEED_KEYS)
+SET_BY_THE_LAUNCHER_TOO = ("gradient_accumulation_steps", "gradient_clipping")
 
 
 def requested_config(launcher: Launcher) -> tuple[dict, str]:
@@ -141,8 +146,8 @@ def _set_by_the_launcher(train: TrainArgs, launcher: Launcher) -> list[tuple[str
     """An accumulation or clipping the Accelerate side sets (inline deepspeed_config, `accelerate launch` flags) that
     differs from the run config's: accelerate would train with it (and fill the JSON's "auto" from it)."""
     out = []
-    for key, ours in _launcher_owned(train).items():
-        value, field = launcher.deepspeed_keys.get(key), RUN_CONFIG_FIELD[key]
+    for key in SET_BY_THE_LAUNCHER_TOO:
+        (field, ours), value = _run_config_values(train)[key], launcher.deepspeed_keys.get(key)
         if value is not None and not _same(value, ours):
             out.append(
                 (
@@ -196,12 +201,7 @@ def async_io_blocker() -> str | None:
 def _owned_by_run_config(train: TrainArgs, world_size: int) -> dict[str, tuple[str, float, str]]:
     """DeepSpeed JSON key -> (run-config field, value, how a message says it) for the keys accelerate fills when
     "auto"."""
-    owned = {
-        "train_micro_batch_size_per_gpu": ("per_device_train_batch_size", train.per_device_train_batch_size),
-        "gradient_accumulation_steps": ("gradient_accumulation_steps", train.gradient_accumulation_steps),
-        "gradient_clipping": ("max_grad_norm", train.max_grad_norm),
-    }
-    out = {key: (field, value, f"{field}={value}") for key, (field, value) in owned.items()}
+    out = {key: (field, value, f"{field}={value}") for key, (field, value) in _run_config_values(train).items()}
     rows = train.per_device_train_batch_size * train.gradient_accumulation_steps * world_size
     said = (
         f"per_device_train_batch_size {train.per_device_train_batch_size} x gradient_accumulation_steps "
