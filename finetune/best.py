@@ -160,6 +160,11 @@ def weights_writer(
     return write
 
 
+def summary_line(rule: BestRule, state: Any) -> str:
+    """The run summary's word on the weights final/ holds (load_best_model_at_end)."""
+    return f"step {state.best_step}: {rule.metric} {state.best_metric:.4f} (final/ holds its weights)"
+
+
 def card_section(rule: BestRule, state: Any, last_step: int) -> str:
     """The model card's word on which weights final/ holds (finetune.report adds it under Results)."""
     where = state.best_checkpoint or f"checkpoints/step_{state.best_step}"  # another run's, or this run's

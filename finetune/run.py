@@ -500,7 +500,7 @@ def train_and_export(
     if cfg.train.load_best_model_at_end and state.best_step is not None:
         path = best.best_checkpoint(cfg.train.output_dir, state.best_step, state.best_checkpoint)
         weights_from = best.weights_writer(cfg, tokenizer, facts.label_names, path, dtype)
-        facts.best = best.card_section(r.best, state, state.step)
+        facts.best, facts.best_line = best.card_section(r.best, state, state.step), best.summary_line(r.best, state)
         logger.info("load_best_model_at_end: final/ gets the best checkpoint, %s: %s", r.best.describe(state), path)
     final = export.export(acc, backend, r.model, tokenizer, run_config, cfg.train.output_dir, dtype, weights_from)
     logger.info("final/ written in %s (save_dtype %s)", dtype, cfg.model.save_dtype)

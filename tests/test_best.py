@@ -212,6 +212,9 @@ def stopping_run(assets, out, launcher: str):
     assert (state["best_step"], state["evals_without_improvement"]) == (best, PATIENCE)
     assert state["best_metric"] == pytest.approx(min(losses), rel=1e-12)
     assert f"early stopping at step {last}" in run.output
+    summary = run.output[run.output.index("run summary") :]  # names the weights final/ holds, not the last eval's
+    assert f"best eval    step {best}: eval_loss {min(losses):.4f}" in summary and "last eval" in summary, summary
+    assert "final eval" not in summary, summary
     return run, args, losses, best
 
 

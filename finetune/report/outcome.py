@@ -90,6 +90,7 @@ class RunFacts:
     label_names: list[str] | None = None  # a classifier's classes
     estimate: dict[str, float] = field(default_factory=dict)  # the planner's training peak (estimate_*_gb)
     best: str | None = None  # load_best_model_at_end: the card's section on the best checkpoint
+    best_line: str | None = None  # load_best_model_at_end: the summary's line on it (best.summary_line)
     save_dtype: str | None = None  # the dtype final/ was written in
     parallelism: str | None = None  # Topology.summary()
     world_size: int | None = None

@@ -44,7 +44,10 @@ def summary(cfg: RunConfig, rows, facts: RunFacts, final_dir: str, card: str, cu
         lines.append(f"curves       not drawn (curves: false); `finetune plot {out}` draws them")
     if res["final_eval"]:
         took = f"  ({res['final_eval_s']:.1f} s)" if res["final_eval_s"] is not None else ""
-        lines.append("final eval   " + "  ".join(f"{k} {v:.4f}" for k, v in res["final_eval"].items()) + took)
+        label = "last eval    " if facts.best_line else "final eval   "  # final/ is the best's with load_best
+        lines.append(label + "  ".join(f"{k} {v:.4f}" for k, v in res["final_eval"].items()) + took)
+    if facts.best_line:
+        lines.append(f"best eval    {facts.best_line}")
     speed = f"{res['tokens_per_s']:.0f} tokens/s" if res["tokens_per_s"] else "tokens/s ?"
     mfu = f", MFU {100 * res['mfu']:.1f}%" if res["mfu"] is not None else ""
     wait = f", {100 * res['data_wait_fraction']:.1f}% of it waiting for data" if res["data_wait_fraction"] else ""
