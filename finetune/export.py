@@ -22,7 +22,7 @@ from finetune.config import ConfigError
 from finetune.config.preflight import looks_local
 from finetune.faults import fault_point
 from finetune.formats import at_rest
-from finetune.model import DTYPES, model_config, quantized_base, save_dtype
+from finetune.model import DTYPES, load_error, model_config, quantized_base, save_dtype
 
 LABELS_FILE = "labels.json"
 
@@ -107,7 +107,6 @@ def merge_adapter(adapter_dir: str, out_dir: str, dtype: str | None = None, over
 
     A classifier adapter's classes come from its labels.json (the base model is rebuilt with that head); an
     encoder-decoder's adapter says so in its task_type."""
-    from peft import AutoPeftModelForCausalLM, AutoPeftModelForSeq2SeqLM, AutoPeftModelForSequenceClassification
     from transformers import AutoTokenizer
 
     from finetune.config import ModelArgs
@@ -127,18 +126,11 @@ def merge_adapter(adapter_dir: str, out_dir: str, dtype: str | None = None, over
     if os.path.exists(os.path.join(adapter_dir, LABELS_FILE)):
         with open(os.path.join(adapter_dir, LABELS_FILE)) as f:
             label_names = json.load(f)
-    if label_names:
-        merged = AutoPeftModelForSequenceClassification.from_pretrained(
-            adapter_dir,
-            dtype=DTYPES["float32"],
-            num_labels=len(label_names),
-            id2label=dict(enumerate(label_names)),
-            label2id={n: i for i, n in enumerate(label_names)},
-        )
-    else:
-        seq2seq = adapter_config.get("task_type") == "SEQ_2_SEQ_LM"
-        auto = AutoPeftModelForSeq2SeqLM if seq2seq else AutoPeftModelForCausalLM
-        merged = auto.from_pretrained(adapter_dir, dtype=DTYPES["float32"])
+    try:
+        merged = _adapted_model(adapter_dir, adapter_config, label_names)
+    except OSError as e:  # a Hub id neither cached nor reachable, or a base directory without weights
+        key = f"base_model_name_or_path in {os.path.join(adapter_dir, 'adapter_config.json')}"
+        raise load_error("base model", base.model, e, key=key) from None
     if dtype is None:  # the base model's own dtype, as its config.json says
         dtype = save_dtype(base)
     merged = merged.merge_and_unload().to(DTYPES[dtype])
@@ -156,6 +148,23 @@ def merge_adapter(adapter_dir: str, out_dir: str, dtype: str | None = None, over
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _adapted_model(adapter_dir: str, adapter_config: dict, label_names: list | None):
+    """The base model with the adapter on it, in float32; a classifier rebuilt with the adapter's classes."""
+    from peft import AutoPeftModelForCausalLM, AutoPeftModelForSeq2SeqLM, AutoPeftModelForSequenceClassification
+
+    if label_names:
+        return AutoPeftModelForSequenceClassification.from_pretrained(
+            adapter_dir,
+            dtype=DTYPES["float32"],
+            num_labels=len(label_names),
+            id2label=dict(enumerate(label_names)),
+            label2id={n: i for i, n in enumerate(label_names)},
+        )
+    seq2seq = adapter_config.get("task_type") == "SEQ_2_SEQ_LM"
+    auto = AutoPeftModelForSeq2SeqLM if seq2seq else AutoPeftModelForCausalLM
+    return auto.from_pretrained(adapter_dir, dtype=DTYPES["float32"])
 
 
 def _base_model_problems(adapter_dir: str, name: str) -> list[tuple[str, str]]:

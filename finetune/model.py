@@ -21,7 +21,8 @@ logger = logging.getLogger("finetune")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
-def _load_error(what: str, spec: str, e: Exception) -> ConfigError:
+def load_error(what: str, spec: str, e: Exception, key: str = "model") -> ConfigError:
+    """A model, tokenizer or config that from_pretrained could not load: the key that named it, and the fix."""
     first = (str(e).strip().splitlines() or [""])[0]
     if os.path.isdir(spec):
         fix = "point model at a directory saved with save_pretrained"
@@ -30,7 +31,7 @@ def _load_error(what: str, spec: str, e: Exception) -> ConfigError:
             "it is not a local directory and the Hub is unreachable or offline (HF_HUB_OFFLINE): "
             "give a local model directory, or a Hub id with the Hub reachable"
         )
-    return ConfigError([("model", f"could not load the {what} from {spec!r} ({type(e).__name__}: {first}); {fix}")])
+    return ConfigError([(key, f"could not load the {what} from {spec!r} ({type(e).__name__}: {first}); {fix}")])
 
 
 def load_tokenizer(m: ModelArgs):
@@ -42,7 +43,7 @@ def load_tokenizer(m: ModelArgs):
     try:
         tok = AutoTokenizer.from_pretrained(m.model, trust_remote_code=m.trust_remote_code)
     except (OSError, ValueError, KeyError) as e:
-        raise _load_error("tokenizer", m.model, e) from None
+        raise load_error("tokenizer", m.model, e) from None
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise ConfigError(
@@ -185,7 +186,7 @@ def build_model(
             raise ConfigError(
                 [("attn_implementation", f"{first} Set attn_implementation to one of those, or drop it")]
             ) from None
-        raise _load_error("model", m.model, e) from None
+        raise load_error("model", m.model, e) from None
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -323,7 +324,7 @@ def _check_config(m: ModelArgs, max_seq_length: int, pe: PeftArgs | None) -> Non
     try:
         config = AutoConfig.from_pretrained(m.model, trust_remote_code=m.trust_remote_code)
     except (OSError, ValueError, KeyError) as e:
-        raise _load_error("model config", m.model, e) from None
+        raise load_error("model config", m.model, e) from None
     problems = encoder_decoder_problems(
         m.task, bool(getattr(config, "is_encoder_decoder", False)), m.model, getattr(config, "model_type", None)
     )

@@ -491,3 +491,10 @@ def test_merge_never_replaces_what_it_did_not_write(assets, tmp_path, capsys):
     assert merge([str(moved)]) == 2 and not (moved / "merged").exists()
     err = capsys.readouterr().err
     assert "base_model_name_or_path" in err and str(tmp_path / "gone") in err and "Traceback" not in err
+    assert err.startswith("finetune: 1 problem in what finetune merge was given:"), err
+
+    config["base_model_name_or_path"] = "someorg/a-model-not-in-the-cache"  # a Hub id, offline and not cached
+    (moved / "adapter_config.json").write_text(json.dumps(config))
+    assert merge([str(moved)]) == 2 and not (moved / "merged").exists()  # was an OSError traceback
+    err = capsys.readouterr().err
+    assert "base_model_name_or_path in" in err and "someorg/a-model-not-in-the-cache" in err and "Hub" in err, err

@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
 
         out = merge_adapter(args.adapter, args.output or os.path.join(args.adapter, "merged"), overwrite=args.overwrite)
     except ConfigError as e:
-        print(e.render(), file=sys.stderr)
+        print(e.render("what finetune merge was given"), file=sys.stderr)
         return 2
     print(f"merged model saved to {os.path.abspath(out)} (load it with from_pretrained)")
     return 0

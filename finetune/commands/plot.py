@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
         out = output_path(args.dirs, args.output)
         runs = [(run_label(d), read_rows(d)) for d in args.dirs]
     except ConfigError as e:
-        print(e.render(), file=sys.stderr)
+        print(e.render("what finetune plot was given"), file=sys.stderr)
         return 2
     labels = [label for label, _ in runs]
     if len(set(labels)) < len(labels):  # same names in different folders: say which folder

@@ -116,9 +116,10 @@ class ConfigError(Exception):
         self.problems = problems
         super().__init__(self.render())
 
-    def render(self) -> str:
+    def render(self, where: str = "the run config") -> str:
+        """Every problem, a line each, under one heading that says where they are (a command's own input)."""
         n = len(self.problems)
-        lines = [f"finetune: {n} problem{'s' if n > 1 else ''} in the run config:"]
+        lines = [f"finetune: {n} problem{'s' if n > 1 else ''} in {where}:"]
         lines += [f"  - {key}: {msg}" for key, msg in self.problems]
         return "\n".join(lines)
 
