@@ -206,6 +206,18 @@ def test_shipped_run_configs_load():
             assert flat[key] == value, (path.name, key)
 
 
+def test_the_saved_run_config_is_a_run_config():
+    """run_config.yaml (output_dir/ and final/) is RunConfig.to_flat(): every field, defaults included. Given back
+    as --config it builds the same config, for every shipped example (DPO, mixture, seq2seq among them) and one with
+    an adapter: no rule refuses a key only for being written (generation_metrics with generation off was)."""
+    examples = [load_yaml(path) for path in RUN_CONFIGS]
+    examples.append({**examples[0], "peft": {"method": "lora", "r": 4}})
+    for values in examples:
+        cfg = build_config(values, check_filesystem=False)
+        again = build_config(yaml.safe_load(yaml.safe_dump(cfg.to_flat())), check_filesystem=False)
+        assert again == cfg, values["output_dir"]
+
+
 def test_shipped_accelerate_configs_load_with_accelerate():
     from accelerate.commands.config.config_args import load_config_from_file
 

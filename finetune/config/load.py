@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 import difflib
 import os
-import typing
 from pathlib import Path
 from typing import Any
 
@@ -102,23 +101,21 @@ def build_config(values: dict[str, Any], *, check_filesystem: bool = True, ignor
         else:
             sections[section][key.removeprefix(f"{section}.")] = coerced
     cfg = RunConfig(**{s: cls(**sections[s]) for s, cls in SECTIONS.items()})
-    problems += validate(cfg, values.keys(), check_filesystem=check_filesystem)
+    problems += validate(cfg, check_filesystem=check_filesystem)
     problems = [(key, message) for key, message in problems if key not in ignore]
     if problems:
         raise ConfigError(problems)
     return cfg
 
 
-def validate(
-    cfg: RunConfig, given: typing.Iterable[str] = (), *, check_filesystem: bool = True
-) -> list[tuple[str, str]]:
+def validate(cfg: RunConfig, *, check_filesystem: bool = True) -> list[tuple[str, str]]:
     """Every problem with a typed config, as (key, message naming the fix): the pure rules (rules.py) and, unless
     check_filesystem is off (`finetune plan` reads no data), what the values say about the disk (preflight.py)."""
     has_eval = has_eval_data(cfg.data)
     p = rules.required_problems(cfg)
     reads_raw = check_filesystem and not cfg.data.prepared_data
     p += source_problems(cfg.data, cfg.model.task, preflight.check_data_path if reads_raw else None)
-    p += rules.choice_problems(cfg) + rules.format_problems(cfg) + rules.task_problems(cfg, given)
+    p += rules.choice_problems(cfg) + rules.format_problems(cfg) + rules.task_problems(cfg)
     p += rules.peft_problems(cfg.peft)
     if check_filesystem:
         p += preflight.adapter_problems(cfg.peft)

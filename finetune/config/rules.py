@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import typing
 
 from finetune.config.schema import (
     CPU_ALLOCATORS,
@@ -27,6 +26,7 @@ from finetune.config.schema import (
     PeftArgs,
     RunConfig,
     TrainArgs,
+    changed_fields,
     choice,
     format_misfits,
     shipped_metrics,
@@ -261,13 +261,13 @@ def format_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     return [("format", FORMAT_FIXES[why].format(fmt=fmt)) for why in format_misfits(cfg.model.task, fmt)]
 
 
-def task_problems(cfg: RunConfig, given: typing.Iterable[str]) -> list[tuple[str, str]]:
+def task_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     """Generation eval that the task or data cannot use: it needs eval examples whose answer is text, and
     metrics that score generated text need it on."""
-    return generation_problems(cfg, given) + generated_metric_problems(cfg)
+    return generation_problems(cfg) + generated_metric_problems(cfg)
 
 
-def generation_problems(cfg: RunConfig, given: typing.Iterable[str]) -> list[tuple[str, str]]:
+def generation_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     m, d, t = cfg.model, cfg.data, cfg.train
     p: list[tuple[str, str]] = []
     gen = t.generation_max_new_tokens
@@ -289,7 +289,7 @@ def generation_problems(cfg: RunConfig, given: typing.Iterable[str]) -> list[tup
         p.append(("generation_max_new_tokens", NO_EVAL_DATA))
     if t.generation_num_examples is not None and t.generation_num_examples < 1:
         p.append(("generation_num_examples", f"must be >= 1 or null (all), got {t.generation_num_examples}"))
-    if "generation_metrics" in given and not gen:
+    if "generation_metrics" in changed_fields(t) and not gen:
         p.append(("generation_metrics", "is set but generation eval is off; set generation_max_new_tokens (e.g. 32)"))
     elif gen and not t.generation_metrics:
         p.append(("generation_metrics", f"must name at least one metric, e.g. [{', '.join(GENERATION_METRICS)}]"))

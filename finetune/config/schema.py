@@ -527,6 +527,12 @@ class RunConfig:
         return flat
 
 
+def changed_fields(section: Any) -> list[str]:
+    """The fields of a section (ModelArgs, ..., PeftArgs) whose value is not the default: what the user set, whether
+    or not the YAML also holds the defaults (a saved run_config.yaml writes every field)."""
+    return [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(type(section)(), f.name)]
+
+
 def all_fields() -> dict[str, tuple[str, dataclasses.Field]]:
     """field name -> (section, dataclasses.Field), for every run-config field."""
     out = {}
