@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 
 from finetune.cluster import host_gather, host_wait
-from finetune.config import ConfigError
+from finetune.config import NESTED, ROW_FIELDS, ConfigError
 from finetune.config.preflight import (
     LATEST,
     STATE_FILE,
@@ -527,30 +527,24 @@ class Resume:
         }
 
 
-# Run-config values a resume cannot change: the model, what the data is and how it is cut and ordered.
-# (The global batch is checked from the layout.) Anything else changed on resume is applied and logged.
+# Run-config values a resume cannot change: the model and how it reads text (chat_template), what is trained (task,
+# method, the adapter's shape), every data field that shapes the rows (config.ROW_FIELDS, as prepared data checks
+# them: the saved data position counts rows), their order (seed), and what picks the best checkpoint. (The global
+# batch is checked from the layout.) Anything else changed on resume is applied and logged.
 FIXED_ON_RESUME = (
     "model",
     "task",
-    "dataset",
-    "dataset_config",
-    "eval_dataset",
-    "format",
-    "max_seq_length",
-    "packing",
-    "streaming",
-    "shuffle_buffer_size",
-    "max_train_samples",
-    "eval_fraction",
-    "eval_fraction_max_rows",
+    "chat_template",
+    "method",
+    *ROW_FIELDS,
     "seed",
-    "datasets",
     "metric_for_best_model",
     "greater_is_better",
     "peft.method",
     "peft.r",
     "peft.alpha",
     "peft.target_modules",
+    "peft.modules_to_save",
 )
 NOT_COMPARED = ("output_dir", "resume_from_checkpoint", "overwrite_output_dir")
 SCHEDULE_KEYS = {"learning_rate", "max_steps", "num_train_epochs", "warmup_steps", "warmup_ratio", "lr_scheduler_type"}
@@ -585,7 +579,7 @@ def _dotted(flat: dict[str, Any]) -> dict[str, Any]:
     """The run config's sections (peft: {...}) as dotted keys (peft.method), the names the command line uses."""
     out = {}
     for k, v in flat.items():
-        if isinstance(v, dict):
+        if k in NESTED and isinstance(v, dict):  # not a mapping field's value (role_map): that is one value
             out.update({f"{k}.{sub}": x for sub, x in v.items()})
         else:
             out[k] = v

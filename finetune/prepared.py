@@ -19,7 +19,7 @@ import logging
 import os
 import shutil
 
-from finetune.config import ConfigError, RunConfig
+from finetune.config import ROW_FIELDS, ConfigError, RunConfig
 from finetune.data import Datasets
 from finetune.formats import at_rest
 from finetune.mixture import Mixture
@@ -27,14 +27,12 @@ from finetune.mixture import Mixture
 logger = logging.getLogger("finetune")
 MANIFEST = "prepared.json"
 VERSION = 1
-# Data fields that do not change the prepared rows (how they are batched, or where they are).
-NOT_IN_ROWS = ("prepared_data", "preprocessing_num_workers", "length_aware_batching")
 
 
 def made_from(cfg: RunConfig, tokenizer) -> dict:
     """What prepared rows depend on: every data field that shapes them, the task, the seed (the eval split and a
     mixture's order), and the tokenizer (its vocabulary, special tokens and chat template)."""
-    fields = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in NOT_IN_ROWS}
+    fields = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k in ROW_FIELDS}
     return {**fields, "task": cfg.model.task, "seed": cfg.train.seed, "tokenizer": tokenizer_fingerprint(tokenizer)}
 
 

@@ -707,23 +707,46 @@ def test_storage_faults_and_a_preemption_in_one_run(assets, tmp_path, launcher, 
 
 
 def test_resume_with_a_changed_run_config(assets, tmp_path):
-    """What a resume cannot change (here the seed: another data order) is refused, naming the key; the rest
-    (learning rate, schedule, logging) is listed and applied from the resumed step."""
+    """What a resume cannot change (here the seed: another data order; the prompt template: other rows) is refused,
+    naming each key; the rest (learning rate, schedule, logging) is listed and applied from the resumed step."""
     args = base_args(assets.gpt2, assets.text, "--max_steps", "4", "--save_steps", "2", "--eval_fraction", "0")
     out = tmp_path / "run"
     finetune(out, *args, launcher="python")
     crash_after(out, 2)
     refused = finetune(
-        out, *args, "--resume_from_checkpoint", "latest", "--seed", "7", launcher="python", expect_ok=False
-    )
+        out, *args, "--resume_from_checkpoint", "latest", "--seed", "7", "--prompt_template", "Q: {prompt}",
+        launcher="python", expect_ok=False,
+    )  # fmt: skip
     assert refused.returncode == 2 and "Traceback" not in refused.output
     assert "seed: is 7 but" in refused.output and "was trained with 42" in refused.output
+    assert "prompt_template: is 'Q: {prompt}' but" in refused.output, refused.output[-2000:]
     changed = ("--learning_rate", "3e-3", "--lr_scheduler_type", "constant")
     resumed = finetune(out, *args, "--resume_from_checkpoint", "latest", *changed, launcher="python")
     assert "resume: learning_rate changed from 0.001 to 0.003 (applied)" in resumed.output, resumed.output[-2000:]
     assert "resume: lr_scheduler_type changed from 'linear' to 'constant' (applied)" in resumed.output
     rates = {r["step"]: r["learning_rate"] for r in resumed.train_rows}
     assert rates[3] == pytest.approx(3e-3) and rates[4] == pytest.approx(3e-3)
+
+
+def test_a_resume_refuses_every_field_that_shapes_the_rows(tmp_path):
+    """The saved data position counts rows: a data field that shapes them (config.ROW_FIELDS, those prepared data
+    checks too; prompt_template was applied and moved the position onto other rows), the chat template or the method
+    changed on resume is refused, naming the key; a field that only batches or locates the rows is applied."""
+    import yaml
+
+    from finetune.checkpoint import CONFIG_FILE, config_changes
+    from finetune.config import NOT_IN_ROWS, ROW_FIELDS, ConfigError, RunConfig
+
+    saved = RunConfig().to_flat()
+    (tmp_path / CONFIG_FILE).write_text(yaml.safe_dump(saved))
+    for key in (*ROW_FIELDS, "chat_template", "method"):
+        changed = {"bot": "assistant"} if key == "role_map" else "changed"
+        with pytest.raises(ConfigError) as info:
+            config_changes(str(tmp_path), {**saved, key: changed})
+        assert [k for k, _ in info.value.problems] == [key]
+        assert "a resume continues the same run" in info.value.problems[0][1]
+    for key in NOT_IN_ROWS:
+        assert [k for k, *_ in config_changes(str(tmp_path), {**saved, key: 3})] == [key]
 
 
 def test_a_dead_model_is_reported(assets, tmp_path):

@@ -288,6 +288,13 @@ class DataArgs:
     )
 
 
+# Data fields that do not change the rows the data becomes (how they are batched, or where they are read from). Every
+# other data field shapes the rows: prepared data is refused when one differs (prepared.made_from), and so is a resume
+# (checkpoint.FIXED_ON_RESUME), whose saved data position counts rows.
+NOT_IN_ROWS = ("prepared_data", "preprocessing_num_workers", "length_aware_batching")
+ROW_FIELDS = tuple(f.name for f in dataclasses.fields(DataArgs) if f.name not in NOT_IN_ROWS)
+
+
 @dataclass
 class TrainArgs:
     """The optimisation: schedule, batch sizes, logging, checkpoints."""
