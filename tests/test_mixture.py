@@ -331,3 +331,41 @@ def test_generation_eval_takes_a_mixture_of_sources_with_answers(assets, tmp_pat
         generation(chat, {"dataset": assets.text, "eval_fraction": 0.1, "name": "notes"})
     assert refused.value.problems[0][0] == "generation_max_new_tokens"
     assert "source 'notes' (text format)" in refused.value.problems[0][1], refused.value.problems
+
+
+@pytest.mark.parametrize("task", ["seq2seq", "preference"])
+def test_a_source_reads_its_own_columns(assets, tmp_path, task):
+    """Every *_column field can be set per source, as docs/data.md says (source_column, target_column, chosen_column
+    and rejected_column were refused: 'unknown field; it applies to every source'), and each source's rows are
+    read from its own columns: a seq2seq mixture and a preference mixture of two column namings, eval per source."""
+    import contextlib
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    from finetune.config import SOURCE_FIELDS, DataArgs
+    from finetune.mixture import SOURCE, build_mixture_datasets
+
+    assert {f.name for f in dataclasses.fields(DataArgs) if f.name.endswith("_column")} <= set(SOURCE_FIELDS)
+    columns = {"seq2seq": ("source_column", "target_column"), "preference": ("chosen_column", "rejected_column")}[task]
+    sources = []
+    for name, (a, b) in {"one": ("src", "tgt"), "two": ("question", "answer")}.items():
+        rows = [{"prompt": f"{name} {i}", a: f"{name} input {i}", b: f"{name} output {i}"} for i in range(20)]
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        sources.append({"dataset": str(path), "name": name, columns[0]: a, columns[1]: b, "eval_fraction": 0.2})
+    run = {"datasets": sources, "max_seq_length": 32, "output_dir": str(tmp_path / "out")}
+    if task == "seq2seq":
+        run |= {"model": assets.t5, "task": "seq2seq", "format": "source_target"}
+    else:
+        run |= {"model": assets.llama, "method": "dpo", "format": "preference"}
+    cfg = build_config(run)
+    tokenizer = AutoTokenizer.from_pretrained(run["model"])
+    ds = build_mixture_datasets(cfg.data, cfg.model.task, tokenizer, 42, contextlib.nullcontext)
+    assert ds.mixture.names == ["one", "two"] and sorted(set(ds.eval[SOURCE])) == [0, 1]
+    for i, name in enumerate(["one", "two"]):
+        first = ds.mixture.sizes[0] if i else 0
+        row = ds.train[first]
+        read = row["input_ids"] + row["labels"] if task == "seq2seq" else row["chosen_ids"] + row["rejected_ids"]
+        text = tokenizer.decode([t for t in read if t >= 0])
+        assert f"{name} input" in text and f"{name} output" in text, (name, text)

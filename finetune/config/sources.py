@@ -30,6 +30,10 @@ SOURCE_FIELDS = (
     "content_key",
     "role_map",
     "tools_column",
+    "chosen_column",
+    "rejected_column",
+    "source_column",
+    "target_column",
     "label_column",
     "max_train_samples",
 )
