@@ -193,17 +193,7 @@ def build_data(cfg: RunConfig, acc, topology: parallel.Topology, tokenizer):
             "pairs" if ds.format == "preference" else "examples" if cfg.model.task == "classification" else "tokens",
             eval_rows,
         )
-    logger.info(
-        "batch: micro %d x gradient accumulation %d x data parallel %d = global batch %d; "
-        "%d steps (%d per epoch), warmup %d",
-        plan.micro_batch_size,
-        plan.gradient_accumulation_steps,
-        plan.data_parallel_size,
-        plan.global_batch_size,
-        plan.total_steps,
-        plan.steps_per_epoch,
-        plan.warmup_steps,
-    )
+    logger.info("batch: %s", plan.describe())
     if not t.save_steps:
         logger.info("checkpoints: none (save_steps null), but where a stop signal asks for one; final/ is written")
     return ds, plan, eval_metrics

@@ -477,6 +477,11 @@ def test_steps_per_epoch_depend_on_the_global_batch_only(n_rows):
     assert one.global_batch_size == two.global_batch_size == 8
     assert one.steps_per_epoch == two.steps_per_epoch == n_rows // 8
     assert one.total_steps == two.total_steps == n_rows // 8  # num_train_epochs 1
+    # the last partial global batch is left out of every epoch, identically: the start log says so
+    assert one.rows_left_out == two.rows_left_out == n_rows % 8
+    said = f"({n_rows // 8} per epoch; {n_rows % 8} rows left out each epoch: the last partial global batch)"
+    assert (said in one.describe()) == (said in two.describe()) == (n_rows % 8 > 0), one.describe()
+    assert "left out" not in one.describe() or n_rows % 8
 
 
 def test_plan_totals_warmup_and_scheduler_steps():

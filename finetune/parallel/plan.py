@@ -26,6 +26,7 @@ class Plan:
     warmup_steps: int
     num_processes: int  # accelerate steps a prepared scheduler once per process per optimizer step
     streamed: bool = False  # the data is a stream of unknown length: the run is one "epoch" of max_steps
+    rows_left_out: int = 0  # rows of each epoch's order past its last whole global batch (not trained that epoch)
 
     @property
     def global_batch_size(self) -> int:
@@ -39,6 +40,19 @@ class Plan:
     def scheduler_position(self, step: int) -> int:
         """How many times the prepared scheduler has been stepped after `step` optimizer steps."""
         return step * self.num_processes
+
+    def describe(self) -> str:
+        """The start log's line on batches and steps."""
+        left = (
+            f"; {self.rows_left_out} rows left out each epoch: the last partial global batch"
+            if self.rows_left_out
+            else ""
+        )
+        return (
+            f"micro {self.micro_batch_size} x gradient accumulation {self.gradient_accumulation_steps} x data parallel "
+            f"{self.data_parallel_size} = global batch {self.global_batch_size}; {self.total_steps} steps "
+            f"({self.steps_per_epoch} per epoch{left}), warmup {self.warmup_steps}"
+        )
 
     def loss_weight(self, global_count):
         """Factor turning a micro batch's summed loss into its share of the global-batch mean.
@@ -55,7 +69,8 @@ def make_plan(train: TrainArgs, n_train_rows: int | None, topology: Topology) ->
     """How many optimizer steps, from the data size, the batch layout and max_steps/epochs.
 
     An epoch is the largest whole number of global batches in the data; the rest of an epoch's
-    shuffle is not used, so every layout of the same global batch sees the same examples.
+    shuffle (rows_left_out, fewer than a global batch: said in the start log) is not used that epoch, so every
+    layout of the same global batch sees the same examples.
     Streamed data (n_train_rows None) has no size: the run is one epoch of max_steps (config rules).
     Under Megatron-LM a rank's "micro batch" (what its loader yields per optimizer step) is the
     pipeline's micro batch x num_micro_batches (Topology.rows_per_micro_batch).
@@ -89,6 +104,7 @@ def make_plan(train: TrainArgs, n_train_rows: int | None, topology: Topology) ->
         warmup,
         topology.num_processes,
         streamed=n_train_rows is None,
+        rows_left_out=0 if n_train_rows is None else n_train_rows - steps_per_epoch * micro * ga * dp,
     )
 
 
