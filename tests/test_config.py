@@ -300,6 +300,17 @@ def test_non_finite_numbers_and_seeds_out_of_range_are_problems_of_their_key(tmp
     assert parse(["--config", str(tmp_path / "run.yaml"), "--seed", str(2**32 - 1)]).train.seed == 2**32 - 1
 
 
+def test_a_count_below_one_says_what_null_means_for_its_key(valid):
+    """null is not 'off' for every count: ddp_timeout's is the default timeout, preprocessing_num_workers' an
+    automatic choice (both said 'must be >= 1 or null (off)')."""
+    found = problems_of({**valid, "ddp_timeout": 0, "preprocessing_num_workers": 0, "eval_steps": 0})
+    assert found["ddp_timeout"] == "must be >= 1, or null (the default: 600 s on CPU, 1800 s on GPU), got 0"
+    assert (
+        found["preprocessing_num_workers"] == "must be >= 1, or null (chosen from the cores and the data size), got 0"
+    )
+    assert found["eval_steps"] == "must be >= 1, or null (off), got 0"
+
+
 def test_a_fraction_of_the_run_as_steps_says_a_count_is_expected(tmp_path, valid):
     """transformers takes eval_steps: 0.1 as a tenth of the run; here it is one problem saying a count is wanted."""
     with pytest.raises(ConfigError) as info:

@@ -199,15 +199,15 @@ AT_LEAST_ONE = (
     "max_seq_length",
     "logging_steps",
 )
-AT_LEAST_ONE_OR_NULL = (
-    "ddp_timeout",
-    "eval_steps",
-    "save_steps",
-    "save_total_limit",
-    "max_train_samples",
-    "eval_fraction_max_rows",
-    "preprocessing_num_workers",
-)
+AT_LEAST_ONE_OR_NULL = {  # key -> what null means for it
+    "ddp_timeout": "the default: 600 s on CPU, 1800 s on GPU",
+    "eval_steps": "off",
+    "save_steps": "off",
+    "save_total_limit": "keep every checkpoint",
+    "max_train_samples": "every example",
+    "eval_fraction_max_rows": "no cap",
+    "preprocessing_num_workers": "chosen from the cores and the data size",
+}
 NON_NEGATIVE = ("weight_decay", "max_grad_norm", "warmup_steps", "adam_epsilon", "dataloader_num_workers")
 
 
@@ -217,9 +217,9 @@ def number_problems(cfg: RunConfig) -> list[tuple[str, str]]:
     p: list[tuple[str, str]] = []
     values = {**dataclasses.asdict(d), **dataclasses.asdict(t)}
     p += [(key, f"must be >= 1, got {values[key]}") for key in AT_LEAST_ONE if values[key] < 1]
-    for key in AT_LEAST_ONE_OR_NULL:
+    for key, null in AT_LEAST_ONE_OR_NULL.items():
         if values[key] is not None and values[key] < 1:
-            p.append((key, f"must be >= 1 or null (off), got {values[key]}"))
+            p.append((key, f"must be >= 1, or null ({null}), got {values[key]}"))
     if t.preemption_signal not in PREEMPTION_SIGNALS:
         p.append(("preemption_signal", f"must be one of {', '.join(PREEMPTION_SIGNALS)}, got {t.preemption_signal!r}"))
     if t.max_steps == 0 or t.max_steps < -1:
