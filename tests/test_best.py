@@ -136,6 +136,18 @@ def test_bad_best_settings_name_key_and_fix(valid, change, key, words):
     assert words in found[key]
 
 
+def test_every_missing_prerequisite_is_named_at_once(valid):
+    """--early_stopping_patience 2 --eval_fraction 0 said only 'set metric_for_best_model', then eval data and
+    eval_steps appeared one fix at a time; load_best_model_at_end the same. One problem names them all."""
+    found = problems_of({**valid, "early_stopping_patience": 2, "eval_fraction": 0})
+    assert list(found) == ["early_stopping_patience"], found
+    for fix in ("set metric_for_best_model", "set eval_steps", "give eval data"):
+        assert fix in found["early_stopping_patience"], found
+    found = problems_of({**valid, "load_best_model_at_end": True, "eval_fraction": 0, "save_steps": None})
+    for fix in ("give eval data", "set eval_steps", "set save_steps"):
+        assert fix in found["load_best_model_at_end"], found
+
+
 def test_metric_of_a_source_or_a_shipped_metric_is_accepted(valid):
     cls = {**valid, "task": "classification", "metric_for_best_model": "f1"}
     assert build_config(cls).train.metric_for_best_model == "f1"

@@ -387,15 +387,28 @@ def best_problems(cfg: RunConfig, has_eval: bool | None = None) -> list[tuple[st
     return p + _early_stopping_problems(t, metric, has_eval)
 
 
+EVAL_DATA = "give eval data (eval_dataset, eval_split or eval_fraction > 0)"
+
+
+def _prerequisites(key: str, what: str, missing: list[tuple[bool, str]]) -> list[tuple[str, str]]:
+    """One problem naming every missing prerequisite of `key` and its fix at once (not one per attempt)."""
+    fixes = [fix for lacking, fix in missing if lacking]
+    return [(key, f"needs {what}: {'; '.join(fixes)}")] if fixes else []
+
+
 def _load_best_problems(t: TrainArgs, has_eval: bool) -> list[tuple[str, str]]:
     """load_best_model_at_end needs evaluations and checkpoints at the evaluated steps."""
-    if not has_eval:
-        return [("load_best_model_at_end", "needs eval data: give eval_dataset, eval_split or eval_fraction > 0")]
-    if not t.eval_steps:
-        return [("load_best_model_at_end", "needs evaluations during training: set eval_steps")]
-    if not t.save_steps:
-        why = "needs checkpoints to load the best from: set save_steps (a multiple of eval_steps)"
-        return [("load_best_model_at_end", why)]
+    missing = _prerequisites(
+        "load_best_model_at_end",
+        "evaluations during training and checkpoints to load the best from",
+        [
+            (not has_eval, EVAL_DATA),
+            (not t.eval_steps, "set eval_steps"),
+            (not t.save_steps, "set save_steps (a multiple of eval_steps)"),
+        ],
+    )
+    if missing:
+        return missing
     if t.save_steps % t.eval_steps:
         up = -(-t.save_steps // t.eval_steps) * t.eval_steps
         why = (
@@ -411,11 +424,16 @@ def _early_stopping_problems(t: TrainArgs, metric: str | None, has_eval: bool) -
     if t.early_stopping_patience is not None:
         if t.early_stopping_patience < 1:
             p.append(("early_stopping_patience", f"must be >= 1 or null (off), got {t.early_stopping_patience}"))
-        elif metric is None:
-            why = "needs the metric that must keep improving: set metric_for_best_model (e.g. eval_loss)"
-            p.append(("early_stopping_patience", why))
-        elif not has_eval or not t.eval_steps:
-            p.append(("early_stopping_patience", "needs evaluations during training: set eval_steps (and eval data)"))
+        else:
+            p += _prerequisites(
+                "early_stopping_patience",
+                "evaluations during training of a metric that must keep improving",
+                [
+                    (metric is None, "set metric_for_best_model (e.g. eval_loss)"),
+                    (not t.eval_steps, "set eval_steps"),
+                    (not has_eval, EVAL_DATA),
+                ],
+            )
     if t.early_stopping_threshold < 0:
         p.append(("early_stopping_threshold", f"must be >= 0, got {t.early_stopping_threshold}"))
     elif t.early_stopping_threshold and t.early_stopping_patience is None:
