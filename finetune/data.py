@@ -129,7 +129,7 @@ def _cause(e: BaseException) -> BaseException:
 
 def load_splits(data: DataArgs, seed: int) -> tuple[Any, Any | None]:
     """(train, eval or None) raw datasets, eval from a file, a split, or a seeded held-out fraction."""
-    train = _load(data.dataset, data, None if looks_local(data.dataset) else data.train_split)
+    train = _load(data.dataset, data, _train_split(data))
     if len(train) == 0:
         raise ConfigError([("dataset", f"{data.dataset!r} has no examples")])
     evalset = _given_eval(data)
@@ -150,15 +150,30 @@ def load_splits(data: DataArgs, seed: int) -> tuple[Any, Any | None]:
     return train, evalset
 
 
+ONE_SPLIT = "local files have one split"
+
+
+def _train_split(data: DataArgs) -> str | None:
+    """The split of a Hub dataset to train on; local files have one (None): another train_split is refused, not
+    ignored."""
+    if not looks_local(data.dataset):
+        return data.train_split
+    if data.train_split != "train":
+        why = f"{ONE_SPLIT}, and {data.dataset!r} trains whole; remove train_split (or give that split's files as dataset)"
+        raise ConfigError([("train_split", why)])
+    return None
+
+
 def _given_eval(data: DataArgs) -> Any | None:
     """The eval data an eval_dataset or eval_split names, else None."""
     if data.eval_dataset:
+        if data.eval_split and looks_local(data.eval_dataset):
+            why = f"{ONE_SPLIT}, and eval_dataset {data.eval_dataset!r} is evaluated whole; remove eval_split"
+            raise ConfigError([("eval_split", why)])
         return _load(data.eval_dataset, data, data.eval_split)
     if data.eval_split:
         if looks_local(data.dataset):
-            raise ConfigError(
-                [("eval_split", "local files have one split; give eval_dataset or eval_fraction instead")]
-            )
+            raise ConfigError([("eval_split", f"{ONE_SPLIT}; give eval_dataset or eval_fraction instead")])
         return _load(data.dataset, data, data.eval_split)
     return None
 
@@ -569,7 +584,7 @@ def build_stream(
     eval_split, or the stream's first eval_fraction_max_rows rows (which training then skips)."""
     import datasets
 
-    train_raw = _load(data.dataset, data, None if looks_local(data.dataset) else data.train_split, streaming=True)
+    train_raw = _load(data.dataset, data, _train_split(data), streaming=True)
     with main_first():
         eval_raw = _given_eval(data)
     held_out = eval_raw is None and data.eval_fraction > 0

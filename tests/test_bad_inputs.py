@@ -291,6 +291,17 @@ CASES = [
         "eval_dataset_missing", lambda c: c.yaml(eval_dataset=str(c.tmp / "eval.jsonl")), "eval_dataset", "eval.jsonl"
     ),
     Case("eval_split_with_local_files", lambda c: c.yaml(eval_split="test"), "eval_split", "eval_dataset", stage=DATA),
+    # train_split and eval_split name no split of local files: refused, not ignored (the run trained on the one split)
+    Case(
+        "train_split_with_local_files", lambda c: c.yaml(train_split="validation"), "train_split", "remove", stage=DATA
+    ),
+    Case(
+        "eval_split_with_local_eval_dataset",
+        lambda c: c.yaml(eval_dataset=c.assets.instruction, eval_split="validation"),
+        "eval_split",
+        "evaluated whole",
+        stage=DATA,
+    ),
     Case(
         "chat_template_neither_text_nor_file",
         lambda c: c.yaml(chat_template="templates/chatml.jinja"),
@@ -489,6 +500,7 @@ CASES = [
         "eval_fraction",
     ),
     Case("merge_without_peft", lambda c: c.yaml(peft={"merge": True}), "peft.method", "lora"),
+    Case("adapter_rank_without_peft", lambda c: c.yaml(peft={"r": 4}), "peft.method", "peft.r configure an adapter"),
     Case("chat_format_for_classification", lambda c: c.yaml(**CLS, format="chat"), "format", "classification"),
     Case("classification_format_for_causal_lm", lambda c: c.yaml(format="classification"), "format", "task"),
     Case(

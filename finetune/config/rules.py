@@ -99,8 +99,10 @@ def peft_problems(pe: PeftArgs) -> list[tuple[str, str]]:
             p.append(("peft.dropout", f"must be in [0, 1), got {pe.dropout}"))
         if not pe.target_modules:
             p.append(("peft.target_modules", "must name at least one module, or [all-linear]"))
-    elif pe.adapter or pe.merge or pe.load_in_4bit:
-        p.append(("peft.method", "is none but adapter/merge/load_in_4bit is set; set peft.method: lora (or dora)"))
+    elif given := [f"peft.{name}" for name in changed_fields(pe) if name != "method"]:
+        # an adapter's settings without an adapter (as generation_metrics without generation): refused, not ignored
+        p.append(("peft.method", f"is none (every weight trains, no adapter) but {', '.join(given)} configure an "
+                                 "adapter; set peft.method: lora (or dora), or drop them"))  # fmt: skip
     return p
 
 
