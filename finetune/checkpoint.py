@@ -401,7 +401,10 @@ def resume_hint(output_dir: str) -> str:
     except OSError:
         last = None
     if last is None:
-        return "No checkpoint was completed; start the run again."
+        return (
+            "No checkpoint was completed; start the run again: the same command plus --resume_from_checkpoint auto "
+            "(which starts afresh where there is no checkpoint), or plus --overwrite_output_dir true."
+        )
     return f"Last complete checkpoint: {last}. Continue with the same command plus --resume_from_checkpoint latest."
 
 

@@ -142,6 +142,23 @@ def test_previous_run_is_accepted_when_overwriting_or_resuming(valid, allow):
     assert cfg.train.output_dir == str(out)
 
 
+def test_a_run_without_a_checkpoint_is_told_a_command_that_is_accepted(valid):
+    """A run that stopped before its first checkpoint leaves metrics.jsonl and no checkpoint. Its hint said "start the
+    run again" (refused: a previous run, "resume it with --resume_from_checkpoint latest"), and `latest` was refused
+    with "drop resume_from_checkpoint to start fresh": the first command again. Both name a command that passes."""
+    from finetune.checkpoint import resume_hint
+
+    out = Path(valid["output_dir"])
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")
+    hint = resume_hint(str(out))
+    refused = problems_of({**valid, "resume_from_checkpoint": "latest"})["resume_from_checkpoint"]
+    assert "--resume_from_checkpoint auto" in hint and "'auto'" in refused, (hint, refused)
+    assert "--overwrite_output_dir true" in hint and "--overwrite_output_dir true" in refused, (hint, refused)
+    for suggested in ({"resume_from_checkpoint": "auto"}, {"overwrite_output_dir": True}):
+        assert build_config({**valid, **suggested}).train.output_dir == str(out)
+
+
 def test_a_checkpoint_of_another_run_does_not_let_a_run_into_an_occupied_output_dir(tmp_path, valid):
     """resume_from_checkpoint naming another run's checkpoint starts output_dir over from it: refused where output_dir
     holds a run (unless overwrite_output_dir), as a fresh start is; and overwrite_output_dir is refused where it would

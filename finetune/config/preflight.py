@@ -306,8 +306,9 @@ def resume_problems(t: TrainArgs) -> list[tuple[str, str]]:
         ]
     if resume == LATEST and not has_checkpoint(t.output_dir):
         why = (
-            f"'latest' but {t.output_dir}/checkpoints has no complete checkpoint; "
-            "drop resume_from_checkpoint to start fresh"
+            f"'latest' but {t.output_dir}/checkpoints has no complete checkpoint; to start afresh there, give 'auto' "
+            "instead (the newest checkpoint, or a fresh start where there is none), or drop it and add "
+            "--overwrite_output_dir true"
         )
         return [("resume_from_checkpoint", why)]
     if resume == LATEST:
