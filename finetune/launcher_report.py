@@ -28,9 +28,14 @@ process of finetune (`install_excepthook`):
 - the child writes its message to the file FINETUNE_LAUNCHER_ERROR_FILE names (set by the launcher for its
   children; torchrun's error file wins where there is one), and the launcher reports a CalledProcessError whose
   child left that message as above: a few lines ending with the message, the child's exit code;
-- SIGTERM to the launcher is forwarded to its children (the run stops at the step boundary with a checkpoint, as
-  its ranks do under torchrun), the launcher waits for them and exits with 128+15 after one line. Under torchrun
-  its agent installs its own handler over this one, which forwards the signal the same way.
+- SIGTERM (or a preemption signal: train.preemption_signal's choices but SIGINT) to the launcher is forwarded to
+  its children (the run stops at the step boundary with a checkpoint, as its ranks do under torchrun), the
+  launcher waits for them and exits with 128+N after one line. Under torchrun its agent installs its own handler
+  over this one for SIGTERM and SIGHUP (and SIGINT, SIGQUIT), which forwards the signal the same way; SIGUSR1 and
+  SIGUSR2 it would leave to their default action (the launcher ends, its ranks orphaned): this handler forwards
+  them there too;
+- Ctrl-C (SIGINT to the terminal's process group: the child has it too) ends the simple launcher in a
+  KeyboardInterrupt: one line once the child has exited, exit 130, as torchrun's launcher exits.
 
 tests/test_launcher_report.py::test_one_process_under_accelerate_launch_still_needs_the_workaround fails once
 accelerate forwards the signal and stops printing the traceback itself.
@@ -160,9 +165,15 @@ def command_line() -> list[str]:
 
 def _forward_stop_signal() -> None:
     """An `accelerate launch` of finetune: its children write their messages where this process reads them, and a
-    SIGTERM to it is forwarded to them (accelerate's simple launcher would end here and leave the run orphaned)."""
+    stop signal to it (SIGTERM, or one of train.preemption_signal's) is forwarded to them: accelerate's simple
+    launcher would end here and leave the run orphaned, and torchrun's agent handles only SIGTERM, SIGINT, SIGHUP and
+    SIGQUIT (SIGUSR1 would end it and orphan its ranks). Not SIGINT: Ctrl-C reaches every process of the terminal's
+    group, the ranks too. A signal this process ignores stays ignored (scripts/slurm.sbatch: SLURM sends SIGUSR1 to
+    the ranks themselves)."""
     import signal
     import tempfile
+
+    from finetune.config.schema import PREEMPTION_SIGNALS  # an import of some 0.08 s, in a launch of finetune only
 
     os.environ[CHILD_ERROR_FILE] = os.path.join(tempfile.gettempdir(), f"finetune-launcher-{os.getpid()}.json")
 
@@ -179,7 +190,10 @@ def _forward_stop_signal() -> None:
             except ProcessLookupError:
                 pass
 
-    signal.signal(signal.SIGTERM, forward)
+    for name in PREEMPTION_SIGNALS:
+        signum = getattr(signal, name)
+        if signum != signal.SIGINT and signal.getsignal(signum) != signal.SIG_IGN:
+            signal.signal(signum, forward)
 
 
 def _children() -> list[int]:
@@ -197,12 +211,25 @@ def _children() -> list[int]:
     return found
 
 
+def _wait_for_children() -> None:
+    """Until the processes this one started have exited; a second Ctrl-C stops waiting."""
+    try:
+        for pid in _children():
+            os.waitpid(pid, 0)
+    except (KeyboardInterrupt, ChildProcessError):
+        pass
+
+
 def report(error: BaseException) -> int | None:
     """Print the launcher's report of `error` without a traceback and return the exit code; None when the
     error is not one finetune named (the default traceback is then shown)."""
     kind = type(error)
     if kind.__name__ == "CalledProcessError" and kind.__module__ == "subprocess" and _launches_finetune():
         return _report_child(error)
+    if kind is KeyboardInterrupt and _launches_finetune():  # Ctrl-C under the simple launcher (torchrun: below)
+        _wait_for_children()  # the terminal's Ctrl-C reached the run too: its message comes first
+        print("[launcher] interrupted (Ctrl-C); the run was interrupted too (its message is above).", file=sys.stderr)
+        return 130
     if not kind.__module__.startswith("torch.distributed.elastic"):
         return None
     if kind.__name__ == "SignalException" and _argv_names_finetune():
@@ -229,19 +256,32 @@ def report(error: BaseException) -> int | None:
     lines[0] += _torchrun_note()
     messages = list(dict.fromkeys(f.error_file_data["message"]["message"] for f in ours.values()))
     print("\n".join(lines + messages), file=sys.stderr)
-    return next(iter(ours.values())).exitcode
+    code = next(iter(ours.values())).exitcode
+    return 128 - code if code < 0 else code  # killed by signal N after its message: os._exit(-N) would exit 256 - N
 
 
 def _report_killed(error, failures: dict) -> int | None:
     """No rank named the failure because one was killed by a signal (kill -9, the kernel's out-of-memory killer)
     and torchrun stopped the others (exit 143, each saying so and where to resume) before a collective told them
-    of it. One line for it, exit 128 + the signal; anything else (a crash: its traceback is above) is not ours."""
+    of it; or every rank was stopped by a signal sent to the ranks themselves (exit 128 + N, each saying so: under
+    scripts/slurm.sbatch SLURM's SIGUSR1 reaches the ranks, not the launcher). One line, exit 128 + the signal;
+    anything else (a crash: its traceback is above) is not ours."""
     import signal
 
     killed = {rank: -f.exitcode for rank, f in failures.items() if f.exitcode < 0}
-    stopped = all(f.exitcode < 0 or f.exitcode == 143 for f in failures.values())
-    if not (killed and stopped and _argv_names_finetune()):
+    stopped = all(f.exitcode < 0 or f.exitcode - 128 in signal.valid_signals() for f in failures.values())
+    if not (stopped and _argv_names_finetune()):
         return None
+    if not killed:
+        signums = [f.exitcode - 128 for f in failures.values()]
+        signum = next((n for n in signums if n != signal.SIGTERM), signal.SIGTERM)  # torchrun's own SIGTERM follows
+        names = ", ".join(dict.fromkeys(_signal_name(n) for n in signums))
+        print(
+            f"[launcher] {error.name} stopped: every rank was stopped by {names} (their messages are above)."
+            + _torchrun_note(),
+            file=sys.stderr,
+        )
+        return 128 + signum
     how = "; ".join(
         f"rank {rank} exit code -{signum} ({_signal_name(signum)}"
         + (": kill -9, or the system's out-of-memory killer)" if signum == signal.SIGKILL else ")")

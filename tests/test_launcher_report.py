@@ -46,6 +46,9 @@ def test_a_failure_finetune_named_ends_with_its_message(tmp_path, monkeypatch, c
     assert err.splitlines()[-2:] == MESSAGE.splitlines()
     assert "rank 0 stopped with the message below" in err and "rank 1 exit code 143" in err
     assert "Traceback" not in err
+    # the rank that named it was then killed by a signal (torchrun's SIGTERM): 128 + N, not os._exit(-15)'s 241
+    failures[0] = failure(tmp_path, 0, -signal.SIGTERM, MESSAGE, monkeypatch)
+    assert report(ChildFailedError("finetune", failures)) == 128 + signal.SIGTERM
 
 
 def test_the_same_message_from_every_rank_is_shown_once(tmp_path, monkeypatch, capsys):
@@ -65,6 +68,13 @@ def test_a_killed_rank_that_no_rank_named_is_one_line(tmp_path, monkeypatch, cap
     err = capsys.readouterr().err.strip()
     assert err.startswith("[launcher] finetune failed: rank 1 exit code -9 (SIGKILL: kill -9, or the system's")
     assert "the others were stopped" in err and "\n" not in err
+    capsys.readouterr()
+    # SIGUSR1 sent to the ranks themselves (scripts/slurm.sbatch: the launcher ignores it) before training started:
+    # each rank said so and exited 138 (one may get torchrun's SIGTERM first: 143). Was ChildFailedError's traceback.
+    stopped = {0: failure(tmp_path, 0, 138, None, monkeypatch), 1: failure(tmp_path, 1, 143, None, monkeypatch)}
+    assert report(ChildFailedError("finetune", stopped)) == 128 + signal.SIGUSR1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("[launcher] finetune stopped: every rank was stopped by SIGUSR1, SIGTERM") and "\n" not in err
     crashed = {**failures, 0: failure(tmp_path, 0, 1, None, monkeypatch)}  # rank 0 crashed: its traceback stays
     assert report(ChildFailedError("finetune", crashed)) is None
     monkeypatch.setattr(sys, "argv", ["accelerate", "launch", "other.py"])  # not finetune's ranks
@@ -102,6 +112,40 @@ def test_a_signal_to_the_launcher_of_finetune_is_one_line(monkeypatch, capsys):
         capsys.readouterr().err.strip()
         == "[launcher] stopped by SIGTERM; every rank was asked to stop (their messages are above)."
     )
+
+
+def test_ctrl_c_under_the_one_process_launcher_is_one_line(monkeypatch, capsys):
+    """Ctrl-C reaches accelerate's simple launcher (single.yaml) and its child: the child says "interrupted" and exits
+    130; the launcher's KeyboardInterrupt (in process.wait) was an 18-line traceback and exit -2."""
+    from finetune import launcher_report
+
+    monkeypatch.setattr(launcher_report, "_children", lambda: [])  # this process's own children are not a run's
+    monkeypatch.setattr(launcher_report, "command_line", lambda: ["accelerate", "launch", "-m", "finetune"])
+    assert report(KeyboardInterrupt()) == 130
+    assert capsys.readouterr().err.startswith("[launcher] interrupted (Ctrl-C); the run was interrupted too")
+    monkeypatch.setattr(launcher_report, "command_line", lambda: ["python", "train.py"])
+    assert report(KeyboardInterrupt()) is None
+
+
+def test_a_preemption_signal_to_the_launcher_reaches_its_children(tmp_path):
+    """SIGUSR1 (train.preemption_signal) to an `accelerate launch` of finetune: its default action ended the launcher
+    and left the run training, orphaned. It is forwarded, as SIGTERM is, and the launcher waits for its child; a
+    signal the launcher ignores (scripts/slurm.sbatch's trap) stays ignored."""
+    script = tmp_path / "launcher.py"
+    script.write_text(
+        "import os, signal, subprocess, sys\n"
+        "from finetune import launcher_report\n"
+        "signal.signal(signal.SIGUSR2, signal.SIG_IGN)\n"
+        "launcher_report._forward_stop_signal()\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import signal, sys, time; "
+        "signal.signal(signal.SIGUSR1, lambda *_: sys.exit(138)); print(1, flush=True); time.sleep(60)'], "
+        "stdout=subprocess.PIPE)\n"
+        "child.stdout.readline()\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "print(child.wait(), signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN)\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.split() == ["138", "True"], proc
 
 
 def test_one_process_the_run_named_its_failure(tmp_path, monkeypatch, capsys):
