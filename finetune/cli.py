@@ -91,8 +91,9 @@ def _stopping(e: BaseException, rank: str, cfg) -> int | None:
     """Say why the run stops and return its exit code; None for a crash (its traceback is shown) and for
     SystemExit (--help)."""
     if isinstance(e, Stopped) or STOP.stopped:  # a stop signal, whatever error it was turned into on the way
+        # No error file: the exit code says it, and the launcher's report would take this rank for the one that failed
         _tell(_stopped_message(rank, cfg))
-        return 143
+        return _stopped_code()
     if isinstance(e, ConfigError):
         _stop_with(e.render())
         from finetune.parallel.base import tell_waiting_ranks
@@ -100,12 +101,8 @@ def _stopping(e: BaseException, rank: str, cfg) -> int | None:
         tell_waiting_ranks(e)
         return 2
     if isinstance(e, Preempted):
-        message = (
-            f"finetune: stopped by {e.signame} (preemption) after step {e.step}; checkpoint saved: {e.checkpoint}. "
-            "Continue with the same command plus --resume_from_checkpoint auto."
-        )
-        _stop_with(message)
-        return 128 + signal.Signals[e.signame].value
+        _stop_with(_preempted_message(e))
+        return 128 + e.signum
     from finetune.parallel.base import NeverJoined
 
     if isinstance(e, (Diverged, PushFailed, WriteError, NeverJoined)):  # the run failed for a reason it can name
@@ -132,10 +129,29 @@ def _stopping(e: BaseException, rank: str, cfg) -> int | None:
     return 1
 
 
-def _stopped_message(rank: str, cfg) -> str:
+def _preempted_message(e: Preempted) -> str:
+    if e.final is None:
+        return (
+            f"finetune: stopped by {e.signame} (preemption) after step {e.step}; checkpoint saved: {e.checkpoint}. "
+            "Continue with the same command plus --resume_from_checkpoint auto."
+        )
     return (
-        f"finetune rank {rank}: stopped by the launcher (another rank failed, see the launcher's report of "
-        f"which, or the job was cancelled). {_hint(cfg)}"
+        f"finetune: stopped by {e.signame} (preemption) after the last step ({e.step}), once the run had finished: "
+        f"{e.final} is complete"
+        + (f", and so is the end-of-run checkpoint {e.checkpoint}" if e.checkpoint else "")
+        + ". Nothing is left to run."
+    )
+
+
+def _stopped_code() -> int:
+    return 128 + (STOP.signum or signal.SIGTERM)
+
+
+def _stopped_message(rank: str, cfg) -> str:
+    name = signal.Signals(_stopped_code() - 128).name
+    return (
+        f"finetune rank {rank}: stopped by {name} before training started: the launcher stops every rank when one "
+        f"fails (see its report of which), or the job was cancelled or preempted. {_hint(cfg)}"
     )
 
 
@@ -150,7 +166,7 @@ def stop_in_callbacks(message) -> None:
         if isinstance(unraisable.exc_value, Stopped):
             _tell(message())
             sys.stdout.flush()
-            os._exit(143)
+            os._exit(_stopped_code())
         previous(unraisable)
 
     sys.unraisablehook = hook

@@ -78,6 +78,7 @@ def _finish(net, tokenizer, run_config: dict[str, Any], tmp: str, final: str, dt
         # the classes a classifier adapter was trained for: `finetune merge` rebuilds the head from them
         write_atomic(os.path.join(tmp, LABELS_FILE), json.dumps([id2label[i] for i in sorted(id2label)]))
     fault_point("enospc-in-export", 0)
+    fault_point("signal-in-export", 0)
     if os.path.exists(final):
         shutil.rmtree(final)
     os.replace(tmp, final)

@@ -11,8 +11,9 @@ from finetune.stop import STOP
 def fault_point(name: str, step: int) -> None:
     """Fault injection for the crash, hang and storage tests: FINETUNE_FAULT=<name>:<step>[:<rank>[:<seconds>]],
     several comma-separated. A name starting with "hang-" makes that process stop answering (sleep), "slow-" makes
-    it work `seconds` longer there (a large model's write), "enospc-" raises the error a full disk gives; any other
-    name kills it (SIGKILL) there."""
+    it work `seconds` longer there (a large model's write), "enospc-" raises the error a full disk gives, "signal-"
+    sends it the signal named in place of seconds (SIGTERM by default: a preemption reaching this process there); any
+    other name kills it (SIGKILL) there."""
     for fault in os.environ.get("FINETUNE_FAULT", "").split(","):
         spec = fault.split(":")
         if len(spec) >= 2 and spec[0] == name and int(spec[1]) == step:
@@ -27,6 +28,11 @@ def _inject(name: str, step: int, spec: list[str]) -> None:
         os._exit(143)
     if name.startswith("slow-"):
         time.sleep(float(spec[3]))
+        return
+    if name.startswith("signal-"):
+        import signal
+
+        os.kill(os.getpid(), getattr(signal, spec[3] if len(spec) > 3 else "SIGTERM"))
         return
     if name.startswith("enospc-"):
         import errno

@@ -210,12 +210,13 @@ class _Window:
 
 def train(run: Run, state: TrainState) -> dict[str, float]:
     """Run optimizer steps from state.step to plan.total_steps; log, evaluate and checkpoint. A stop signal
-    (stop.STOP) ends it at the next step boundary with a checkpoint; a non-finite step ends it at once."""
+    (stop.STOP) ends it at the next step boundary with a checkpoint, the last step's too; a non-finite step ends it
+    at once. STOP stays armed when it returns: a signal after the last step's vote is noted, and the run ends
+    with it once final/ is written (run.train_and_export)."""
     STOP.armed = True
     try:
         return _train(run, state)
     finally:
-        STOP.armed = False
         run.watchdog.stop()
 
 
@@ -243,7 +244,7 @@ def _train(run: Run, state: TrainState) -> dict[str, float]:
                 _optimizer_step(run, state, p, batches, epoch, step_in_epoch)
             done = state.step == plan.total_steps
             p.bar.update(1)
-            preempted = p.stop.agreed() and not done  # every rank reads the same vote
+            preempted = p.stop.agreed()  # the signal (0: none); every rank reads the same vote
             log = state.step % args.logging_steps == 0 or done
             save = bool(args.save_steps and state.step % args.save_steps == 0)
             evaluate_now = run.eval_loader is not None and (
@@ -257,7 +258,7 @@ def _train(run: Run, state: TrainState) -> dict[str, float]:
             if preempted:  # all ranks checkpoint this step and stop (no evaluation: the grace period is short)
                 state.eval_pending = evaluate_now  # the resumed run evaluates this step first
                 run.watchdog.beat()
-                raise Preempted(STOP.signame, state.step, run.checkpointer.save(_saved_state(run, state, p.win)))
+                raise Preempted(preempted, state.step, run.checkpointer.save(_saved_state(run, state, p.win)))
             if evaluate_now:
                 last_eval, save, stopped = _eval_in_training(run, state, p, save)
             if not done and not stopped and save:
@@ -313,6 +314,7 @@ def _optimizer_step(run: Run, state: TrainState, p: _Progress, batches, epoch: i
     """One optimizer step and its bookkeeping (its grad norm, a device tensor, is read when the loop logs)."""
     run.watchdog.beat()
     fault_point("hang-before-step", state.step + 1)
+    fault_point("signal-before-step", state.step + 1)
     started = time.perf_counter()
     micro = [next(batches) for _ in range(run.plan.gradient_accumulation_steps)]
     p.win.data_wait += time.perf_counter() - started

@@ -47,6 +47,7 @@ from finetune import (
 )
 from finetune.config import RUN_MARKERS, ConfigError, RunConfig
 from finetune.config.preflight import LATEST, latest_missing, restarts_its_start, resumes_elsewhere
+from finetune.stop import Preempted, agreed_signal
 
 logger = logging.getLogger("finetune")
 
@@ -483,8 +484,9 @@ def train_and_export(
         raise
     training = metrics.peak_memory(acc.device)
     metrics.reset_peak_memory(acc.device)
-    if cfg.train.save_steps:  # the end-of-run checkpoint (a resume of a finished run); save_steps null: none
-        r.checkpointer.save(loop.state_dict_of(state))
+    end_checkpoint = None  # the end-of-run checkpoint (a resume of a finished run); save_steps null: none
+    if cfg.train.save_steps:
+        end_checkpoint = r.checkpointer.save(loop.state_dict_of(state))
     weights_from = None
     dtype = model.save_dtype(cfg.model)  # of final/ and merged/, whatever the layout
     if cfg.train.load_best_model_at_end and state.best_step is not None:
@@ -513,4 +515,7 @@ def train_and_export(
     for tracker in acc.trackers:  # accelerate's end_training, but for destroying the process group (see cli.main)
         tracker.finish()
     report.finish(acc, cfg, final, facts)
+    signum = agreed_signal()  # a stop signal since the last step's vote was noted: final/ first, then stop by it
+    if signum:
+        raise Preempted(signum, state.step, end_checkpoint, final)
     return final_eval

@@ -887,8 +887,8 @@ def test_bad_input_under_accelerate_launch(case: Case, config: str, assets, no_c
     # torchrun's one-line records about its ranks go to a file the launcher's report names, not to the screen
     assert not re.search(r"closing signal|failed \(exitcode", output), shown
     # Besides the message: the data's progress bars and, from ranks stopped because another failed first, "stopped by
-    # the launcher" lines.
-    noise = re.compile(r"examples/s\]|it/s\]|\d+%\||^finetune rank \d+: stopped by the launcher")
+    # SIGTERM before training started" lines.
+    noise = re.compile(r"examples/s\]|it/s\]|\d+%\||^finetune rank \d+: stopped by SIG\w+ before training started")
     lines = [line for line in proc.stderr.splitlines() if line.strip() and not noise.search(line)]
     heading = "[launcher] finetune failed: rank" if config == "ddp" else "[launcher] finetune stopped with the message"
     report = next(i for i, line in enumerate(lines) if line.startswith(heading))

@@ -384,8 +384,10 @@ def test_a_pending_evaluation_of_another_runs_checkpoint_that_is_the_best_is_kep
 def test_slurm_preemption_and_requeue_continue_the_run(assets, tmp_path, straight):
     """preemption_signal (SIGUSR1) end to end: scripts/slurm.sbatch on one node (stand-in srun and scontrol; a real
     accelerate launch of multinode_ddp.yaml, 2 ranks, rendezvous on 127.0.0.1): SIGUSR1 to every process of the job
-    step, as SLURM's `--signal=USR1@300` sends it. The launcher ignores it (the script's trap), the ranks checkpoint
-    the step they reached and the job exits 128 + 10; the requeued job (the same script again, as `--requeue` reruns
+    step but rank 0, as SLURM's `--signal=USR1@300` sends it where only one machine of several is preempted (or
+    its signal comes later). The launcher ignores it (the script's trap, which finetune's launcher hook keeps), the
+    ranks agree on it (rank 0 says SIGUSR1 too: it had said "stopped by  (preemption)", then crashed) and checkpoint
+    the step they reached, and the job exits 128 + 10; the requeued job (the same script again, as `--requeue` reruns
     it) continues from that checkpoint (--resume_from_checkpoint auto) and ends equal to the uninterrupted run."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -429,7 +431,8 @@ def test_slurm_preemption_and_requeue_continue_the_run(assets, tmp_path, straigh
     assert len(ranks) == 2, [p.cmdline() for p in step_processes]
     for p in step_processes:
         with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGUSR1)
+            if p.environ().get("RANK") != "0":
+                p.send_signal(signal.SIGUSR1)
     output = job.finish(timeout=90)
     match = re.search(r"stopped by SIGUSR1 \(preemption\) after step (\d+); checkpoint saved: (\S+)\.", output)
     assert match, output[-3000:]
@@ -466,6 +469,26 @@ def test_kill_while_writing_a_checkpoint_keeps_the_previous_one_and_auto_resumes
     assert f"removed {ckpts / '.tmp_step_4'}: a checkpoint the stopped run did not finish" in resumed.output
     assert [r["step"] for r in resumed.train_rows] == [1, 2, 3, 4, 5, 6]
     assert not (ckpts / ".tmp_step_4").exists() and (out / "final" / "model.safetensors").exists()
+
+
+def test_a_stop_signal_on_the_last_step_or_after_it_loses_nothing(assets, tmp_path):
+    """SIGTERM while the last step runs (FINETUNE_FAULT signal-before-step): a preemption as on any other step, with
+    its checkpoint (also with save_steps null), exit 143, no final/ yet. The resume (auto) gets SIGTERM while it
+    writes final/ (signal-in-export): final/ is finished first, then the run exits 143 saying so. Before, the first
+    signal was ignored, and one during the export stopped it half-way: .tmp_final left, no final/, no checkpoint."""
+    args = base_args(assets.gpt2, assets.text, "--max_steps", "3", "--save_steps", "null", "--eval_fraction", "0")
+    args += ["--resume_from_checkpoint", "auto"]
+    out = tmp_path / "run"
+    last = finetune(out, *args, expect_ok=False, extra_env={"FINETUNE_FAULT": "signal-before-step:3"})
+    assert last.returncode == 143 and "Traceback" not in last.output, last.output[-3000:]
+    assert f"stopped by SIGTERM (preemption) after step 3; checkpoint saved: {out / 'checkpoints' / 'step_3'}." in (
+        last.output
+    ), last.output[-3000:]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_3" and not (out / "final").exists()
+    ended = finetune(out, *args, expect_ok=False, extra_env={"FINETUNE_FAULT": "signal-in-export:0"})
+    assert ended.returncode == 143 and "Traceback" not in ended.output, ended.output[-3000:]
+    assert f"after the last step (3), once the run had finished: {out / 'final'} is complete." in ended.output
+    assert (out / "final" / "model.safetensors").exists() and not (out / ".tmp_final").exists()
 
 
 def test_a_complete_checkpoint_that_latest_does_not_name_is_resumed(assets, tmp_path):
@@ -874,7 +897,32 @@ def test_stop_signal_while_the_handler_is_installed(tmp_path):
         "signal.signal = install_then_signal\n",
     )
     assert proc.returncode == 143 and "Traceback" not in proc.stderr, shown
-    assert proc.stderr.strip().splitlines()[-1].startswith("finetune rank 0: stopped by the launcher"), shown
+    assert (
+        proc.stderr.strip().splitlines()[-1].startswith("finetune rank 0: stopped by SIGTERM before training started")
+    ), shown
+
+
+def test_a_forked_worker_stopped_with_its_parent_exits_quietly(tmp_path):
+    """torchrun's killpg reaches datasets' tokenising workers too (preprocessing_num_workers: forked, so they inherit
+    the stop handler), and each raised Stopped and printed its traceback. A process that did not install the handler
+    exits at once with 128 + N and says nothing: its parent says what happened."""
+    script = tmp_path / "forked.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "from finetune.stop import STOP\n"
+        "STOP.install()\n"
+        "ready, started = os.pipe()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:  # a pool worker\n"
+        "    os.write(started, b'1')\n"
+        "    time.sleep(60)\n"
+        "    os._exit(0)\n"
+        "os.read(ready, 1)  # a signal before the child's Python is set up would be dropped\n"
+        "os.kill(pid, signal.SIGTERM)\n"
+        "print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert (proc.stdout.strip(), proc.stderr) == ("143", ""), proc
 
 
 def test_stop_signal_while_a_rank_reports_its_own_error(tmp_path):
@@ -950,7 +998,9 @@ def test_stop_signal_wrapped_by_python_and_taken_for_bad_input_still_stops(tmp_p
     )
     assert proc.returncode == 143, shown
     assert "could not read" not in proc.stderr + proc.stdout and "Traceback" not in proc.stderr, shown
-    assert proc.stderr.strip().splitlines()[-1].startswith("finetune rank 0: stopped by the launcher"), shown
+    assert (
+        proc.stderr.strip().splitlines()[-1].startswith("finetune rank 0: stopped by SIGTERM before training started")
+    ), shown
 
 
 def test_stop_signal_inside_a_callback_still_stops(tmp_path):
@@ -973,4 +1023,6 @@ def test_stop_signal_inside_a_callback_still_stops(tmp_path):
     )
     assert proc.returncode == 143, shown
     assert "went on" not in proc.stdout and "Traceback" not in proc.stderr, shown
-    assert proc.stderr.strip().splitlines()[-1].startswith("finetune rank 0: stopped by the launcher"), shown
+    assert (
+        proc.stderr.strip().splitlines()[-1].startswith("finetune rank 0: stopped by SIGTERM before training started")
+    ), shown
