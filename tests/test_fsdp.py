@@ -28,6 +28,15 @@ if sys.argv[1] == "workaround":
     come_up_on_cpu(TrainArgs(ddp_timeout=60))
 acc = Accelerator()
 print(f"rank {acc.process_index}: {acc.distributed_type} {acc.num_processes} fsdp2={acc.is_fsdp2}", flush=True)
+if sys.argv[1] == "workaround":  # accelerate's default units for a model whose _no_split_modules hold its embeddings
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    from transformers import BertConfig, BertForSequenceClassification
+    size = dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    try:
+        fsdp2_prepare_model(acc, BertForSequenceClassification(BertConfig(**size)))
+        print("bert with its embeddings unit: prepared", flush=True)
+    except TypeError as e:
+        print(f"bert with its embeddings unit: {e}", flush=True)
 """
 
 
@@ -38,17 +47,48 @@ def launch_probe(tmp_path, mode: str) -> str:
     # c10d rendezvous on port 0: the agent binds a port the OS picks and tells its ranks (no port to race for).
     cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:0", str(script), mode]
     env = {**os.environ, "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "OMP_NUM_THREADS": "1"}
+    env["FSDP_AUTO_WRAP_POLICY"] = "TRANSFORMER_BASED_WRAP"
     proc = run_killing_the_group(cmd, env, 120)
     return proc.stdout + proc.stderr
 
 
 def test_accelerate_still_refuses_fsdp_on_cpu(tmp_path):
     """The reason for finetune.parallel.fsdp.come_up_on_cpu: without it, CPU ranks launched for FSDP do not
-    come up as FSDP. When the first assertion fails, accelerate accepts FSDP on CPU: delete the workaround."""
+    come up as FSDP. When the first assertion fails, accelerate accepts FSDP on CPU: delete the workaround.
+    And the reason for fsdp.wrap_classes: accelerate's default units (the model's _no_split_modules) fail for a
+    BERT, which lists BertEmbeddings there. When the last assertion fails, accelerate shards it: delete that."""
     without = launch_probe(tmp_path, "plain")
     assert "rank 0:" in without and "DistributedType.FSDP" not in without, without[-2000:]
     with_it = launch_probe(tmp_path, "workaround")
     assert with_it.count("DistributedType.FSDP 2 fsdp2=True") == 2, with_it[-2000:]
+    assert with_it.count("bert with its embeddings unit: Invariant encountered") == 2, with_it[-2000:]
+
+
+def test_units_leave_out_the_classes_that_hold_the_input_embeddings(assets):
+    """fsdp.wrap_classes: by default every _no_split_modules class but BertEmbeddings (the BERT classifier under
+    fsdp2 runs: tests/test_resume_layouts.py::test_into_offloaded_zero_with_uneven_partitions); a decoder's layers
+    unchanged; a user's list that names the embeddings' holder refused, naming the key and the fix."""
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from finetune.config import ConfigError
+    from finetune.parallel.fsdp import wrap_classes
+
+    def units(model, given=None):
+        plugin = SimpleNamespace(auto_wrap_policy=transformer_auto_wrap_policy, transformer_cls_names_to_wrap=given)
+        wrap_classes(plugin, model)
+        return plugin.transformer_cls_names_to_wrap
+
+    bert = AutoModelForSequenceClassification.from_pretrained(assets.bert, num_labels=3)
+    assert units(bert) == ["BertLayer"]
+    assert units(bert, ["BertLayer"]) == ["BertLayer"]
+    with pytest.raises(ConfigError) as refused:
+        units(bert, ["BertEmbeddings", "BertLayer"])
+    assert "fsdp_transformer_layer_cls_to_wrap" in str(refused.value) and "BertEmbeddings out" in str(refused.value)
+    llama = AutoModelForCausalLM.from_pretrained(assets.llama)
+    assert units(llama) == sorted(llama._no_split_modules)
 
 
 def test_transformers_still_lacks_replicate_parallel():

@@ -95,8 +95,9 @@ def test_chain_through_every_sharded_layout_continues_the_run(assets, tmp_path):
 
 
 def test_into_offloaded_zero_with_uneven_partitions(assets, tmp_path):
-    """DDP -> ZeRO-3 offload on a 3-class BERT classifier: the head's bias has 3 elements, so 2 ranks hold
-    partitions of unequal length, and offload steps DeepSpeedCPUAdam."""
+    """DDP -> FSDP2 -> ZeRO-3 offload on a 3-class BERT classifier: the head's bias has 3 elements, so 2 ranks hold
+    shards and partitions of unequal length, and offload steps DeepSpeedCPUAdam. (BERT lists BertEmbeddings among
+    its _no_split_modules: FSDP2's units leave it out, fsdp.wrap_classes.)"""
     rows = [json.loads(line) for line in open(assets.classification)]
     keep = sorted({r["label"] for r in rows})[:3]
     data = tmp_path / "three_classes.jsonl"
@@ -109,13 +110,15 @@ def test_into_offloaded_zero_with_uneven_partitions(assets, tmp_path):
         "--max_steps",
         "6",
         "--save_steps",
-        "3",
+        "2",
         "--eval_fraction",
         "0.1",
     )
-    straight, (*_, last) = chain(tmp_path, args, [("ddp",), ("zero3_offload",)], every=3)
-    assert "written by MULTI_CPU on 2 process(es), converted" in last.output
-    assert [r["distributed_type"] for r in last.train_rows] == ["MULTI_CPU"] * 3 + ["DEEPSPEED"] * 3
+    straight, (_, fsdp, last) = chain(tmp_path, args, [("ddp",), ("fsdp2",), ("zero3_offload",)], every=2)
+    assert "written by MULTI_CPU on 2 process(es), converted" in fsdp.output
+    assert "written by FSDP FSDP2 on 2 process(es), converted" in last.output
+    kinds = ["MULTI_CPU", "FSDP", "DEEPSPEED"]
+    assert [r["distributed_type"] for r in last.train_rows] == [k for k in kinds for _ in range(2)]
     assert_continues(straight, last)
 
 

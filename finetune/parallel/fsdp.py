@@ -16,17 +16,23 @@ What differs from DDP, and why:
   transformers building its own mesh); accelerate shards every parameter outside the model's tp_plan (the norms) as a Replicate DTensor
   through transformers' ReplicateParallel, which transformers 5 no longer has: `replicate_parallel_shim`
   (tests/test_fsdp.py::test_transformers_still_lacks_replicate_parallel fails once it is back).
+- The units: each class of the model's _no_split_modules, less any that holds the input embeddings
+  (`wrap_classes`, a workaround of accelerate 1.15: BERT, RoBERTa, ModernBERT and about 40 more list their
+  *Embeddings there, and prepare failed).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Mapping
 
-from finetune.config import RunConfig
+from finetune.config import ConfigError, RunConfig
 from finetune.parallel import base, ddp, tensor
 from finetune.parallel.topology import Launcher, fsdp_offloads
+
+logger = logging.getLogger("finetune")
 
 
 def environment(cfg: RunConfig) -> None:
@@ -168,6 +174,60 @@ def tensor_parallel_on(model, tp_mesh) -> None:
     model._tp_size = tp_mesh.size()
 
 
+def wrap_classes(plugin, model) -> None:
+    """Workaround (accelerate 1.15): the classes FSDP2 shards as units, set on the plugin before prepare.
+
+    accelerate shards every module of the listed classes (default: the model's _no_split_modules), then calls
+    fully_shard on get_input_embeddings() unless that module itself is already a unit; when a listed class holds
+    the embeddings (BertEmbeddings, ModernBertEmbeddings: about 40 transformers models list one), their weight is
+    already a DTensor of that unit and prepare fails ("Invariant encountered: value was None"). Without a user's
+    fsdp_transformer_layer_cls_to_wrap, such classes are left out of the default (the layers are still units; the
+    embeddings get the unit accelerate carves for them); a user's list that names one is refused.
+    tests/test_fsdp.py::test_accelerate_still_refuses_fsdp_on_cpu fails once accelerate shards such a model."""
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    policy = plugin.auto_wrap_policy
+    if getattr(policy, "func", policy) is not transformer_auto_wrap_policy:
+        return
+    holders = embedding_holders(model)
+    given = plugin.transformer_cls_names_to_wrap
+    if given is None:
+        default = sorted(getattr(model, "_no_split_modules", None) or [])
+        plugin.transformer_cls_names_to_wrap = [name for name in default if name not in holders]
+        if left := [name for name in default if name in holders]:
+            logger.info("fsdp: %s (holding the input embeddings) left out of the FSDP units", ", ".join(left))
+        return
+    if named := [name for name in given if name in holders]:
+        key = "fsdp_transformer_layer_cls_to_wrap"
+        layers = [name for name in sorted(getattr(model, "_no_split_modules", None) or []) if name not in holders]
+        raise ConfigError(
+            [
+                (
+                    key,
+                    f"(the Accelerate config) names {', '.join(named)}, which holds the model's input embeddings: "
+                    "accelerate 1.15 shards it as one unit, then shards the embeddings inside it again, and prepare "
+                    f"fails; leave {', '.join(named)} out (e.g. {key}: {','.join(layers) or 'the decoder layer'}), "
+                    "or remove the key and finetune wraps the model's layers",
+                )
+            ]
+        )
+
+
+def embedding_holders(model) -> set[str]:
+    """Class names of the modules below the model that contain its input embeddings (not the embeddings' own)."""
+    try:
+        embed = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return set()
+    if embed is None:
+        return set()
+    return {
+        type(m).__name__
+        for m in model.modules()
+        if m is not model and m is not embed and any(s is embed for s in m.modules())
+    }
+
+
 class Backend(ddp.Backend):
     """FSDP2: only what differs from the DDP backend."""
 
@@ -186,6 +246,7 @@ class Backend(ddp.Backend):
         from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
         model.requires_grad_(False)
+        wrap_classes(self.acc.state.fsdp_plugin, model)
         return fsdp2_prepare_model(self.acc, model).eval()
 
     def keep_checkpoints_per_machine(self) -> None:
@@ -203,6 +264,7 @@ class Backend(ddp.Backend):
 
     def prepare(self, model, optimizer, train_loader, eval_loader, scheduler, plan):
         plugin = self.acc.state.fsdp_plugin
+        wrap_classes(plugin, model)
         if self.mixed_precision in ("bf16", "fp16"):
             plugin.mixed_precision_policy = mixed_precision_policy(self.mixed_precision)
         if fsdp_offloads(plugin) and not base.has_accelerator_device():
