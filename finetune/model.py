@@ -315,6 +315,61 @@ def masks_converted_once() -> None:
     mu._finetune_masks_converted_once = True
 
 
+def packing_problems(m: ModelArgs, packing: bool) -> list[tuple[str, str]]:
+    """packing: true where the model would let packed examples attend to each other (from its config, before the
+    Accelerator, the data or the weights). An unreadable config is left to the model's loading, which says why."""
+    if not packing or m.task != "causal_lm":
+        return []
+    config = model_config(m)
+    if config is None or packing_isolates(config, m.trust_remote_code):
+        return []
+    return [
+        (
+            "packing",
+            f"is true, but {m.model} ({getattr(config, 'model_type', 'unknown type')}) would let the examples "
+            "packed into a row attend to each other: its modeling code does not hand the restarting position_ids "
+            "to transformers' attention mask (OPT, Falcon, Bloom, MPT, XGLM and BioGPT in transformers 5.23), so "
+            "no per-example mask is built; set packing: false (each example in its own padded row)",
+        )
+    ]
+
+
+def packing_isolates(config, trust_remote_code: bool = False) -> bool:
+    """Whether the causal LM of `config` keeps packed examples apart. finetune's packed rows carry no padding
+    mask, only position_ids that restart at each example, and transformers' masking_utils turns those into a
+    block-diagonal mask only where the model's forward passes them to it (create_causal_mask(position_ids=...)):
+    many do, some do not. Found by a forward of the model built on the meta device (no weights, no memory) with
+    masking_utils' argument check watched: every mask it asks for must get the position_ids and no padding mask.
+    A model that builds no mask there (its own masking code, or one that fails to build) counts as mixing them.
+    tests/test_data.py::test_packing_isolation_is_decided_per_model_type checks this against real forwards."""
+    import inspect
+
+    from transformers import AutoModelForCausalLM
+    from transformers import masking_utils as mu
+
+    original = mu._preprocess_mask_arguments
+    signature = inspect.signature(original)
+    asked: list[bool] = []
+
+    def watched(*args, **kwargs):
+        given = signature.bind(*args, **kwargs).arguments
+        asked.append(given["position_ids"] is not None and given["attention_mask"] is None)
+        return True, None, None, None, None, None, None  # "no mask": the rest of the forward runs on meta tensors
+
+    mu._preprocess_mask_arguments = watched
+    try:
+        with torch.device("meta"):
+            net = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            takes = "use_cache" in inspect.signature(net.forward).parameters
+            ids, positions = torch.zeros((1, 4), dtype=torch.long), torch.tensor([[0, 1, 0, 1]])
+            net(input_ids=ids, position_ids=positions, **({"use_cache": False} if takes else {}))
+    except Exception:  # noqa: BLE001 -- masks are asked for before the layers run; a meta op failing later is no matter
+        pass
+    finally:
+        mu._preprocess_mask_arguments = original
+    return bool(asked) and all(asked)
+
+
 def _check_config(m: ModelArgs, max_seq_length: int, pe: PeftArgs | None) -> None:
     """What the model's config says before its weights load (a Hub model's config.json was not there to check
     at validation): the task's kind of model, enough positions for max_seq_length, and no merge into a base stored

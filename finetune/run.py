@@ -94,7 +94,7 @@ def start(cfg: RunConfig):
     """The Accelerator, logging, the backend that knows how this run is spread, and where its files go."""
     console.setup(progress_bars=not cfg.train.disable_tqdm)  # before the Accelerator: DeepSpeed's import already logs
     model.check_peft_support(cfg.peft)
-    problems = report.tracker_problems(cfg.train.report_to)
+    problems = report.tracker_problems(cfg.train.report_to) + model.packing_problems(cfg.model, cfg.data.packing)
     if os.environ.get("RANK", "0") == "0":  # one question to the Hub per job
         problems += report.hub_preflight(cfg)
     if problems:

@@ -149,6 +149,15 @@ def cls_data(c: Ctx, labels: list, **more) -> list[str]:
     return c.yaml(**CLS, dataset=c.jsonl("cls.jsonl", rows_cls(labels)), eval_fraction=0.0, **more)
 
 
+def tiny_opt(c: Ctx) -> str:
+    """An OPT model directory (its config alone): OPT builds its attention mask without the position_ids."""
+    from transformers import AutoConfig
+
+    sizes = dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=32)
+    AutoConfig.for_model("opt", vocab_size=300, **sizes).save_pretrained(c.tmp / "opt")
+    return str(c.tmp / "opt")
+
+
 def without_checkpoints(c: Ctx) -> list[str]:
     shutil.rmtree(c.out / "checkpoints")
     return c.yaml(resume_from_checkpoint="latest")
@@ -473,6 +482,12 @@ CASES = [
         "report_to",
         "no_such_tracker",
         stage=DATA,
+    ),
+    Case(
+        "packing_on_a_model_that_lets_examples_see_each_other",
+        lambda c: c.yaml(model=tiny_opt(c), packing=True),
+        "packing",
+        "(opt) would let the examples",
     ),
     Case(
         "attn_implementation_unknown",

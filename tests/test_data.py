@@ -375,6 +375,52 @@ def test_packing_through_the_builder(assets):
     assert reported == counted == packed.supervised_tokens == plain.supervised_tokens
 
 
+# Tiny configs of several architectures: (model_type, sizes, keeps the examples of a packed row apart).
+PACKING_MODELS = [
+    ("llama", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4), True),
+    (
+        "gemma2",
+        dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=8),
+        True,
+    ),
+    ("gpt2", dict(n_embd=32, n_layer=2, n_head=4), True),
+    (
+        "mixtral",
+        dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+        True,
+    ),
+    (
+        "opt",
+        dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=32),
+        False,
+    ),
+    ("falcon", dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4), False),
+    ("bloom", dict(hidden_size=32, n_layer=2, n_head=4), False),
+    ("biogpt", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4), False),
+]
+
+
+@pytest.mark.parametrize(("model_type", "sizes", "apart"), PACKING_MODELS, ids=[m[0] for m in PACKING_MODELS])
+def test_packing_isolation_is_decided_per_model_type(model_type, sizes, apart):
+    """model.packing_isolates (packing: true is refused where it is False) against a real forward: the second
+    example of a packed row (position_ids restarting, no padding mask, as the collator gives them) gets the logits
+    it gets alone where the model keeps examples apart, and other logits where it lets them attend to each other."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.model import packing_isolates
+
+    config = AutoConfig.for_model(model_type, vocab_size=300, **sizes)
+    assert packing_isolates(config) is apart
+    torch.manual_seed(0)
+    net = AutoModelForCausalLM.from_config(config).eval()
+    a, b = torch.randint(3, 300, (1, 7)), torch.randint(3, 300, (1, 9))
+    positions = torch.cat([torch.arange(7), torch.arange(9)]).unsqueeze(0)
+    with torch.no_grad():
+        packed = net(input_ids=torch.cat([a, b], 1), position_ids=positions, use_cache=False).logits[0, 7:]
+        alone = net(input_ids=b, use_cache=False).logits[0]
+    assert torch.allclose(packed, alone, atol=1e-5) is apart, (packed - alone).abs().max()
+
+
 # ---------------------------------------------------------------- collation
 
 

@@ -255,7 +255,11 @@ class DataArgs:
     target_column: str = _f("target", "source_target format (task seq2seq): column the decoder learns to write.")
     label_column: str = _f("label", "Classification format: label column (int ids or strings).")
     max_seq_length: int = _f(512, "Tokens per example; longer examples are truncated, raw text is chunked to it.")
-    packing: bool = _f(False, "Pack several short examples into each row (causal LM), attention kept per example.")
+    packing: bool = _f(
+        False,
+        "Pack several short examples into each row (causal LM), attention kept per example; refused for a model "
+        "that would let them attend to each other (OPT, Falcon, Bloom, MPT, XGLM, BioGPT).",
+    )
     length_aware_batching: bool = _f(
         False,
         "Split each global batch into micro batches of similar token cost (long examples in smaller micro "
