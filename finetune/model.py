@@ -443,7 +443,9 @@ class ModelFacts:
     of its input; a trained weight 2 more for its own gradient (a frozen one's is never computed: LoRA's base
     weights). Attention scores add 12 x layers x hidden x sequence per token. The input embeddings are a lookup. The
     LM head (tied to the embeddings or not: a matmul all the same) counts on the learned positions only, where the
-    loss needs it (finetune computes it there alone: chunked_loss), not on prompts or padding."""
+    loss needs it (finetune computes it there alone: chunked_loss), not on prompts or padding. A mixture of experts'
+    routed experts count with the share of them a token goes through (experts per token / experts, from the config:
+    `routed_share`); its router and shared experts, which every token goes through, in full."""
 
     total: int  # parameters (full sizes, however the backend holds them)
     trainable: int
@@ -454,6 +456,18 @@ class ModelFacts:
     layers: int
     hidden: int
     seq_len: int
+    routed: int = 0  # the routed experts' parameters (part of body); 0 in a dense model
+    routed_trainable: int = 0
+    routed_share: float = 1.0  # experts per token / experts
+
+    @property
+    def active_body(self) -> float:
+        """The body's parameters a token goes through (all but the routed experts it is not sent to)."""
+        return self.body - (1.0 - self.routed_share) * self.routed
+
+    @property
+    def active_body_trainable(self) -> float:
+        return self.body_trainable - (1.0 - self.routed_share) * self.routed_trainable
 
     @property
     def attention_flops_per_token(self) -> float:
@@ -463,7 +477,7 @@ class ModelFacts:
     @property
     def flops_per_token(self) -> float:
         """Training FLOPs per input token, the LM head's aside."""
-        return 4.0 * self.body + 2.0 * self.body_trainable + self.attention_flops_per_token
+        return 4.0 * self.active_body + 2.0 * self.active_body_trainable + self.attention_flops_per_token
 
     @property
     def flops_per_learned(self) -> float:
@@ -476,7 +490,7 @@ class ModelFacts:
         log-probs: 2 per weight, a third of attention's, the head on the learned positions)."""
         flops = self.flops_per_token * tokens + self.flops_per_learned * learned
         if reference:
-            flops += (2.0 * self.body + self.attention_flops_per_token / 3) * tokens + 2.0 * self.head * learned
+            flops += (2.0 * self.active_body + self.attention_flops_per_token / 3) * tokens + 2.0 * self.head * learned
         return flops
 
     @classmethod
@@ -495,6 +509,8 @@ class ModelFacts:
         apart = {id(p) for p in [*params_of("get_input_embeddings"), *head]}
         body = [p for p in params if id(p) not in apart]
         cfg = getattr(net, "config", None)
+        share = routed_share(cfg)
+        routed = routed_experts(net) if share < 1.0 else []
         return cls(
             total=size(params),
             trainable=size(params, trainable_only=True),
@@ -505,7 +521,48 @@ class ModelFacts:
             layers=getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 0) or 0,
             hidden=getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0) or 0,
             seq_len=seq_len,
+            routed=size(routed),
+            routed_trainable=size(routed, trainable_only=True),
+            routed_share=share if routed else 1.0,
         )
+
+
+# The config's count of routed experts, and of experts each token goes to, under the names MoE configs use
+# (Mixtral, PhiMoE, GraniteMoE: num_local_experts; Qwen2/3-MoE, OLMoE: num_experts; DeepSeek V2/V3, GLM-4-MoE:
+# n_routed_experts; ERNIE 4.5: moe_num_experts and moe_k; Hunyuan: moe_topk).
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+EXPERTS_PER_TOKEN_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk")
+
+
+def routed_share(config) -> float:
+    """Experts per token / routed experts from a model config; 1.0 for a dense model or a config that says neither."""
+
+    def first(keys) -> int | None:
+        for key in keys:
+            value = getattr(config, key, None)
+            if isinstance(value, (list, tuple)) and value and len(set(value)) == 1:
+                value = value[0]  # one value per layer, all alike
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+        return None
+
+    experts, per_token = first(EXPERT_COUNT_KEYS), first(EXPERTS_PER_TOKEN_KEYS)
+    return min(per_token / experts, 1.0) if experts and per_token else 1.0
+
+
+def routed_experts(net) -> list:
+    """The routed experts' parameters: those of transformers' fused expert modules (MixtralExperts,
+    Qwen2MoeExperts, DeepseekV3Experts, ...: one tensor over every expert) or of an `experts` ModuleList (one
+    module per expert, as older and remote modeling code has them); not the shared experts (Qwen2-MoE's
+    shared_expert, DeepSeek's shared_experts, GraniteMoeSharedExperts), which every token goes through."""
+    found: dict[int, torch.nn.Parameter] = {}
+    for name, module in net.named_modules():
+        kind = type(module).__name__
+        fused = kind.endswith("Experts") and "Shared" not in kind
+        listed = name.rsplit(".", 1)[-1] == "experts" and isinstance(module, torch.nn.ModuleList)
+        if fused or listed:
+            found.update((id(p), p) for p in module.parameters())
+    return list(found.values())
 
 
 # bench/precision.py --parts weights (docs/precision.md): what updating bf16 weights in place costs

@@ -405,6 +405,38 @@ def test_save_total_limit_keeps_newest(assets, tmp_path):
     assert (res.output_dir / "checkpoints" / "latest").read_text().strip() == "step_5"
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_model_flops_count_the_experts_a_token_goes_through(arch):
+    """A mixture of experts (4 experts, 2 per token; hidden 32, 2 layers): per token 6 x the weights a token goes
+    through, counted here by hand from the sizes: attention, norms, the router, 2 of the 4 routed experts, and
+    Qwen2-MoE's shared expert and its gate in full; every expert counts among the parameters (total)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.model import ModelFacts
+
+    h, layers, vocab = 32, 2, 300
+    sizes = dict(hidden_size=h, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2)
+    if arch == "mixtral":
+        config = AutoConfig.for_model(arch, **sizes, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
+        expert, always = 3 * h * 64, 0  # gate, up, down
+    else:
+        config = AutoConfig.for_model(
+            arch, **sizes, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4
+        )
+        config.num_experts_per_tok = 2
+        expert, always = 3 * h * 32, 3 * h * 32 + h + (32 + 16 + 16)  # shared expert, its gate; q, k, v biases
+    config.vocab_size, config.tie_word_embeddings = vocab, False
+    net = AutoModelForCausalLM.from_config(config)
+    attention = 2 * h * h + 2 * h * 16  # q, o; k, v of 2 heads of 8
+    per_layer = attention + 2 * h + 4 * h + always  # + the two norms, the router
+    active = layers * (per_layer + 2 * expert) + h  # + the final norm
+    facts = ModelFacts.of(net, lambda p: p.numel(), seq_len=128)
+    assert (
+        facts.total == layers * (per_layer + 4 * expert) + h + 2 * vocab * h == sum(p.numel() for p in net.parameters())
+    )
+    assert facts.flops_per_token == pytest.approx(6.0 * active + 12.0 * layers * h * 128)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_model_flops_count_the_lm_head_once_on_the_learned_positions(tied):
     """model.ModelFacts (MFU's FLOPs), against parameters counted here by name: per token 6 x the parameters other
