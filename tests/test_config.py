@@ -157,6 +157,9 @@ def test_a_run_without_a_checkpoint_is_told_a_command_that_is_accepted(valid):
     assert "--overwrite_output_dir true" in hint and "--overwrite_output_dir true" in refused, (hint, refused)
     for suggested in ({"resume_from_checkpoint": "auto"}, {"overwrite_output_dir": True}):
         assert build_config({**valid, **suggested}).train.output_dir == str(out)
+    (out / "final").mkdir()  # a finished run with save_steps null: the plain rerun's refusal offers no resume
+    again = problems_of(valid)["output_dir"]
+    assert "--overwrite_output_dir" in again and "resume_from_checkpoint latest" not in again, again
 
 
 def test_a_checkpoint_of_another_run_does_not_let_a_run_into_an_occupied_output_dir(tmp_path, valid):

@@ -348,9 +348,10 @@ def output_dir_problems(t: TrainArgs) -> list[tuple[str, str]]:
         found = [m for m in found if m == "final"]  # nothing checkpointed: a run that died that early left no final/
     if not found:
         return []
+    resume = "resume it with --resume_from_checkpoint latest, " if has_checkpoint(t.output_dir) else ""
     why = (
         f"{t.output_dir!r} holds a previous run ({', '.join(found)}); pick a new output_dir, "
-        "resume it with --resume_from_checkpoint latest, or replace it with --overwrite_output_dir"
+        f"{resume}or replace it with --overwrite_output_dir"
     )
     if elsewhere:
         why += (
