@@ -388,8 +388,8 @@ def _check_config(m: ModelArgs, max_seq_length: int, pe: PeftArgs | None) -> Non
     problems = encoder_decoder_problems(
         m.task, bool(getattr(config, "is_encoder_decoder", False)), m.model, getattr(config, "model_type", None)
     )
-    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    problems = problems or position_problems(m.model, limit, max_seq_length)
+    positions = ("model_type", "max_position_embeddings", "n_positions", "pad_token_id", "position_embedding_type")
+    problems = problems or position_problems(m.model, {k: getattr(config, k, None) for k in positions}, max_seq_length)
     quantized = quantized_base(config, m.model)
     if pe is not None and pe.merge and quantized:
         problems.append(("peft.merge", f"{quantized}; set peft.merge: false (final/ holds the adapter)"))

@@ -158,6 +158,15 @@ def tiny_opt(c: Ctx) -> str:
     return str(c.tmp / "opt")
 
 
+def roberta_config_dir(c: Ctx) -> str:
+    """A RoBERTa-base-shaped config.json (514 positions, pad id 1) beside the tiny llama's tokenizer."""
+    path = c.mkdir("roberta")
+    shutil.copytree(c.assets.llama, path, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = {"model_type": "roberta", "max_position_embeddings": 514, "pad_token_id": 1, "vocab_size": 600}
+    c.write("roberta/config.json", json.dumps(config))
+    return path
+
+
 def without_checkpoints(c: Ctx) -> list[str]:
     shutil.rmtree(c.out / "checkpoints")
     return c.yaml(resume_from_checkpoint="latest")
@@ -470,6 +479,12 @@ CASES = [
         stage=DATA,
     ),
     Case("max_seq_length_beyond_model", lambda c: c.yaml(max_seq_length=4096), "max_seq_length", "<= 512"),
+    Case(  # RoBERTa numbers positions from pad_token_id + 1: 514 - 1 - 1 usable (513 crashed in the first forward)
+        "max_seq_length_beyond_roberta_positions",
+        lambda c: c.yaml(**CLS, model=roberta_config_dir(c), dataset=c.assets.classification, max_seq_length=513),
+        "max_seq_length",
+        "<= 512",
+    ),
     Case(
         "metric_unknown",
         lambda c: c.yaml(**CLS, dataset=c.assets.classification, metrics=["no_such_metric"]),

@@ -16,6 +16,7 @@ import yaml
 from finetune.config import (
     RUN_MARKERS,
     ConfigError,
+    ModelArgs,
     RunConfig,
     all_fields,
     build_config,
@@ -381,3 +382,23 @@ def test_list_fields_take_yaml_lists_and_commas_on_the_command_line(tmp_path, te
     with pytest.raises(ConfigError) as info:
         parse([*base, "--peft.target_modules", "[q_proj"])
     assert [k for k, _ in info.value.problems] == ["peft.target_modules"]
+
+
+@pytest.mark.parametrize("model_type,pad,usable", [("roberta", 1, 512), ("xlm-roberta", 1, 512), ("bert", 0, 514)])
+def test_max_seq_length_fits_positions_that_start_after_the_pad_id(tmp_path, model_type, pad, usable):
+    """RoBERTa-family models number positions from pad_token_id + 1: of max_position_embeddings 514 with pad id 1,
+    512 are usable (513 passed the check and crashed in the first forward with an index error). Checked alike from
+    a local config.json (validation) and from a loaded config (a Hub model, at load)."""
+    from finetune.config.rules import position_problems
+    from finetune.model import _check_config
+
+    config = {"model_type": model_type, "max_position_embeddings": 514, "pad_token_id": pad}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = ModelArgs(model=str(tmp_path), task="classification")
+    assert position_problems("m", config, usable) == []
+    _check_config(args, usable, None)  # no ConfigError
+    [(key, why)] = position_problems("m", config, usable + 1)
+    assert key == "max_seq_length" and f"set max_seq_length <= {usable}" in why
+    with pytest.raises(ConfigError) as info:
+        _check_config(args, usable + 1, None)
+    assert info.value.problems == [(key, why.replace("'m'", repr(str(tmp_path))))]

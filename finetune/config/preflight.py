@@ -92,9 +92,7 @@ def check_model_config(problems: list, model_dir: str, max_seq_length: int, task
     problems += encoder_decoder_problems(
         task, bool(config.get("is_encoder_decoder")), model_dir, config.get("model_type")
     )
-    problems += position_problems(
-        model_dir, config.get("max_position_embeddings") or config.get("n_positions"), max_seq_length
-    )
+    problems += position_problems(model_dir, config, max_seq_length)
 
 
 def hub_offline() -> bool:

@@ -51,13 +51,31 @@ def encoder_decoder_problems(task: str, encoder_decoder: bool, model: str, model
     return []
 
 
-def position_problems(model: str, limit, max_seq_length: int) -> list[tuple[str, str]]:
-    """max_seq_length within the model's positions (max_position_embeddings, or n_positions; None: no limit)."""
-    if isinstance(limit, int) and not isinstance(limit, bool) and max_seq_length > limit:
-        why = (
-            f"{max_seq_length} is beyond what {model!r} supports "
-            f"(max_position_embeddings={limit}); set max_seq_length <= {limit}"
-        )
+# Model types whose learned position embeddings number positions from pad_token_id + 1 (transformers'
+# create_position_ids_from_input_ids with padding_idx): max_position_embeddings - pad_token_id - 1 positions are usable
+# (RoBERTa's 514 with pad 1: 512).
+PADDING_OFFSET_POSITIONS = frozenset(
+    {
+        "roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "roberta-prelayernorm", "data2vec-text", "xmod",
+        "ibert", "longformer", "luke", "mpnet", "esm", "markuplm", "layoutlmv3", "lilt",
+    }
+)  # fmt: skip
+
+
+def position_problems(model: str, config: dict, max_seq_length: int) -> list[tuple[str, str]]:
+    """max_seq_length within the model's positions (config: its config.json; max_position_embeddings, or
+    n_positions; none: no limit), less the padding offset of the PADDING_OFFSET_POSITIONS types."""
+    limit = config.get("max_position_embeddings") or config.get("n_positions")
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return []
+    known = f"max_position_embeddings={limit}"
+    pad = config.get("pad_token_id")
+    absolute = config.get("position_embedding_type") in (None, "absolute")  # ESM-2's rotary ones have no offset
+    if config.get("model_type") in PADDING_OFFSET_POSITIONS and absolute and isinstance(pad, int) and pad >= 0:
+        limit -= pad + 1
+        known += f" less pad_token_id={pad} + 1: {config['model_type']} numbers its positions from the pad id + 1"
+    if max_seq_length > limit:
+        why = f"{max_seq_length} is beyond what {model!r} supports ({known}); set max_seq_length <= {limit}"
         return [("max_seq_length", why)]
     return []
 

@@ -254,7 +254,11 @@ class DataArgs:
     source_column: str = _f("source", "source_target format (task seq2seq): column the encoder reads.")
     target_column: str = _f("target", "source_target format (task seq2seq): column the decoder learns to write.")
     label_column: str = _f("label", "Classification format: label column (int ids or strings).")
-    max_seq_length: int = _f(512, "Tokens per example; longer examples are truncated, raw text is chunked to it.")
+    max_seq_length: int = _f(
+        512,
+        "Tokens per example; longer examples are truncated, raw text is chunked to it. At most the model's "
+        "max_position_embeddings (RoBERTa-family models: less pad_token_id + 1, e.g. 512 of 514).",
+    )
     packing: bool = _f(
         False,
         "Pack several short examples into each row (causal LM), attention kept per example; refused for a model "
