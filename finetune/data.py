@@ -189,28 +189,58 @@ def _unique(ds, column: str) -> list:
 
 
 def label_names_of(train, data: DataArgs, held_out=None) -> tuple[list[str], dict | None]:
-    """Names of the classes and, for string labels, the name -> id map (sorted, so stable); with held_out (the
-    eval rows eval_fraction took out of train), all the rows' classes."""
-    values = _unique(train, data.label_column)
+    """The one place that decides a classifier's label order: the names of the classes in id order, and the raw
+    label -> id map (None: the raw labels are the ids). Strings sort (stable across runs); ints are their own ids
+    (names "0".."N-1"); a datasets ClassLabel column keeps its names. With held_out (the eval rows eval_fraction
+    took out of train), all the rows' classes."""
+    column = data.label_column
+    values = _unique(train, column)
     if held_out is not None:
-        values = list({repr(v): v for v in [*values, *_unique(held_out, data.label_column)]}.values())
-    if any(v is None for v in values):
-        raise ConfigError([("label_column", f"column {data.label_column!r} has empty labels; fill or drop those rows")])
-    if all(isinstance(v, str) for v in values):
+        values = list({repr(v): v for v in [*values, *_unique(held_out, column)]}.values())
+    _check_label_values(values, column)
+    classes = getattr(train.features.get(column), "names", None) if train.features else None
+    if classes is not None:  # a datasets ClassLabel: ints 0..num_classes-1, with names
+        names, ids = [str(n) for n in classes], None
+        if max(values) >= len(names):
+            why = f"has label {max(values)} beyond its ClassLabel's {len(names)} names {names[:5]}; fix the data"
+            raise ConfigError([("label_column", f"column {column!r} {why}")])
+    elif isinstance(values[0], str):
         names = sorted(values)
-        return names, {n: i for i, n in enumerate(names)}
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        if min(values) < 0:
-            raise ConfigError([("label_column", f"label {min(values)} is negative; labels must be 0..N-1 or strings")])
-        return [str(i) for i in range(max(values) + 1)], None
-    raise ConfigError(
-        [
-            (
-                "label_column",
-                f"labels must be all ints or all strings, got {sorted(map(repr, values))[:5]}; make them one type",
+        ids = {n: i for i, n in enumerate(names)}
+    else:
+        names, ids = [str(i) for i in range(max(values) + 1)], None
+    return names, ids
+
+
+def _check_label_values(values: list, column: str) -> None:
+    """Labels a single-label classifier can learn: all strings or all non-negative ints, at least two of them.
+    Each refusal says what the labels are and what to give instead."""
+
+    def refuse(why: str) -> None:
+        raise ConfigError([("label_column", f"column {column!r} {why}")])
+
+    shown = ", ".join(sorted(map(repr, values))[:5]) + (", ..." if len(values) > 5 else "")
+    if any(v is None for v in values):
+        refuse("has empty labels; fill or drop those rows")
+    if all(isinstance(v, bool) for v in values):
+        refuse(f"holds booleans ({shown}); write them as ints or strings (use 0 and 1, or 'no' and 'yes')")
+    if all(isinstance(v, float) or isinstance(v, int) and not isinstance(v, bool) for v in values):
+        if any(isinstance(v, float) for v in values):
+            refuse(
+                f"holds floats ({shown}): regression is not supported (a classifier needs classes); write "
+                "whole-number floats as ints (1.0 -> 1) or give string labels"
             )
-        ]
-    )
+    elif any(isinstance(v, (list, tuple)) for v in values):
+        refuse(f"holds lists ({shown}): multi-label classification is not supported; give each row one label")
+    elif not all(isinstance(v, str) for v in values):
+        refuse(f"holds labels of several types ({shown}); give them one type: all ints or all strings")
+    if isinstance(values[0], int) and min(values) < 0:
+        refuse(f"has label {min(values)}, which is negative; labels must be 0..N-1 or strings")
+    if len(values) < 2:
+        refuse(
+            f"holds one label ({values[0]!r}) in every row: a classifier needs at least 2 labels; give rows of "
+            "another label too"
+        )
 
 
 # ---------------------------------------------------------------- packing and collation
@@ -521,7 +551,8 @@ def build_datasets(
     layout = _checked_layout(train_raw, eval_raw, data, task, tokenizer)
     how = "detected from the columns" if data.format == "auto" else "as configured"
     logger.info("data %s: %s; %s %s", data.dataset, layout.describe(), how, train_raw.column_names)
-    label_names, label_ids = _labels(train_raw, eval_raw, data) if layout.format == "classification" else (None, None)
+    classification = layout.format == "classification"
+    label_names, label_ids = _labels(train_raw, eval_raw, data) if classification else (None, None)
     rows = _rows(layout, data, task, tokenizer, label_ids)
     with main_first():
         start = time.perf_counter()
@@ -677,24 +708,35 @@ def _checked_layout(train_raw, eval_raw, data: DataArgs, task: str, tokenizer) -
 
 
 def _labels(train_raw, eval_raw, data: DataArgs):
-    """A classifier's label names and ids, from train; given eval data may use no label that train lacks. Eval rows
-    eval_fraction held out were train's: a label only they have stays in the label set, with a warning that no
-    training row has it (the user has no eval data to fix; holding out by label would change every split)."""
-    label_names, label_ids = label_names_of(train_raw, data)
-    if not label_names or eval_raw is None:
+    """A classifier's label names and ids (label_names_of). Given eval data (eval_dataset, eval_split) may use no
+    label that train lacks. Eval rows eval_fraction held out were train's: the label set is all the rows', and a
+    label only they have stays in it, with a warning that no training row has it (the user has no eval data to fix;
+    holding out by label would change every split)."""
+    column = data.label_column
+    given = bool(data.eval_dataset or data.eval_split)
+    held_out = eval_raw if eval_raw is not None and not given else None
+    label_names, label_ids = label_names_of(train_raw, data, held_out)
+    if eval_raw is None:
         return label_names, label_ids
-    unknown = sorted(map(str, set(_unique(eval_raw, data.label_column)) - set(label_ids or range(len(label_names)))))
-    if unknown and (data.eval_dataset or data.eval_split):
+    if not given:
+        only_held_out = set(map(str, _unique(eval_raw, column))) - set(map(str, _unique(train_raw, column)))
+        if only_held_out:
+            logger.warning(
+                "label_column: eval_fraction held out every row labelled %s: no training row has such a label, so "
+                "the model cannot learn it (it stays in the label set, and its eval rows count against the metrics); "
+                "add rows with it, or another seed holds out other rows",
+                sorted(only_held_out)[:5],
+            )
+        return label_names, label_ids
+    theirs, ours = (getattr(d.features.get(column), "names", None) for d in (eval_raw, train_raw))
+    if theirs is not None and ours is not None and theirs != ours:
+        raise ConfigError(
+            [("label_column", f"eval labels are ClassLabel {theirs}, train's {ours}; give both the same label names")]
+        )
+    unknown = sorted(map(str, set(_unique(eval_raw, column)) - set(label_ids or range(len(label_names)))))
+    if unknown:
         raise ConfigError(
             [("label_column", f"eval labels {unknown[:5]} never occur in train; fix the eval data or its labels")]
-        )
-    if unknown:
-        label_names, label_ids = label_names_of(train_raw, data, held_out=eval_raw)
-        logger.warning(
-            "label_column: eval_fraction held out every row labelled %s: no training row has such a label, so the "
-            "model cannot learn it (it stays in the label set, and its eval rows count against the metrics); add rows "
-            "with it, or another seed holds out other rows",
-            unknown[:5],
         )
     return label_names, label_ids
 

@@ -436,6 +436,8 @@ CASES = [
         stage=DATA,
     ),
     Case("labels_of_mixed_types", lambda c: cls_data(c, [0, "food"] * 10), "label_column", "one type", stage=DATA),
+    Case("labels_all_one", lambda c: cls_data(c, ["food"] * 8), "label_column", "at least 2 labels", stage=DATA),
+    Case("labels_floats", lambda c: cls_data(c, [0.0, 1.5] * 8), "label_column", "regression", stage=DATA),
     Case(
         "chat_data_tokenizer_without_template",
         lambda c: c.yaml(model=c.no_chat_model, dataset=c.assets.chat),

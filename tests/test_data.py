@@ -149,6 +149,54 @@ def test_classification_int_labels_are_kept(assets, tmp_path):
     assert ds.train["labels"] == [r["label"] for r in rows]
 
 
+def test_classification_labels_of_a_classlabel_column_keep_their_names(assets, tmp_path):
+    """datasets' ClassLabel (every Hub classification set): the ints are ids of its names, in its order (they were
+    named "0".."3"); eval values must be ids of those names."""
+    import datasets
+
+    names = ["weather", "sports", "tech", "food"]
+    features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=names)})
+
+    def parquet(rows: list[dict], name: str) -> str:
+        rows = [{"text": r["text"], "label": names.index(r["label"])} for r in rows]
+        datasets.Dataset.from_list(rows, features=features).to_parquet(tmp_path / name)
+        return str(tmp_path / name)
+
+    raw = read_jsonl(assets.classification)[:40]
+    train, evalset = parquet(raw, "train.parquet"), parquet(raw[:8], "eval.parquet")
+    ds = build(train, assets.tokenizer, "classification", eval_dataset=evalset)
+    assert ds.label_names == names
+    assert ds.train["labels"] == [names.index(r["label"]) for r in raw]
+    beyond = write_jsonl([{"text": "a", "label": 4}], tmp_path / "beyond.jsonl")
+    with pytest.raises(ConfigError) as info:
+        build(train, assets.tokenizer, "classification", eval_dataset=beyond)
+    assert config_error_keys(info) == ["label_column"] and "['4']" in info.value.problems[0][1]
+
+
+@pytest.mark.parametrize(
+    "labels,words",
+    [
+        (["x"] * 6, ["one label ('x')", "at least 2 labels"]),
+        ([0.5, 1.5, 2.5] * 2, ["floats", "regression is not supported", "whole-number floats as ints"]),
+        ([0, 1.0, 2] * 2, ["floats", "whole-number floats as ints"]),
+        ([["a"], ["b", "c"]] * 3, ["lists", "multi-label classification is not supported"]),
+        ([True, False] * 3, ["booleans", "write them as ints or strings"]),
+        ([0, "food"] * 3, ["several types", "give them one type"]),
+    ],
+    ids=["one_label", "floats", "whole_floats", "lists", "bools", "mixed"],
+)
+def test_classification_labels_a_classifier_cannot_learn_are_refused_each_with_its_own_fix(
+    assets, tmp_path, labels, words
+):
+    """One label would build a 1-output head, which transformers trains as regression (MSE); floats, lists and
+    bools each say what is not supported and what to give (they were all told to "make them one type")."""
+    rows = [{"text": f"sample {i}", "label": lab} for i, lab in enumerate(labels)]
+    with pytest.raises(ConfigError) as info:
+        build(write_jsonl(rows, tmp_path / "labels.jsonl"), assets.tokenizer, task="classification")
+    assert config_error_keys(info) == ["label_column"]
+    assert all(w in info.value.problems[0][1] for w in words), info.value.problems
+
+
 def test_classification_missing_label_column(assets):
     with pytest.raises(ConfigError) as info:
         build(assets.classification, assets.tokenizer, task="classification", label_column="topic")
