@@ -188,11 +188,15 @@ def _unique(ds, column: str) -> list:
         return list({repr(v): v for v in ds[column]}.values())
 
 
-def label_names_of(train, data: DataArgs, held_out=None) -> tuple[list[str], dict | None]:
+def label_names_of(
+    train, data: DataArgs, held_out=None, base_labels: list[str] | None = None
+) -> tuple[list[str], dict | None]:
     """The one place that decides a classifier's label order: the names of the classes in id order, and the raw
     label -> id map (None: the raw labels are the ids). Strings sort (stable across runs); ints are their own ids
-    (names "0".."N-1"); a datasets ClassLabel column keeps its names. With held_out (the eval rows eval_fraction
-    took out of train), all the rows' classes."""
+    (names "0".."N-1"); a datasets ClassLabel column keeps its names. base_labels (base_label_names: the label
+    names of the base model's head, in its id order): where they are the data's label set, their order and ids
+    win (as HF run_glue), so the head's rows keep their meaning. With held_out (the eval rows eval_fraction took
+    out of train), all the rows' classes."""
     column = data.label_column
     values = _unique(train, column)
     if held_out is not None:
@@ -209,7 +213,16 @@ def label_names_of(train, data: DataArgs, held_out=None) -> tuple[list[str], dic
         ids = {n: i for i, n in enumerate(names)}
     else:
         names, ids = [str(i) for i in range(max(values) + 1)], None
-    return names, ids
+    if base_labels is None or base_labels == names or sorted(base_labels) != sorted(names):
+        return names, ids
+    logger.info(
+        "labels: in the base model's order (its config's id2label), so its classifier head keeps its meaning: %s",
+        base_labels,
+    )
+    place = {n: i for i, n in enumerate(base_labels)}
+    if ids is not None:
+        return list(base_labels), {v: place[n] for v, n in zip(ids, names)}
+    return list(base_labels), {i: place[n] for i, n in enumerate(names)}
 
 
 def _check_label_values(values: list, column: str) -> None:
@@ -542,17 +555,19 @@ def build_datasets(
     seed: int,
     main_first: Callable[[], AbstractContextManager],
     one_of_several: bool = False,
+    base_labels: list[str] | None = None,
 ) -> Datasets:
     """Load, read in the data's layout, tokenize (main process first, so the others hit the datasets cache),
     drop the rows with nothing to learn (saying why), pack. one_of_several: a mixture's source, whose eval may be
-    left empty (the mixture refuses only an eval of no rows at all)."""
+    left empty (the mixture refuses only an eval of no rows at all). base_labels: the label names of the base
+    model's classifier head (model.base_label_names; label_names_of)."""
     with main_first():
         train_raw, eval_raw = load_splits(data, seed)
     layout = _checked_layout(train_raw, eval_raw, data, task, tokenizer)
     how = "detected from the columns" if data.format == "auto" else "as configured"
     logger.info("data %s: %s; %s %s", data.dataset, layout.describe(), how, train_raw.column_names)
     classification = layout.format == "classification"
-    label_names, label_ids = _labels(train_raw, eval_raw, data) if classification else (None, None)
+    label_names, label_ids = _labels(train_raw, eval_raw, data, base_labels) if classification else (None, None)
     rows = _rows(layout, data, task, tokenizer, label_ids)
     with main_first():
         start = time.perf_counter()
@@ -707,7 +722,7 @@ def _checked_layout(train_raw, eval_raw, data: DataArgs, task: str, tokenizer) -
     return layout
 
 
-def _labels(train_raw, eval_raw, data: DataArgs):
+def _labels(train_raw, eval_raw, data: DataArgs, base_labels: list[str] | None):
     """A classifier's label names and ids (label_names_of). Given eval data (eval_dataset, eval_split) may use no
     label that train lacks. Eval rows eval_fraction held out were train's: the label set is all the rows', and a
     label only they have stays in it, with a warning that no training row has it (the user has no eval data to fix;
@@ -715,7 +730,7 @@ def _labels(train_raw, eval_raw, data: DataArgs):
     column = data.label_column
     given = bool(data.eval_dataset or data.eval_split)
     held_out = eval_raw if eval_raw is not None and not given else None
-    label_names, label_ids = label_names_of(train_raw, data, held_out)
+    label_names, label_ids = label_names_of(train_raw, data, held_out, base_labels)
     if eval_raw is None:
         return label_names, label_ids
     if not given:

@@ -22,7 +22,7 @@ from finetune.config import ConfigError
 from finetune.config.preflight import looks_local
 from finetune.faults import fault_point
 from finetune.formats import at_rest
-from finetune.model import DTYPES, load_error, model_config, quantized_base, save_dtype
+from finetune.model import DTYPES, head_kwargs, load_error, model_config, quantized_base, save_dtype
 
 LABELS_FILE = "labels.json"
 
@@ -157,11 +157,7 @@ def _adapted_model(adapter_dir: str, adapter_config: dict, label_names: list | N
 
     if label_names:
         return AutoPeftModelForSequenceClassification.from_pretrained(
-            adapter_dir,
-            dtype=DTYPES["float32"],
-            num_labels=len(label_names),
-            id2label=dict(enumerate(label_names)),
-            label2id={n: i for i, n in enumerate(label_names)},
+            adapter_dir, dtype=DTYPES["float32"], **head_kwargs(label_names)
         )
     seq2seq = adapter_config.get("task_type") == "SEQ_2_SEQ_LM"
     auto = AutoPeftModelForSeq2SeqLM if seq2seq else AutoPeftModelForCausalLM

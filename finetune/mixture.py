@@ -55,15 +55,20 @@ class Mixture:
 
 
 def build_mixture_datasets(
-    data: DataArgs, task: str, tokenizer, seed: int, main_first: Callable[[], AbstractContextManager]
+    data: DataArgs,
+    task: str,
+    tokenizer,
+    seed: int,
+    main_first: Callable[[], AbstractContextManager],
+    base_labels: list[str] | None = None,
 ) -> Datasets:
     """Every source through data.build_datasets (cached, packed), then concatenated. `dataset:` alone goes
-    through it unchanged."""
+    through it unchanged. base_labels: the base model's label names (data.label_names_of)."""
     sources = sources_of(data)
     if not data.datasets:
-        ds = build_datasets(data, task, tokenizer, seed, main_first)
+        ds = build_datasets(data, task, tokenizer, seed, main_first, base_labels=base_labels)
         return dataclasses.replace(ds, mixture=Mixture([sources[0].name], [1.0], [len(ds.train)], formats=[ds.format]))
-    parts = [_build_source(i, s, task, tokenizer, seed, main_first) for i, s in enumerate(sources)]
+    parts = [_build_source(i, s, task, tokenizer, seed, main_first, base_labels) for i, s in enumerate(sources)]
     _check_same_labels(parts)
     import datasets
 
@@ -113,10 +118,10 @@ def _reindexed(ds):
     return ds.remove_columns(PAIR_INDEX).add_column(PAIR_INDEX, list(range(len(ds))))
 
 
-def _build_source(i: int, source: Source, task: str, tokenizer, seed: int, main_first) -> Datasets:
+def _build_source(i: int, source: Source, task: str, tokenizer, seed: int, main_first, base_labels) -> Datasets:
     """One source, its problems keyed datasets[i].<field> where the field is the source's own."""
     try:
-        return build_datasets(source.args, task, tokenizer, seed, main_first, one_of_several=True)
+        return build_datasets(source.args, task, tokenizer, seed, main_first, True, base_labels)
     except ConfigError as e:
         raise ConfigError(
             [

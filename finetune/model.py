@@ -18,6 +18,7 @@ from finetune.config import AUTO_CLASSES, ConfigError, ModelArgs, PeftArgs
 from finetune.config.rules import encoder_decoder_problems, position_problems
 
 logger = logging.getLogger("finetune")
+SINGLE_LABEL = "single_label_classification"  # the only problem_type finetune trains (one class per example)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
@@ -166,10 +167,12 @@ def build_model(
     import transformers
     from transformers import AutoConfig
 
-    _check_config(m, max_seq_length, pe)
+    config = _check_config(m, max_seq_length, pe)
     masks_without_host_sync()
     masks_converted_once()
     kwargs = _load_kwargs(m, pe, label_names, mixed_precision)
+    if label_names is not None:
+        _say_what_becomes_of_the_head(m.model, config, label_names)
     cls = getattr(transformers, AUTO_CLASSES[m.task])
     missing = ()
     try:
@@ -375,10 +378,10 @@ def packing_isolates(config, trust_remote_code: bool = False) -> bool:
     return bool(asked) and all(asked)
 
 
-def _check_config(m: ModelArgs, max_seq_length: int, pe: PeftArgs | None) -> None:
+def _check_config(m: ModelArgs, max_seq_length: int, pe: PeftArgs | None):
     """What the model's config says before its weights load (a Hub model's config.json was not there to check
     at validation): the task's kind of model, enough positions for max_seq_length, and no merge into a base stored
-    quantized."""
+    quantized. Returns the config."""
     from transformers import AutoConfig
 
     try:
@@ -395,6 +398,7 @@ def _check_config(m: ModelArgs, max_seq_length: int, pe: PeftArgs | None) -> Non
         problems.append(("peft.merge", f"{quantized}; set peft.merge: false (final/ holds the adapter)"))
     if problems:
         raise ConfigError(problems)
+    return config
 
 
 def quantized_base(config, name: str) -> str | None:
@@ -430,13 +434,62 @@ def _load_kwargs(m: ModelArgs, pe: PeftArgs | None, label_names: list[str] | Non
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute
         )
     if label_names is not None:
-        kwargs.update(
-            num_labels=len(label_names),
-            id2label=dict(enumerate(label_names)),
-            label2id={n: i for i, n in enumerate(label_names)},
-            ignore_mismatched_sizes=True,
-        )
+        kwargs.update(head_kwargs(label_names), ignore_mismatched_sizes=True)
     return kwargs
+
+
+def head_kwargs(label_names: list[str]) -> dict:
+    """from_pretrained's arguments for a classifier of these labels (in id order): one label per example, learned
+    with cross-entropy, whatever the base's config says (a multi-label or regression base would take BCE or MSE
+    over the head's outputs and fail on class ids)."""
+    return {
+        "num_labels": len(label_names),
+        "id2label": dict(enumerate(label_names)),
+        "label2id": {n: i for i, n in enumerate(label_names)},
+        "problem_type": SINGLE_LABEL,
+    }
+
+
+def base_label_names(m: ModelArgs) -> list[str] | None:
+    """The label names of the base model's classifier head in id order (its config's id2label), for a classification
+    run: where they are the data's, the data takes their ids (data.label_names_of). None where the base has no names
+    of its own (transformers' default LABEL_0, LABEL_1, ...), or its config cannot be read here."""
+    return _named_labels(model_config(m)) if m.task == "classification" else None
+
+
+def _named_labels(config) -> list[str] | None:
+    id2label = getattr(config, "id2label", None) or {}
+    try:
+        names = [str(id2label[i]) for i in range(len(id2label))]
+    except KeyError:  # ids not 0..N-1 (or not ints): no order to take
+        return None
+    return names if names and names != [f"LABEL_{i}" for i in range(len(names))] else None
+
+
+def _say_what_becomes_of_the_head(model: str, config, label_names: list[str]) -> None:
+    """Log what the run does to a base classifier's head where it is not the data's: a problem_type other than
+    single-label classification is replaced; a head named for other labels is re-initialised (another count) or
+    keeps its rows for other labels (the same count)."""
+    problem = getattr(config, "problem_type", None)
+    if problem not in (None, SINGLE_LABEL):
+        logger.warning(
+            "problem_type: %s's config says %s; finetune trains one label per example with cross-entropy, so the "
+            "model is loaded (and exported) with problem_type %s",
+            model, problem, SINGLE_LABEL,
+        )  # fmt: skip
+    base = _named_labels(config)
+    if base is None or base == label_names:
+        return
+    if len(base) != len(label_names):
+        fate = f"its head is re-initialised for the data's {len(label_names)} labels"
+    else:
+        pairs = ", ".join(f"{a} -> {b}" for a, b in zip(base, label_names))
+        fate = f"its head keeps its rows, each now standing for another label (by id: {pairs})"
+    logger.warning(
+        "labels: %s's classifier head was trained for labels %s and the data's labels are %s: %s; give data with "
+        "the base's labels to keep what the head learned",
+        model, base, label_names, fate,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -23,17 +23,24 @@ from finetune.config import ROW_FIELDS, ConfigError, RunConfig
 from finetune.data import Datasets
 from finetune.formats import at_rest
 from finetune.mixture import Mixture
+from finetune.model import base_label_names
 
 logger = logging.getLogger("finetune")
 MANIFEST = "prepared.json"
 VERSION = 1
+BASE_LABELS = "base model labels"  # made_from's key: the label names of the base model's head (model.base_label_names)
 
 
 def made_from(cfg: RunConfig, tokenizer) -> dict:
     """What prepared rows depend on: every data field that shapes them, the task, the seed (the eval split and a
-    mixture's order), and the tokenizer (its vocabulary, special tokens and chat template)."""
+    mixture's order), the tokenizer (its vocabulary, special tokens and chat template), and for a classifier
+    whose base names its labels, those names (their order is the label ids': data.label_names_of)."""
     fields = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k in ROW_FIELDS}
-    return {**fields, "task": cfg.model.task, "seed": cfg.train.seed, "tokenizer": tokenizer_fingerprint(tokenizer)}
+    out = {**fields, "task": cfg.model.task, "seed": cfg.train.seed, "tokenizer": tokenizer_fingerprint(tokenizer)}
+    base_labels = base_label_names(cfg.model)
+    if base_labels is not None:  # absent otherwise, as in the manifests written before it was recorded
+        out[BASE_LABELS] = base_labels
+    return out
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -123,7 +130,16 @@ def differences(manifest: dict, now: dict, directory: str) -> list[tuple[str, st
     for key in sorted(set(was) | set(now)):
         if was.get(key) == now.get(key):
             continue
-        if key == "tokenizer":
+        if key == BASE_LABELS:
+            out.append(
+                (
+                    "model",
+                    f"the data in {directory!r} was prepared for a base model whose classifier labels are "
+                    f"{was.get(key)} (in id order), this run's model has {now.get(key)}: the label ids differ; run "
+                    "`finetune prepare` again for this model, or use that one",
+                )
+            )
+        elif key == "tokenizer":
             out.append(
                 (
                     "model",

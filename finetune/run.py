@@ -171,7 +171,8 @@ def build_data(cfg: RunConfig, acc, topology: parallel.Topology, tokenizer):
     elif cfg.data.streaming:
         ds = data.build_stream(cfg.data, cfg.model.task, tokenizer, t.seed, node_first)
     else:
-        ds = mixture.build_mixture_datasets(cfg.data, cfg.model.task, tokenizer, t.seed, node_first)
+        base_labels = model.base_label_names(cfg.model)
+        ds = mixture.build_mixture_datasets(cfg.data, cfg.model.task, tokenizer, t.seed, node_first, base_labels)
     if (ds.format == "preference") != (t.method != "sft"):
         fix = "set method: dpo (or ipo, orpo, simpo)" if t.method == "sft" else "give {prompt, chosen, rejected} data"
         raise ConfigError([("method", f"method {t.method} cannot train {ds.format} data; {fix}")])

@@ -35,10 +35,10 @@ def supervised_count(labels: list[int], task: str) -> int:
     return sum(1 for t in labels[1:] if t != IGNORE)
 
 
-def build(dataset: str, tokenizer, task: str = "causal_lm", **kw):
+def build(dataset: str, tokenizer, task: str = "causal_lm", eval_dataset: str | None = None, base_labels=None, **kw):
     """The real builder, with no held-out eval (so train keeps the file's order) unless asked."""
-    data = DataArgs(dataset=dataset, **{"eval_fraction": 0.0, **kw})
-    return build_datasets(data, task, tokenizer, 0, contextlib.nullcontext)
+    data = DataArgs(dataset=dataset, eval_dataset=eval_dataset, **{"eval_fraction": 0.0, **kw})
+    return build_datasets(data, task, tokenizer, 0, contextlib.nullcontext, base_labels=base_labels)
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -149,6 +149,25 @@ def test_classification_int_labels_are_kept(assets, tmp_path):
     assert ds.train["labels"] == [r["label"] for r in rows]
 
 
+def test_classification_labels_take_the_base_models_ids_where_it_names_the_same_labels(assets, tmp_path):
+    """A base classifier whose head names the data's labels keeps its ids (as HF run_glue), whatever the labels'
+    sorted order: its rows keep their meaning (sorted ids re-mapped them: a fine-tuned weather/sports/tech/food
+    classifier labelled food as weather). Strings, ints (named "0".."N-1") and ClassLabel names alike; a base
+    naming other labels leaves the data's order."""
+    base = ["weather", "sports", "tech", "food"]
+    raw, raw_eval = read_jsonl(assets.classification), read_jsonl(assets.classification_eval)
+    ds = build(assets.classification, assets.tokenizer, "classification", assets.classification_eval, base_labels=base)
+    assert ds.label_names == base
+    assert ds.train["labels"] == [base.index(r["label"]) for r in raw]
+    assert ds.eval["labels"] == [base.index(r["label"]) for r in raw_eval]
+    rows = [{"text": f"sample {i}", "label": i % 3} for i in range(12)]
+    ints = write_jsonl(rows, tmp_path / "ints.jsonl")
+    ds = build(ints, assets.tokenizer, "classification", base_labels=["2", "0", "1"])
+    assert ds.label_names == ["2", "0", "1"] and ds.train["labels"] == [(r["label"] + 1) % 3 for r in rows]
+    other = build(assets.classification, assets.tokenizer, "classification", base_labels=["negative", "positive"])
+    assert other.label_names == sorted(base)
+
+
 def test_classification_labels_of_a_classlabel_column_keep_their_names(assets, tmp_path):
     """datasets' ClassLabel (every Hub classification set): the ints are ids of its names, in its order (they were
     named "0".."3"); eval values must be ids of those names."""
@@ -167,6 +186,8 @@ def test_classification_labels_of_a_classlabel_column_keep_their_names(assets, t
     ds = build(train, assets.tokenizer, "classification", eval_dataset=evalset)
     assert ds.label_names == names
     assert ds.train["labels"] == [names.index(r["label"]) for r in raw]
+    ds = build(train, assets.tokenizer, "classification", eval_dataset=evalset, base_labels=sorted(names))
+    assert ds.label_names == sorted(names) and ds.train["labels"] == [sorted(names).index(r["label"]) for r in raw]
     beyond = write_jsonl([{"text": "a", "label": 4}], tmp_path / "beyond.jsonl")
     with pytest.raises(ConfigError) as info:
         build(train, assets.tokenizer, "classification", eval_dataset=beyond)

@@ -79,3 +79,30 @@ def test_rows_cut_by_the_tokenizer_leave_its_fingerprint_as_loaded(assets, tmp_p
     assert max(len(ids) for ids in ds.train["input_ids"]) == 8  # the scenario: rows were cut
     assert tokenizer.backend_tokenizer.truncation is not None  # ... by transformers' truncation, left set
     assert tokenizer_fingerprint(tokenizer) == loaded
+
+
+def test_prepared_classification_rows_record_the_base_models_label_names(assets, tmp_path):
+    """A base classifier naming the data's labels gives them its ids (data.label_names_of): prepared rows made for
+    one base carry those ids, so a run on a base naming them in another order is refused, keyed model."""
+    from finetune.config import build_config
+    from finetune.prepared import BASE_LABELS, differences, made_from
+
+    def base(name: str, labels: list[str] | None) -> str:
+        path = tmp_path / name
+        shutil.copytree(assets.llama, path, ignore=shutil.ignore_patterns("*.safetensors"))
+        config = json.loads((path / "config.json").read_text())
+        config.update({"id2label": dict(enumerate(labels)), "label2id": {n: i for i, n in enumerate(labels)}})
+        (path / "config.json").write_text(json.dumps(config))
+        return str(path)
+
+    def made(model: str) -> dict:
+        values = {"model": model, "task": "classification", "dataset": assets.classification}
+        return made_from(build_config(values, check_filesystem=False), assets.tokenizer)
+
+    named = made(base("named", ["weather", "tech", "food", "sports"]))
+    assert named[BASE_LABELS] == ["weather", "tech", "food", "sports"]
+    assert BASE_LABELS not in made(base("default", ["LABEL_0", "LABEL_1"])) and BASE_LABELS not in made(assets.llama)
+    other = made(base("other", ["food", "sports", "tech", "weather"]))
+    manifest = {"made_from": named, "model": "named"}
+    [(key, why)] = differences(manifest, other, "prep")
+    assert key == "model" and "['weather', 'tech', 'food', 'sports']" in why and "finetune prepare" in why

@@ -275,6 +275,94 @@ def test_classification_reaches_high_accuracy(assets, tmp_path, arch):
     assert config["id2label"] == {"0": "food", "1": "sports", "2": "tech", "3": "weather"}
 
 
+BASE_LABELS = ["weather", "tech", "food", "sports"]  # a base classifier's head, in an order no label sorts to
+
+
+def read_rows(path: str) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def base_classifier(assets, path: Path, problem_type: str | None) -> str:
+    """The tiny llama as a 4-class classifier whose head names BASE_LABELS (a random head, seeded)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(assets.llama)
+    config.update(
+        {
+            "num_labels": len(BASE_LABELS),
+            "id2label": dict(enumerate(BASE_LABELS)),
+            "label2id": {n: i for i, n in enumerate(BASE_LABELS)},
+            "problem_type": problem_type,
+            "pad_token_id": assets.tokenizer.pad_token_id,
+        }
+    )
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_pretrained(assets.llama, config=config).save_pretrained(path)
+    assets.tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_a_base_classifier_keeps_its_labels_from_classlabel_data(assets, tmp_path):
+    """Fine-tuning a classifier on the labels its head names: its ids are kept (sorting them re-mapped its rows:
+    step 0 already scored by the wrong rows), from a ClassLabel column (whose names were lost: "0".."3"), and a
+    multi-label base trains as single-label (BCE over 4 outputs crashed at step 1). The eval labels are the base's
+    own predictions, so at step 0 (and after one step at lr 1e-12) the run must score them all correct, and final/
+    must name what the base predicted."""
+    import datasets
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
+
+    model = base_classifier(assets, tmp_path / "base", "multi_label_classification")
+    names = sorted(BASE_LABELS)
+    features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=names)})
+    texts = [r["text"] for r in read_rows(assets.classification_eval)[:24]]
+    base, tok = AutoModelForSequenceClassification.from_pretrained(model), AutoTokenizer.from_pretrained(model)
+    with torch.no_grad():
+        predicted = [BASE_LABELS[base(**tok(t, truncation=True, max_length=32, return_tensors="pt")).logits.argmax()]
+                     for t in texts]  # fmt: skip
+    train_rows = [{"text": r["text"], "label": names.index(r["label"])} for r in read_rows(assets.classification)]
+    datasets.Dataset.from_list(train_rows[:64], features=features).to_parquet(tmp_path / "train.parquet")
+    eval_rows = [{"text": t, "label": names.index(p)} for t, p in zip(texts, predicted)]
+    datasets.Dataset.from_list(eval_rows, features=features).to_parquet(tmp_path / "eval.parquet")
+    res = finetune(
+        tmp_path / "run",
+        *base_args(model, str(tmp_path / "train.parquet"), "--task", "classification", "--max_seq_length", "32"),
+        *("--eval_dataset", str(tmp_path / "eval.parquet"), "--learning_rate", "1e-12", "--max_steps", "1"),
+        *("--eval_on_start", "true", "--eval_steps", "1"),
+    )
+    assert [r["eval_accuracy"] for r in res.eval_rows] == [1.0, 1.0]
+    assert "problem_type" in res.output and "in the base model's order" in res.output
+    config = json.loads((res.output_dir / "final" / "config.json").read_text())
+    assert config["id2label"] == {str(i): n for i, n in enumerate(BASE_LABELS)}
+    assert config["problem_type"] == "single_label_classification"
+    classify = pipeline("text-classification", model=str(res.output_dir / "final"))
+    assert [p["label"] for p in classify(texts)] == predicted
+
+
+@pytest.mark.parametrize("problem_type", ["regression", "multi_label_classification"])
+def test_a_base_classifier_of_another_problem_type_learns_one_label_per_example(assets, tmp_path, caplog, problem_type):
+    """A regression (cross-encoder/stsb-*) or multi-label (unitary/toxic-bert) base: transformers picks the loss by
+    problem_type, so class ids met MSE or BCE over 4 outputs and the run crashed at step 1. Now it is loaded (and
+    exported) as single-label classification, and the log says so. A head named for other labels is kept (same
+    count: the log says each row's new label) or re-initialised (another count), never silently."""
+    from finetune.config import ModelArgs
+    from finetune.model import build_model
+
+    model = base_classifier(assets, tmp_path / "base", problem_type)
+    args = ModelArgs(model=model, task="classification")
+    with caplog.at_level("WARNING", logger="finetune"):
+        net = build_model(args, assets.tokenizer, BASE_LABELS, 32)
+    batch = assets.tokenizer(["rain all day", "a late goal"], padding=True, return_tensors="pt")
+    loss = net(**batch, labels=torch.tensor([0, 3])).loss
+    assert net.config.problem_type == "single_label_classification" and loss.ndim == 0 and loss > 0
+    assert f"says {problem_type}" in caplog.text and "labels:" not in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="finetune"):
+        build_model(args, assets.tokenizer, ["a", "b", "c", "d"], 32)
+        assert "weather -> a, tech -> b" in caplog.text
+        build_model(args, assets.tokenizer, ["a", "b"], 32)
+        assert "re-initialised for the data's 2 labels" in caplog.text
+
+
 def test_packing_trains_and_counts_supervised_tokens(assets, tmp_path):
     args = base_args(
         assets.llama, assets.instruction, "--max_steps", "5", "--eval_fraction", "0.1", "--max_seq_length", "128"

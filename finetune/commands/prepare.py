@@ -73,10 +73,12 @@ def _config(argv: list[str]):
 def _prepare(cfg):
     """The run config's data, built as a run builds it (finetune.mixture), saved into prepared_data."""
     from finetune import mixture, prepared
-    from finetune.model import load_tokenizer
+    from finetune.model import base_label_names, load_tokenizer
 
     logging.basicConfig(level=logging.INFO, format="[finetune] %(message)s", stream=sys.stdout)
     tokenizer = load_tokenizer(cfg.model)
-    ds = mixture.build_mixture_datasets(cfg.data, cfg.model.task, tokenizer, cfg.train.seed, contextlib.nullcontext)
+    ds = mixture.build_mixture_datasets(
+        cfg.data, cfg.model.task, tokenizer, cfg.train.seed, contextlib.nullcontext, base_label_names(cfg.model)
+    )
     prepared.save(ds, cfg, tokenizer, cfg.data.prepared_data)
     return ds

@@ -253,7 +253,11 @@ class DataArgs:
     rejected_column: str = _f("rejected", "Preference format: the dispreferred answer, in the same form as chosen.")
     source_column: str = _f("source", "source_target format (task seq2seq): column the encoder reads.")
     target_column: str = _f("target", "source_target format (task seq2seq): column the decoder learns to write.")
-    label_column: str = _f("label", "Classification format: label column (int ids or strings).")
+    label_column: str = _f(
+        "label",
+        "Classification format: label column: strings (ids in sorted order), int ids, or a datasets ClassLabel "
+        "(its names); a base classifier naming the same labels keeps its ids (docs/data.md).",
+    )
     max_seq_length: int = _f(
         512,
         "Tokens per example; longer examples are truncated, raw text is chunked to it. At most the model's "

@@ -126,7 +126,8 @@ def _how_to_load(cfg: RunConfig, label_names: list[str] | None) -> str:
         load += f"labels = {label_names!r}  # labels.json: the classes, in the order of the head's outputs\n"
         head = (
             ", num_labels=len(labels), id2label=dict(enumerate(labels)), "
-            "label2id={n: i for i, n in enumerate(labels)}, pad_token_id=tokenizer.pad_token_id"
+            "label2id={n: i for i, n in enumerate(labels)}, problem_type='single_label_classification', "
+            "pad_token_id=tokenizer.pad_token_id"
         )
     load += f"model = Auto.from_pretrained({repo!r}{head})  # loads the base model {m.model!r}, then the adapter"
     if pe.merge:
