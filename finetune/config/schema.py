@@ -390,7 +390,10 @@ class TrainArgs:
         "for launchers that restart failed jobs).",
     )
     metrics: list[str] | None = _f(
-        None, "Eval metrics: names shipped with finetune (accuracy, f1) or any evaluate.load name; default by task."
+        None,
+        "Eval metrics: names shipped with finetune (accuracy, f1) or any evaluate.load name; default by task "
+        "(classification: accuracy, f1). f1 with 2 classes: the F1 of the class with id 1 (id2label['1'] in "
+        "final/config.json; sklearn's average='binary'); with 3 or more: the macro average over the classes.",
     )
     generation_max_new_tokens: int | None = _f(
         None,
