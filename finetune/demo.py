@@ -147,14 +147,14 @@ def llama_config(
 def build_model(arch: str, path: str | os.PathLike, tokenizer, seed: int = 0, **overrides):
     """A tiny randomly initialised base model of a real architecture, saved with its tokenizer.
 
-    arch: llama, gpt2 (causal LMs, also usable as classifiers), bert (an encoder for classification), or t5,
+    arch: llama, qwen2, qwen3, gpt2 (causal LMs, also usable as classifiers), bert (an encoder for classification), or t5,
     bart (encoder-decoders, task seq2seq). Dropout is off unless asked (overrides), so runs are exactly comparable.
     """
     import torch
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     if arch not in TINY_CONFIGS:
-        raise ValueError(f"unknown arch {arch!r}; use llama, gpt2, bert, t5 or bart")
+        raise ValueError(f"unknown arch {arch!r}; use one of {', '.join(TINY_CONFIGS)}")
     config = TINY_CONFIGS[arch](
         vocab_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
@@ -234,8 +234,24 @@ def _tiny_bart(**ids):  # the decoder starts from EOS, as in BART
     )
 
 
+def _tiny_decoder(model_type: str):
+    """The tiny Llama's shape in another decoder family: qwen2 (biases on q, k and v), qwen3 (per-head q/k norms)."""
+
+    def build(vocab_size: int, **ids):
+        from transformers import AutoConfig
+
+        shape = llama_config(kv_heads=2, intermediate=128, vocab=vocab_size).to_dict()
+        keep = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+        keep += ("vocab_size", "max_position_embeddings", "tie_word_embeddings")
+        return AutoConfig.for_model(model_type, head_dim=16, **{k: shape[k] for k in keep}, **ids)
+
+    return build
+
+
 TINY_CONFIGS = {
     "llama": lambda vocab_size, **ids: llama_config(kv_heads=2, intermediate=128, vocab=vocab_size, **ids),
+    "qwen2": _tiny_decoder("qwen2"),
+    "qwen3": _tiny_decoder("qwen3"),
     "gpt2": _tiny_gpt2,
     "bert": _tiny_bert,
     "t5": _tiny_t5,

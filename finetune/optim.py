@@ -11,7 +11,8 @@ from finetune.config import TrainArgs
 
 def build_optimizer(net: torch.nn.Module, t: TrainArgs, mixed_precision: str) -> torch.optim.Optimizer:
     """AdamW (torch's fused kernel, as HF Trainer uses: ~8% faster steps on CPU too; not under fp16, below); no
-    weight decay on biases and norm weights (every parameter with fewer than 2 dims).
+    weight decay on biases and norm weights (every parameter with fewer than 2 dims); DTensors (a tp_plan's sharded
+    layers) in groups of their own.
 
     Workaround (accelerate 1.x, huggingface/accelerate#4242): under fp16 the loss scaler hands a fused optimizer its
     overflow flag and always calls its step (the kernel skips the update), and accelerate takes a called step for a
@@ -19,10 +20,20 @@ def build_optimizer(net: torch.nn.Module, t: TrainArgs, mixed_precision: str) ->
     norm reads as divergence (the run stops at the next log row, as scalers overflow by design). Under fp16 the
     foreach kernel, whose skipped step accelerate sees. tests/test_precision.py::
     test_accelerate_still_misses_a_fused_optimizers_skipped_step fails once accelerate sees it."""
+    from torch.distributed.tensor import DTensor
+
     params = [p for p in net.parameters() if p.requires_grad]
+    # A group is all DTensors or all plain tensors: torch's fused and foreach kernels refuse a mix ("got mixed
+    # torch.Tensor and DTensor" at the first step), and under a tp_plan only the plan's layers are DTensors (Qwen2's
+    # sharded q/k/v biases beside plain norms; a MoE router's plain gate beside sharded experts). Without DTensors
+    # the groups are the two they always were: checkpoints keep their layout.
     groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        {
+            "params": [p for p in params if (p.ndim >= 2) == decays and isinstance(p, DTensor) == sharded],
+            "weight_decay": wd,
+        }
+        for decays, wd in ((True, t.weight_decay), (False, 0.0))
+        for sharded in (True, False)
     ]
     return torch.optim.AdamW(
         [g for g in groups if g["params"]],

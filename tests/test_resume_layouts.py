@@ -144,8 +144,13 @@ def test_a_window_open_at_a_tensor_parallel_checkpoint_continues_in_one_process(
     the open window's sums, which count each batch once per tensor-parallel replica, are counted as this run
     counts them, so the step-3 row (two steps of TP 2, one of one process) is the uninterrupted run's: its loss, and
     tokens_seen exactly (they had counted the carried steps twice). The model rebuilt from the checkpoint's
-    config.json keeps the base model's generation settings: final/ has them."""
-    base = with_generation_settings(assets.llama, tmp_path / "base")
+    config.json keeps the base model's generation settings: final/ has them. The model is a Qwen2 (examples/sft.yaml's
+    family, tied as Qwen2.5-0.5B): its sharded q/k/v biases and plain norms are in AdamW groups of their own under TP
+    (optim.build_optimizer), one no-decay group in one process; the moments go over by name."""
+    from finetune import demo
+
+    qwen2 = demo.build_model("qwen2", tmp_path / "qwen2", assets.tokenizer, tie_word_embeddings=True)
+    base = with_generation_settings(qwen2, tmp_path / "base")
     args = base_args(base, assets.instruction, "--max_steps", "4", "--save_steps", "2", "--eval_fraction", "0")
     args += ["--logging_steps", "3"]
     straight, (_, resumed) = chain(tmp_path, args, [("tp2",), ("python",)], every=2)
