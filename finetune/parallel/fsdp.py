@@ -122,6 +122,7 @@ def chunked_loss_blocker(torch_version: str | None = None) -> str | None:
 def accelerator_kwargs(cfg: RunConfig) -> dict:
     if Launcher.read().tp_size > 1:
         replicate_parallel_shim()
+        tensor.per_backward_grad_all_reduce()
     return {}
 
 

@@ -7,7 +7,9 @@ What differs from DDP, and why:
 - accelerate 1.15's ParallelismConfig refuses MULTI_CPU, although the sharded model trains on gloo with
   the losses of one process: `CpuTensorParallelConfig` is the one workaround
   (tests/test_megatron.py::test_accelerate_still_refuses_tp_on_cpu fails once accelerate accepts it).
-- The model is sharded at load by transformers (`tp_plan="auto"` over accelerate's "tp" mesh).
+- The model is sharded at load by transformers (`tp_plan="auto"` over accelerate's "tp" mesh). Its
+  "replicated_with_grad_allreduce" style sums the accumulated gradient again at every micro batch:
+  `per_backward_grad_all_reduce` is the one workaround (registered by TP x FSDP2 too; measured under tp2 only).
 - The ranks of one TP group hold the same batch (Topology.dp, Topology.replicas).
 - `save_state` cannot write DTensors (safetensors reads each tensor's storage pointer), and a pickled
   DTensor optimizer state would hold rank 0's shards only: checkpoints hold full tensors through
@@ -115,9 +117,47 @@ def _cpu_tp_config_class():
 
 def accelerator_kwargs(cfg: RunConfig) -> dict:
     """The CPU-accepting parallelism config on a machine without CUDA; else accelerate builds its own."""
+    per_backward_grad_all_reduce()
     if torch.cuda.is_available():
         return {}
     return {"parallelism_config": _cpu_tp_config_class()()}  # sizes from PARALLELISM_CONFIG_*, as accelerate's
+
+
+def per_backward_grad_all_reduce() -> None:
+    """Workaround (transformers 5.23, distributed/tensor_parallel.py ReplicatedWithGradAllReduce, the one style with a
+    gradient hook): a parameter under "replicated_with_grad_allreduce" (Qwen3's and Gemma 3's q_norm/k_norm, ...) sees
+    only its rank's heads, and its gradient must be summed over the TP group. transformers all-reduces param.grad in a
+    post-accumulate hook, i.e. the gradient accumulated so far: with gradient accumulation each micro batch's reduced
+    gradient is summed again at every later one (GA 2, TP 2: 2 x G1 + G2), a silently wrong update. This style
+    all-reduces each backward's own gradient as it arrives (a tensor hook), before it is accumulated; the sum is
+    linear, so that is the same at every accumulation boundary (accelerate's no_sync does not reach a TP hook).
+    Registered over transformers' own before any model loads; the hooks go on at the first forward, as transformers'
+    (loading replaces the parameters). tests/test_megatron.py::test_transformers_still_reduces_the_accumulated_gradient
+    fails once transformers reduces each backward's own gradient: then this goes."""
+    import torch.distributed as dist
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES, ReplicatedWithGradAllReduce
+
+    class PerBackwardGradAllReduce(ReplicatedWithGradAllReduce):
+        def install_forward(self, module, mesh):
+            original_forward, hooked = module.forward, {}
+
+            def reduced(grad):
+                grad = grad.clone()  # autograd may hand the same tensor to another input
+                dist.all_reduce(grad, group=mesh.get_group())
+                return grad
+
+            def tp_forward(*args, **kwargs):
+                if torch.is_grad_enabled():
+                    for name, param in module.named_parameters(recurse=False):
+                        if param.requires_grad and hooked.get(name) is not param:
+                            param.register_hook(reduced)
+                            hooked[name] = param
+                return original_forward(*args, **kwargs)
+
+            module.forward = tp_forward
+            return module
+
+    ALL_PARALLEL_STYLES.register("replicated_with_grad_allreduce", PerBackwardGradAllReduce())
 
 
 class Backend(ddp.Backend):
