@@ -639,7 +639,7 @@ CASES = [
         "resume_latest_without_checkpoint",
         without_checkpoints,
         "resume_from_checkpoint",
-        "drop resume_from_checkpoint",
+        "give 'auto' instead",
         overwrite=False,
     ),
     Case(
