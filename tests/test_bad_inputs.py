@@ -196,6 +196,13 @@ def deepspeed_json_malformed(c: Ctx) -> list[str]:
     return args
 
 
+def deepspeed_json_relative_not_here(c: Ctx) -> list[str]:
+    """A shipped ZeRO config launched from another folder: its JSON path is relative to the checkout's root."""
+    args = c.deepspeed()
+    c.env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = "ds_configs/not_in_this_folder.json"
+    return args
+
+
 def output_dir_is_a_file(c: Ctx) -> list[str]:
     c.output_dir = Path(c.write("out.txt", "not a directory"))
     return c.yaml()
@@ -553,6 +560,12 @@ CASES = [
         deepspeed_json_malformed,
         "deepspeed_config_file",
         "ds.json",
+    ),
+    Case(
+        "deepspeed_json_relative_not_here",
+        deepspeed_json_relative_not_here,
+        "deepspeed_config_file",
+        "--deepspeed_config_file PATH",
     ),
     Case(
         "deepspeed_json_has_own_optimizer",

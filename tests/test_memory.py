@@ -590,6 +590,43 @@ def test_plan_reads_a_run_config_and_lora(assets, tmp_path, capsys):
     assert "4 GPU(s) of 17.2 GB" in out and "trainable" in out and "device GB" in out
 
 
+def test_the_printed_launch_works_from_where_the_user_is(tmp_path, monkeypatch):
+    """From the checkout's root the shipped configs' relative paths; from anywhere else (an installed package's
+    configs are in site-packages) absolute ones, and the DeepSpeed JSON the config names, which accelerate would
+    look for in the current folder."""
+    from finetune.commands.plan import launch_command
+
+    zero2 = topology.shipped_by_name()["zero2"]
+    monkeypatch.chdir(ROOT)
+    assert launch_command(zero2, memory.Machines()) == "accelerate launch --config_file accelerate_configs/zero2.yaml"
+    monkeypatch.chdir(tmp_path)
+    assert launch_command(zero2, memory.Machines()) == (
+        f"accelerate launch --config_file {ROOT}/accelerate_configs/zero2.yaml "
+        f"--deepspeed_config_file {ROOT}/ds_configs/zero2.json"
+    )
+    sixteen = memory.Machines(16, 8, 80.0)  # two machines: the multi-node twin, and its JSON
+    zero3 = launch_command(topology.shipped_by_name()["zero3"], sixteen)
+    assert zero3.startswith(f"accelerate launch --config_file {ROOT}/accelerate_configs/multinode_zero3.yaml ")
+    assert "--deepspeed_config_file " in zero3 and zero3.endswith(
+        "--num_machines 2 --machine_rank R --main_process_ip HOST"
+    )
+
+
+def test_without_shipped_configs_plan_asks_for_files(assets, tmp_path, monkeypatch, capsys):
+    """An install that lost its package data: bad input naming --configs, not an empty plan."""
+    monkeypatch.setattr(topology, "SHIPPED", tmp_path)
+    assert run_cli(["plan", "--model", assets.llama]) == 2
+    assert (
+        f"  - --configs: no shipped Accelerate config found in {tmp_path}; pass --configs FILE.yaml"
+        in capsys.readouterr().err
+    )
+    assert run_cli(["plan", "--model", assets.llama, "--configs", "ddp"]) == 2
+    assert (
+        f"'ddp' is neither a file nor a shipped config (none found in {tmp_path}: pass --configs FILE.yaml"
+        in capsys.readouterr().err
+    )
+
+
 def test_plan_reads_a_mixture_config(assets, capsys):
     """A config with datasets: (a mixture) plans; it was refused ("datasets: and dataset are both set"), the plan
     having set a placeholder dataset of its own."""

@@ -33,9 +33,8 @@ from pathlib import Path
 from finetune import launching
 from finetune.config import ConfigError
 from finetune.config.load import parse
-from finetune.parallel.topology import deepspeed_json, describe_observed, read_config_file
+from finetune.parallel.topology import accelerate_config_path, deepspeed_json, describe_observed, read_config_file
 
-ROOT = Path(__file__).resolve().parents[2]
 MARKER = "finetune_parity.json"  # in parity's output_dir: the runs there are parity's, replaced by the next parity
 SINGLE_NODE = ["single", "ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "fsdp2", "fsdp2_offload"]
 
@@ -54,18 +53,6 @@ class Outcome:
     peak_rss_gb: list[float] = field(default_factory=list)
     peak_gpu_gb: list[float] = field(default_factory=list)  # on GPUs: torch's allocated peak per rank
     error: str = ""
-
-
-def accelerate_config_path(name: str) -> Path:
-    """A shipped config name (ddp) or a path to an Accelerate config file."""
-    path = Path(name)
-    if path.suffix in (".yaml", ".yml") and path.exists():
-        return path
-    shipped = ROOT / "accelerate_configs" / f"{name}.yaml"
-    if not shipped.exists():
-        names = sorted(p.stem for p in (ROOT / "accelerate_configs").glob("*.yaml"))
-        raise ConfigError([("--configs", f"{name!r} is neither a file nor a shipped config ({', '.join(names)})")])
-    return shipped
 
 
 def run_one(name: str, path: Path, ga: int, args: argparse.Namespace, overrides: list[str], out: Path) -> Outcome:

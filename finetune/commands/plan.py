@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 
 from finetune.config import ConfigError, RunConfig
-from finetune.memory.estimate import GB, ROOT, Estimate, Machines, ModelShape, plan, shape_from_config
+from finetune.memory.estimate import GB, Estimate, Machines, ModelShape, plan, shape_from_config, shipped_configs
 from finetune.memory.recommend import Recommendation, recommend
+from finetune.parallel import topology
 
 PLAN_DESCRIPTION = """\
 Plan memory: for every shipped Accelerate config, what one rank needs to train this model (parameters,
@@ -153,12 +154,14 @@ def _run_config(args: argparse.Namespace, problems: list) -> RunConfig | None:
 
 def _configs(args: argparse.Namespace, problems: list) -> list[Path] | None:
     """--configs: shipped names or paths (None: every shipped config)."""
-    from finetune.commands.parity import accelerate_config_path
-
     if not args.configs:
+        if not shipped_configs():  # an install without its package data
+            problems.append(
+                ("--configs", f"no shipped Accelerate config found in {topology.SHIPPED}; pass --configs FILE.yaml,...")
+            )
         return None
     try:
-        return [accelerate_config_path(n) for n in args.configs.split(",") if n]
+        return [topology.accelerate_config_path(n) for n in args.configs.split(",") if n]
     except ConfigError as e:
         problems += e.problems
         return None
@@ -230,12 +233,7 @@ def render(shape: ModelShape, cfg: RunConfig, machines: Machines, rows: list[Est
         " evaluation's logits)"
     )
     if rec.config:
-        launch = f"accelerate launch --config_file accelerate_configs/{rec.config}.yaml"
-        if machines.nodes > 1 and (ROOT / "accelerate_configs" / f"multinode_{rec.config}.yaml").exists():
-            launch = (
-                f"accelerate launch --config_file accelerate_configs/multinode_{rec.config}.yaml "
-                f"--num_machines {machines.nodes} --machine_rank R --main_process_ip HOST"
-            )
+        launch = launch_command(rec.path, machines)
         gc = " --gradient_checkpointing true" if rec.gradient_checkpointing else ""
         lines.append(
             f"recommended: {rec.config}, micro batch {rec.micro_batch} x gradient accumulation "
@@ -250,6 +248,28 @@ def render(shape: ModelShape, cfg: RunConfig, machines: Machines, rows: list[Est
     else:
         lines.append(f"recommended: none: {rec.why}.")
     return "\n".join(lines)
+
+
+def launch_command(path: Path, machines: Machines) -> str:
+    """`accelerate launch` of this Accelerate config that works from the folder the user is in: a shipped config by
+    its path from there (absolute outside a checkout), its multinode_ twin on several machines, and the DeepSpeed
+    JSON it names (accelerate reads a relative one from the folder the launch starts in)."""
+    shipped = path.parent == topology.SHIPPED
+    twin = topology.shipped_by_name().get(f"multinode_{path.stem}") if shipped and machines.nodes > 1 else None
+    config = twin or path
+    launch = f"accelerate launch --config_file {_shown(config)}"
+    json_file = topology.deepspeed_json(config)
+    if shipped and json_file and os.path.isabs(_shown(config)):
+        launch += f" --deepspeed_config_file {_shown(json_file)}"
+    if twin:
+        launch += f" --num_machines {machines.nodes} --machine_rank R --main_process_ip HOST"
+    return launch
+
+
+def _shown(path: Path) -> str:
+    """A file as a command names it: from the current folder when it is below it, else absolute."""
+    real = path.resolve()
+    return str(real.relative_to(Path.cwd())) if real.is_relative_to(Path.cwd()) else str(real)
 
 
 def main(argv: list[str]) -> int:

@@ -39,12 +39,9 @@ from finetune import chunked_loss
 from finetune.config import AUTO_CLASSES, REFERENCE_METHODS, ConfigError, RunConfig
 from finetune.parallel import sharding
 from finetune.parallel.environment import launch_problems
-from finetune.parallel.topology import Topology, launch_size, read_config_file
+from finetune.parallel.topology import Topology, launch_size, read_config_file, shipped_by_name
 
 logger = logging.getLogger("finetune")
-
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 GB = 1e9
@@ -529,7 +526,7 @@ def estimate(
 def shipped_configs() -> list[Path]:
     """The shipped single-machine Accelerate configs, in order of preference (multinode_* variants have the same
     per-rank memory as their single-machine twins)."""
-    found = {p.stem: p for p in (ROOT / "accelerate_configs").glob("*.yaml")}
+    found = shipped_by_name()
     return [found[n] for n in PREFERENCE if n in found]
 
 

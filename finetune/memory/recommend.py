@@ -20,6 +20,7 @@ class Recommendation:
     gradient_checkpointing: bool
     estimate: Estimate | None
     why: str
+    path: Path | None = None  # the recommended Accelerate config file
 
 
 def recommend(
@@ -65,7 +66,7 @@ def recommend(
                 elif est.fits:
                     faster = {p.stem: skipped[p.stem] for p in paths[: paths.index(path)] if p.stem in skipped}
                     why = _why(est, machines, faster)
-                    return Recommendation(name, micro, per_rank // micro, checkpointing, est, why)
+                    return Recommendation(name, micro, per_rank // micro, checkpointing, est, why, path)
     return Recommendation("", 0, 0, True, None, _why_none(skipped, cfg, machines, smallest))
 
 

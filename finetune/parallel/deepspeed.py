@@ -111,6 +111,12 @@ def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here: bool = T
     except (OSError, json.JSONDecodeError) as e:
         path = launcher.deepspeed_config_file
         fix = "fix the JSON, or point the Accelerate config's deepspeed_config_file at a valid file"
+        if isinstance(e, FileNotFoundError) and not os.path.isabs(path or ""):
+            fix = (
+                f"accelerate reads a relative path from the folder the launch starts in ({os.getcwd()}): launch from "
+                "the folder that holds it (the shipped configs: the checkout's root), or add `--deepspeed_config_file "
+                "PATH` to `accelerate launch` (`finetune plan` prints the command for a shipped config)"
+            )
         return [*out, ("deepspeed_config_file", f"cannot read {path}: {e}; {fix}")]
     zero = ds.get("zero_optimization") or {}
     if cfg.peft.load_in_4bit and str(zero.get("stage")) == "3":

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import yaml
 
+from finetune.config.schema import ConfigError
+
 # The backend families, one module each under finetune/parallel/.
 FAMILIES = ("ddp", "deepspeed", "fsdp", "tensor", "megatron")
 
@@ -401,6 +403,28 @@ def describe_observed(row: dict) -> str:
 
 
 # ---------------------------------------------------------------- Accelerate config files, without launching
+
+# The shipped Accelerate configs: the repository's accelerate_configs/ (and ds_configs/, the DeepSpeed JSON they
+# name), reached through finetune/'s links to them in a checkout or an editable install, and copied into the package
+# by a regular install (package data in pyproject.toml): the same path either way.
+SHIPPED = Path(__file__).resolve().parents[1] / "accelerate_configs"
+
+
+def shipped_by_name() -> dict[str, Path]:
+    """Every shipped Accelerate config: name (ddp) -> file."""
+    return {p.stem: p for p in sorted(SHIPPED.glob("*.yaml"))}
+
+
+def accelerate_config_path(name: str, key: str = "--configs") -> Path:
+    """A shipped config's name (ddp) or the path of an Accelerate config file; a ConfigError on `key` otherwise."""
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        return path
+    shipped = shipped_by_name()
+    if name not in shipped:
+        names = ", ".join(shipped) or f"none found in {SHIPPED}: pass {key} FILE.yaml,..."
+        raise ConfigError([(key, f"{name!r} is neither a file nor a shipped config ({names})")])
+    return shipped[name]
 
 
 def _config_yaml(path: Path) -> dict:
