@@ -22,7 +22,7 @@ from finetune.config import ConfigError
 from finetune.config.preflight import looks_local
 from finetune.faults import fault_point
 from finetune.formats import at_rest
-from finetune.model import DTYPES, head_kwargs, load_error, model_config, quantized_base, save_dtype
+from finetune.model import DTYPES, head_kwargs, load_error, model_config, peft_missing, quantized_base, save_dtype
 
 LABELS_FILE = "labels.json"
 
@@ -115,9 +115,8 @@ def merge_adapter(adapter_dir: str, out_dir: str, dtype: str | None = None, over
     with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
         adapter_config = json.load(f)
     base = ModelArgs(model=adapter_config.get("base_model_name_or_path") or "")
-    problems = _base_model_problems(adapter_dir, base.model) + _merge_output_problems(
-        adapter_dir, base.model, out_dir, overwrite
-    )
+    problems = peft_missing("adapter") + _base_model_problems(adapter_dir, base.model)
+    problems += _merge_output_problems(adapter_dir, base.model, out_dir, overwrite)
     if problems:
         raise ConfigError(problems)
     quantized = quantized_base(model_config(base), base.model)  # an unreadable config: from_pretrained says why

@@ -63,14 +63,21 @@ def load_tokenizer(m: ModelArgs):
     return tok
 
 
+def peft_missing(key: str = "peft.method") -> list[tuple[str, str]]:
+    """[(key, the install line)] when the peft package is not installed; [] when it is."""
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        return [(key, "needs the peft package: pip install 'finetune[peft]'")]
+    return []
+
+
 def check_peft_support(pe: PeftArgs) -> None:
     """Refuse what cannot run here, before anything heavy starts."""
     if pe.method == "none":
         return
-    try:
-        import peft  # noqa: F401
-    except ImportError:
-        raise ConfigError([("peft.method", "needs the peft package: pip install 'finetune[peft]'")]) from None
+    if peft_missing():
+        raise ConfigError(peft_missing())
     if pe.load_in_4bit:
         import importlib.util
 

@@ -438,7 +438,7 @@ def test_a_classifier_adapter_keeps_every_newly_initialised_layer(assets, tmp_pa
         assert (merged(input_ids=ids).logits - want).abs().max().item() <= 1e-5
 
 
-def test_merge_never_replaces_what_it_did_not_write(assets, tmp_path, capsys):
+def test_merge_never_replaces_what_it_did_not_write(assets, tmp_path, capsys, monkeypatch):
     """`finetune merge` replaces only a previous merge: ADAPTER/merged as it stands, another --output with
     --overwrite. It removed whatever --output held (a user's files, the adapter itself) and then wrote there. A base
     model that is no longer where adapter_config.json says: exit 2 naming base_model_name_or_path (it was an OSError
@@ -498,3 +498,8 @@ def test_merge_never_replaces_what_it_did_not_write(assets, tmp_path, capsys):
     assert merge([str(moved)]) == 2 and not (moved / "merged").exists()  # was an OSError traceback
     err = capsys.readouterr().err
     assert "base_model_name_or_path in" in err and "someorg/a-model-not-in-the-cache" in err and "Hub" in err, err
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` fails, as without finetune[peft]
+    assert merge([str(adapter)]) == 2  # was a ModuleNotFoundError traceback
+    err = capsys.readouterr().err
+    assert "  - adapter: needs the peft package: pip install 'finetune[peft]'" in err and "Traceback" not in err, err
