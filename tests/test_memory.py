@@ -590,6 +590,13 @@ def test_plan_reads_a_run_config_and_lora(assets, tmp_path, capsys):
     assert "4 GPU(s) of 17.2 GB" in out and "trainable" in out and "device GB" in out
 
 
+def test_plan_of_an_adapter_without_peft_installed_says_what_to_install(assets, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` fails, as without finetune[peft]
+    assert run_cli(["plan", "--model", assets.llama, "--peft.method", "lora"]) == 2
+    err = capsys.readouterr().err
+    assert "  - peft.method: needs the peft package: pip install 'finetune[peft]'" in err and "Traceback" not in err
+
+
 def test_the_printed_launch_works_from_where_the_user_is(tmp_path, monkeypatch):
     """From the checkout's root the shipped configs' relative paths; from anywhere else (an installed package's
     configs are in site-packages) absolute ones, and the DeepSpeed JSON the config names, which accelerate would

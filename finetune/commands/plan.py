@@ -14,6 +14,7 @@ from pathlib import Path
 from finetune.config import ConfigError, RunConfig
 from finetune.memory.estimate import GB, Estimate, Machines, ModelShape, plan, shape_from_config, shipped_configs
 from finetune.memory.recommend import Recommendation, recommend
+from finetune.model import peft_missing
 from finetune.parallel import topology
 
 PLAN_DESCRIPTION = """\
@@ -121,6 +122,8 @@ def parse(argv: list[str]) -> tuple[RunConfig, Machines, int | None, list[Path] 
     # the run config's mixed_precision (--mixed_precision), as `accelerate launch --mixed_precision` would give it;
     # auto: each Accelerate config's own, else bf16 on GPUs and fp32 on CPUs (default_precision)
     mixed = cfg.model.mixed_precision if cfg is not None and cfg.model.mixed_precision != "auto" else None
+    if cfg is not None and cfg.peft.method != "none" and not cfg.peft.adapter:  # the plan builds the adapter
+        problems += peft_missing()
     configs = _configs(args, problems)
     machines = _machines(gpus, per_node, procs, sizes, problems, mixed)
     if cfg is not None and problems == [] and target is not None:
