@@ -16,6 +16,8 @@ printing that traceback, so the workaround can go):
   launcher stopped by a signal while launching finetune says so in one line (the ranks say where to resume), and
   so does a launch whose rank was killed by a signal before any rank could name the failure (the others stopped
   by torchrun: exit 143).
+  A launch whose Accelerate config needs a package finetune installs as an extra (DeepSpeed), where it is not
+  installed (accelerate's ImportError), is one line naming the install, exit 2.
   Anything else (a crash, another program) keeps the default traceback. FINETUNE_LAUNCHER_TRACEBACK=1 keeps
   it always.
 
@@ -54,6 +56,9 @@ import sys
 MARK = "finetune"  # top-level key of an error file written here; torch reads only "message"
 SHOW_TRACEBACK = "FINETUNE_LAUNCHER_TRACEBACK"
 CHILD_ERROR_FILE = "FINETUNE_LAUNCHER_ERROR_FILE"  # set by an `accelerate launch` of finetune for its children
+# accelerate's launcher stops with an ImportError when the Accelerate config needs a package that finetune installs as
+# an extra ("DeepSpeed is not installed => run `pip3 install deepspeed` ...", commands/launch.py): its start -> the extra
+EXTRAS = {"DeepSpeed is not installed": "deepspeed"}
 _stopped_by: list[int] = []  # the signal this launcher forwarded to its children
 # torchrun's own one-line records about its ranks ("failed (exitcode: 2) local_rank: 0 ...", "Sending process N closing
 # signal SIGTERM", "Received Signals.SIGTERM death signal"): they repeat what the ranks said, so in a launch of
@@ -230,6 +235,13 @@ def report(error: BaseException) -> int | None:
         _wait_for_children()  # the terminal's Ctrl-C reached the run too: its message comes first
         print("[launcher] interrupted (Ctrl-C); the run was interrupted too (its message is above).", file=sys.stderr)
         return 130
+    missing = [(text, extra) for text, extra in EXTRAS.items() if kind is ImportError and str(error).startswith(text)]
+    if missing and _launches_finetune():
+        text, extra = missing[0]
+        print(
+            f"[launcher] {text}, and this Accelerate config needs it: pip install 'finetune[{extra}]'", file=sys.stderr
+        )
+        return 2
     if not kind.__module__.startswith("torch.distributed.elastic"):
         return None
     if kind.__name__ == "SignalException" and _argv_names_finetune():

@@ -172,6 +172,22 @@ def test_one_process_the_run_named_its_failure(tmp_path, monkeypatch, capsys):
     assert report(failed) == 2
 
 
+def test_a_deepspeed_config_without_deepspeed_names_the_install(monkeypatch, capsys):
+    """accelerate's launcher raises ImportError for a DeepSpeed config where DeepSpeed is not installed (its
+    deepspeed_launcher): one line naming finetune's extra, exit 2 (bad input), instead of its traceback and exit 1."""
+    from finetune import launcher_report
+
+    command = ["/venv/bin/accelerate", "launch", "--config_file", "zero2.yaml", "-m", "finetune", "--config", "x.yaml"]
+    monkeypatch.setattr(launcher_report, "command_line", lambda: command)
+    missing = ImportError("DeepSpeed is not installed => run `pip3 install deepspeed` or build it from source.")
+    assert report(missing) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install 'finetune[deepspeed]'" in err and "Traceback" not in err, err
+    command[-4:] = ["other.py"]  # another program's launch keeps accelerate's traceback
+    assert report(missing) is None
+    assert report(ImportError("No module named 'something_else'")) is None
+
+
 def test_the_install_puts_the_hook_in_every_interpreter():
     pth = [Path(d) / "finetune-launcher.pth" for d in site.getsitepackages()]
     assert any(p.exists() for p in pth), f"no finetune-launcher.pth in {site.getsitepackages()}: ./run.sh setup"
