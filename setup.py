@@ -9,12 +9,23 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 PTH = "finetune-launcher.pth"
-# Python executes a .pth line that starts with "import"; a checkout deleted under an editable install must not
-# print an error at every interpreter start, hence the try.
-LINE = (
-    'import sys; exec("try:\\n from finetune.launcher_report import install_excepthook\\nexcept ImportError:\\n pass'
-    '\\nelse:\\n install_excepthook()")\n'
-)
+# Python executes a .pth line that starts with "import", in every interpreter of the environment (pip, jupyter, ...).
+# The hook is needed only in a launcher's (`accelerate launch`, torchrun; read from sys.orig_argv, as sys.argv is not
+# set yet), and nothing is imported in any other: a module of the user's named finetune must not run at every start.
+# Nor may a failed import print an error at each (a checkout deleted under an editable install), hence the try.
+HOOK = """\
+import os
+for arg in sys.orig_argv:
+    if os.path.basename(arg) in ("accelerate", "accelerate-launch", "accelerate.commands.launch", "torchrun",
+                                 "torch.distributed.run", "torch.distributed.launch"):
+        try:
+            from finetune.launcher_report import install_excepthook
+            install_excepthook()
+        except Exception:
+            pass
+        break
+"""
+LINE = f"import sys; exec({HOOK!r})\n"
 
 
 class BuildPyWithPth(build_py):

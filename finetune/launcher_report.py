@@ -42,9 +42,10 @@ process of finetune (`install_excepthook`):
 tests/test_launcher_report.py::test_one_process_under_accelerate_launch_still_needs_the_workaround fails once
 accelerate forwards the signal and stops printing the traceback itself.
 
-The hook reaches the launcher through `finetune-launcher.pth` (see setup.py), which Python runs at start-up;
-importing this module takes about a quarter of a millisecond, and the hook does nothing until an exception
-reaches the top of a process (or, in an `accelerate launch` of finetune, a SIGTERM arrives).
+The hook reaches the launcher through `finetune-launcher.pth` (see setup.py), which Python runs at start-up and
+which imports this module only in a launcher's interpreter (`accelerate launch`, torchrun: by its command line);
+importing it takes about a quarter of a millisecond, and the hook does nothing until an exception reaches the top
+of the process (or, in an `accelerate launch` of finetune, a SIGTERM arrives).
 """
 
 from __future__ import annotations

@@ -188,11 +188,13 @@ def test_a_deepspeed_config_without_deepspeed_names_the_install(monkeypatch, cap
     assert report(ImportError("No module named 'something_else'")) is None
 
 
-def test_the_install_puts_the_hook_in_every_interpreter():
+def test_the_install_puts_the_hook_in_every_launcher():
+    """This environment's finetune-launcher.pth; which interpreters load it: test_install.py."""
     pth = [Path(d) / "finetune-launcher.pth" for d in site.getsitepackages()]
     assert any(p.exists() for p in pth), f"no finetune-launcher.pth in {site.getsitepackages()}: ./run.sh setup"
     probe = "import sys; print(getattr(sys.excepthook, 'finetune', False))"
-    fresh = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    cmd = [sys.executable, "-c", probe, "torchrun"]  # a launcher, by its command line
+    fresh = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert fresh.stdout.strip() == "True", fresh
     before = sys.excepthook
     try:
