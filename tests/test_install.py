@@ -89,3 +89,12 @@ def test_the_launcher_hook_is_loaded_by_launchers_only(site_packages, tmp_path):
     (users / "finetune.py").write_text("raise RuntimeError('broken')\n")
     assert shows(pythonpath=users) == ("False\n", "")
     assert shows("torchrun", pythonpath=users) == ("False\n", "")  # a launcher: no hook, and no error at start
+
+
+def test_what_a_build_in_the_checkout_writes_is_ignored():
+    """`pip wheel .` or `pip install .` in the checkout writes build/ (and finetune.egg-info/) there: git ignores
+    them (build/ showed as untracked)."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    for path in ("build/lib/finetune/cli.py", "finetune.egg-info/PKG-INFO", "dist/finetune-0.1.0.tar.gz"):
+        assert subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT).returncode == 0, f"{path} not ignored"
