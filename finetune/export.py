@@ -71,6 +71,7 @@ def _one_process(backend, weights_from: Callable[[str], None], tmp: str) -> None
 def _finish(net, tokenizer, run_config: dict[str, Any], tmp: str, final: str, dtype: str) -> None:
     """The main process: what final/ holds beside the weights, then final/ in place."""
     stamp_dtype(tmp, dtype)
+    absolute_base_model(tmp)
     at_rest(tokenizer).save_pretrained(tmp)
     write_atomic(os.path.join(tmp, CONFIG_FILE), yaml.safe_dump(run_config, sort_keys=False))
     id2label = getattr(net.config, "id2label", None)
@@ -94,6 +95,21 @@ def stamp_dtype(directory: str, dtype: str) -> None:
         config = json.load(f)
     config["dtype"] = dtype
     write_atomic(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def absolute_base_model(directory: str) -> None:
+    """An adapter's adapter_config.json names a local base model by its absolute path. PEFT writes the path the run
+    was given (demo/base_model: relative to the folder the run started in), which `finetune merge` or a load from
+    any other folder would not find. A Hub id stays as it is."""
+    path = os.path.join(directory, "adapter_config.json")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        config = json.load(f)
+    base = config.get("base_model_name_or_path")
+    if base and not os.path.isabs(base) and os.path.isdir(base):  # from_pretrained loaded it from there
+        config["base_model_name_or_path"] = os.path.abspath(base)
+        write_atomic(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 MERGE_MARKER = "finetune_merge.json"  # in a merged model directory: what it was merged from; marks it replaceable

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,6 +106,8 @@ def test_lora_causal_lm_same_under_every_backend(assets, tmp_path):
         said = yaml.safe_load((out / name / "run_config.yaml").read_text())
         assert (said["gradient_checkpointing"], said["run_name"]) == (True, "lora-parity"), name
         adapters[name] = check_adapter(out / name / "final", r=4)
+        adapter_config = json.loads((out / name / "final" / "adapter_config.json").read_text())
+        assert adapter_config["base_model_name_or_path"] == assets.llama, name  # given relative: merge from anywhere
         assert "trainable (" in (out / f"{name}.log").read_text()
         rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
         train = [r for r in rows if "loss" in r]
@@ -436,6 +439,20 @@ def test_a_classifier_adapter_keeps_every_newly_initialised_layer(assets, tmp_pa
         assert (reloaded(input_ids=ids).logits - want).abs().max().item() <= 1e-5
         merged = AutoModelForSequenceClassification.from_pretrained(merge_adapter(str(out), str(tmp_path / "m"))).eval()
         assert (merged(input_ids=ids).logits - want).abs().max().item() <= 1e-5
+
+
+def test_an_adapter_names_a_local_base_model_by_its_absolute_path(assets, tmp_path, monkeypatch):
+    """final/adapter_config.json said base_model_name_or_path as the run was given it (demo/base_model), so `finetune
+    merge` from another folder failed ("could not load the base model from 'demo/base_model' ... Hub is
+    unreachable"). export writes a local one's absolute path; a Hub id stays a Hub id."""
+    from finetune.export import absolute_base_model
+
+    monkeypatch.chdir(Path(assets.llama).parent)
+    for given, recorded in ((Path(assets.llama).name, assets.llama), ("someorg/a-model", "someorg/a-model")):
+        (tmp_path / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": given, "r": 4}))
+        absolute_base_model(str(tmp_path))
+        config = json.loads((tmp_path / "adapter_config.json").read_text())
+        assert config == {"base_model_name_or_path": recorded, "r": 4}
 
 
 def test_merge_never_replaces_what_it_did_not_write(assets, tmp_path, capsys, monkeypatch):
