@@ -117,7 +117,8 @@ MERGE_MARKER = "finetune_merge.json"  # in a merged model directory: what it was
 
 def merge_adapter(adapter_dir: str, out_dir: str, dtype: str | None = None, overwrite: bool = False) -> str:
     """Base model + adapter -> one plain model directory (loads with from_pretrained), atomically, in dtype (None:
-    the base model's own, as loaded). The merge itself is done in float32, whatever the base model's dtype.
+    the run's save_dtype, as final/ was written; auto: the base model's own). The merge itself is done in float32,
+    whatever the base model's dtype.
 
     out_dir must be new or empty, or hold a previous merge (its MERGE_MARKER) and be ADAPTER/merged or replaced on
     purpose (overwrite); a ConfigError otherwise, and for a base model that is not where the adapter says.
@@ -147,8 +148,8 @@ def merge_adapter(adapter_dir: str, out_dir: str, dtype: str | None = None, over
     except OSError as e:  # a Hub id neither cached nor reachable, or a base directory without weights
         key = f"base_model_name_or_path in {os.path.join(adapter_dir, 'adapter_config.json')}"
         raise load_error("base model", base.model, e, key=key) from None
-    if dtype is None:  # the base model's own dtype, as its config.json says
-        dtype = save_dtype(base)
+    if dtype in (None, "auto"):  # the run's save_dtype (None), or the base model's own dtype, as its config.json says
+        dtype = save_dtype(ModelArgs(model=base.model, save_dtype=dtype or _run_save_dtype(adapter_dir)))
     merged = merged.merge_and_unload().to(DTYPES[dtype])
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
@@ -164,6 +165,16 @@ def merge_adapter(adapter_dir: str, out_dir: str, dtype: str | None = None, over
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _run_save_dtype(adapter_dir: str) -> str:
+    """The save_dtype of the run that wrote adapter_dir (its run_config.yaml); auto without one."""
+    try:
+        with open(os.path.join(adapter_dir, CONFIG_FILE)) as f:
+            said = (yaml.safe_load(f) or {}).get("save_dtype", "auto")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return "auto"
+    return said if said in DTYPES else "auto"
 
 
 def _adapted_model(adapter_dir: str, adapter_config: dict, label_names: list | None):

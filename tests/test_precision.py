@@ -231,20 +231,30 @@ def test_save_dtype_auto_is_the_base_models_and_can_be_set(assets, tmp_path):
 
 
 def test_lora_on_a_bf16_base_without_mixed_precision(assets, tmp_path):
-    """The common memory saver: a bf16 base (torch_dtype bfloat16), LoRA, no mixed precision; merged/ in bf16."""
+    """The common memory saver: a bf16 base (torch_dtype bfloat16), LoRA, no mixed precision. merged/ is written in
+    the run's save_dtype (float32 here), in the run and by a later `finetune merge` (which wrote the base's bf16:
+    it ignored the run's save_dtype); `finetune merge --dtype auto` writes the base's own dtype."""
+    from finetune.commands import merge
+
     base = bf16_base(assets, tmp_path)
     args = base_args(base, assets.instruction, "--max_steps", "4", "--eval_fraction", "0", "--learning_rate", "1e-2")
-    res = finetune(
-        tmp_path / "out", *args, "--torch_dtype", "bfloat16", "--peft.method", "lora", "--peft.merge", "true"
-    )
+    args += ["--torch_dtype", "bfloat16", "--peft.method", "lora", "--peft.merge", "true", "--save_dtype", "float32"]
+    res = finetune(tmp_path / "out", *args)
     rows = res.train_rows
     assert_ran_in(rows, "bfloat16")
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert "weights in place" not in res.output  # LoRA keeps its adapter weights in fp32: no warning
-    merged = load_file(str(res.output_dir / "final" / "merged" / "model.safetensors"))
-    assert {v.dtype for v in merged.values()} == {torch.bfloat16}
+    final = res.output_dir / "final"
+    assert merge.main([str(final), "--output", str(tmp_path / "later")]) == 0
+    assert merge.main([str(final), "--output", str(tmp_path / "base_dtype"), "--dtype", "auto"]) == 0
     original = load_file(os.path.join(base, "model.safetensors"))
-    assert any(not torch.equal(merged[k], original[k]) for k in original if k in merged)
+    for merged_dir, want in ((final / "merged", torch.float32), (tmp_path / "later", torch.float32)):
+        merged = load_file(str(merged_dir / "model.safetensors"))
+        assert {v.dtype for v in merged.values()} == {want}, merged_dir
+    as_base = load_file(str(tmp_path / "base_dtype" / "model.safetensors"))
+    assert {v.dtype for v in as_base.values()} == {torch.bfloat16}
+    assert all(torch.equal(as_base[k], merged[k].to(torch.bfloat16)) for k in as_base)  # one merge, two casts
+    assert any(not torch.equal(as_base[k], original[k]) for k in original if k in as_base)
 
 
 def test_full_fine_tuning_of_bf16_weights_is_warned(assets, tmp_path):

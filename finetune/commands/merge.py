@@ -10,7 +10,8 @@ from finetune.config import ConfigError
 
 
 def main(argv: list[str]) -> int:
-    """`finetune merge ADAPTER_DIR [--output DIR [--overwrite]]`: base model + adapter -> one plain model directory."""
+    """`finetune merge ADAPTER_DIR [--output DIR [--overwrite]] [--dtype D]`: base model + adapter -> one plain model
+    directory."""
     parser = argparse.ArgumentParser(prog="finetune merge", description=main.__doc__)
     parser.add_argument("adapter", help="an adapter directory written by finetune (e.g. outputs/run/final)")
     parser.add_argument(
@@ -23,6 +24,12 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="replace a previous merge at --output (a directory finetune merge wrote: it holds finetune_merge.json); "
         "any other files there are never replaced",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="what the merged weights are written in (default: the run's save_dtype, as final/ was written; auto: "
+        "the base model's own dtype)",
     )
     args = parser.parse_args(argv)
     try:
@@ -37,7 +44,8 @@ def main(argv: list[str]) -> int:
             )
         from finetune.export import merge_adapter
 
-        out = merge_adapter(args.adapter, args.output or os.path.join(args.adapter, "merged"), overwrite=args.overwrite)
+        out = args.output or os.path.join(args.adapter, "merged")
+        out = merge_adapter(args.adapter, out, dtype=args.dtype, overwrite=args.overwrite)
     except ConfigError as e:
         print(e.render("what finetune merge was given"), file=sys.stderr)
         return 2
