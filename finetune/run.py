@@ -103,7 +103,7 @@ def start(cfg: RunConfig):
     cluster.start_host_group(acc.num_processes, cfg.train.host_wait_timeout)
     console.set_main(acc.is_main_process)
     backend = parallel.make_backend(acc, cfg)
-    facts = parallel.describe(acc)
+    facts = parallel.describe(acc, backend.mixed_precision)
     logger.info(
         "distributed: %s, world size %d, backend %s, mixed precision %s, devices %s",
         facts["distributed_type"],

@@ -106,6 +106,8 @@ def test_bf16_every_layout_equals_one_bf16_process(assets, bf16_runs):
         if name in EXPECTED:  # its ZeRO stage, offload, FSDP version and parameter share too
             assert_layout(rows, name)
         assert_ran_in(rows, "bfloat16")
+        # the start line says it too (under DeepSpeed accelerate's own answer is "no" once bf16 runs through autocast)
+        assert "mixed precision bf16, devices" in (out / name / "logs" / "rank0.log").read_text(), name
         final = out / name / "final"
         weights = load_file(str(final / "model.safetensors"))
         # one export dtype under every layout: the base model's (float32 here), in the file and in config.json
@@ -184,10 +186,17 @@ def test_fsdp2_policy_keeps_the_loss_in_fp32(assets, tmp_path):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("how", ["launcher", "run_config"])
+@pytest.mark.parametrize("how", ["launcher", "run_config", "deepspeed_json"])
 def test_fp16_is_refused_on_a_cpu(assets, tmp_path, how):
     args = base_args(assets.llama, assets.instruction, "--max_steps", "2")
-    if how == "launcher":
+    if how == "deepspeed_json":  # enabled in the JSON, nothing on the launch line: DeepSpeed would run its fp16 mode
+        ds = json.loads((ROOT / "ds_configs" / "zero2.json").read_text())
+        ds["fp16"] = {"enabled": True}
+        (tmp_path / "fp16.json").write_text(json.dumps(ds))
+        env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(tmp_path / "fp16.json")}
+        res = finetune(tmp_path / "out", *args, launcher="python", expect_ok=False, extra_env=env)
+        assert "enables fp16" in res.output and '"fp16": {"enabled": "auto"}' in res.output, res.output[-3000:]
+    elif how == "launcher":
         # (ddp: one process under accelerate launch ends in the launcher's own traceback, issue 34)
         res = finetune(
             tmp_path / "out", *args, launcher="ddp", launch_args=("--mixed_precision", "fp16"), expect_ok=False
@@ -372,3 +381,125 @@ def test_deepspeed_bf16_mode_exports_its_fp32_masters_and_resumes(assets, tmp_pa
         assert [r["step"] for r in rows] == [1, 2, 3, 4]
         tol = 1e-6 if layout == str(config) else 2e-2  # DDP computes under autocast with fp32 weights
         assert max_rel_diff(straight.losses()[2:], [r["loss"] for r in rows[2:]]) <= tol, layout
+
+
+GENERATION_PROBE = """
+import json, os, sys
+import torch
+import finetune.generate as generate
+from finetune.cli import run_cli
+
+seen, inner = set(), generate.GenerationEval._generate
+
+def probed(self, run, chunk):
+    net = run.backend.hf_model(run.model)
+    linear = next(m for m in net.modules() if isinstance(m, torch.nn.Linear))
+    hook = linear.register_forward_hook(lambda m, i, o: seen.add(str(o.dtype).removeprefix("torch.")))
+    try:
+        return inner(self, run, chunk)
+    finally:
+        hook.remove()
+
+generate.GenerationEval._generate = probed
+sys.argv[0] = "finetune"
+code = run_cli()
+with open(os.path.join(os.environ["PROBE_DIR"], f"rank{os.environ['RANK']}.json"), "w") as f:
+    json.dump(sorted(seen), f)
+os._exit(code)
+"""
+
+
+def test_a_mixed_precision_line_in_a_deepspeed_config_trains_and_generates_in_bf16(assets, tmp_path):
+    """`mixed_precision: bf16` in a ZeRO-2 Accelerate config (its own comment says the line wins) crashed every rank in
+    accelerate's DeepSpeedPlugin ("the following accelerate config variables will be ignored"); it trains in bf16 as
+    `--mixed_precision bf16` does, the start line says bf16 (it said "no": accelerate's answer once bf16 runs through
+    DeepSpeed's autocast), and generation eval computes in bf16 as training does (it ran the module outside the
+    engine's autocast: fp32). A Linear layer's outputs during generate, seen by a probe on every rank."""
+    config = tmp_path / "zero2_bf16.yaml"
+    config.write_text((ROOT / "accelerate_configs" / "zero2.yaml").read_text() + "mixed_precision: bf16\n")
+    probe, script = tmp_path / "probe", tmp_path / "generation_probe.py"
+    probe.mkdir()
+    script.write_text(GENERATION_PROBE)
+    args = base_args(assets.llama, assets.instruction, "--max_steps", "1", "--eval_fraction", "0.05")
+    args += ["--generation_max_new_tokens", "2", "--generation_num_examples", "2"]
+    res = finetune(
+        tmp_path / "out", *args, launcher=str(config), entry=(str(script),), extra_env={"PROBE_DIR": str(probe)}
+    )
+    assert "Traceback" not in res.output
+    assert "distributed: DEEPSPEED, world size 2, backend gloo, mixed precision bf16," in res.output, res.output[-3000:]
+    assert_ran_in(res.train_rows, "bfloat16")
+    seen = {p.name: json.loads(p.read_text()) for p in sorted(probe.glob("rank*.json"))}
+    assert seen == {"rank0.json": ["bfloat16"], "rank1.json": ["bfloat16"]}, seen
+
+
+def test_accelerate_still_refuses_a_mixed_precision_line_beside_a_deepspeed_json(monkeypatch):
+    """Why finetune.parallel.deepspeed.precision_from_the_launcher_as_from_its_flag drops mixed_precision from the
+    launcher's ACCELERATE_CONFIG_DS_FIELDS: accelerate's DeepSpeedPlugin refuses it beside a deepspeed_config_file.
+    Fails once accelerate takes the line as it takes the flag."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    from finetune.parallel.deepspeed import precision_from_the_launcher_as_from_its_flag
+
+    # what `accelerate launch` gives the ranks for zero2.yaml with a mixed_precision line
+    monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", "deepspeed_config_file,zero3_init_flag,mixed_precision")
+    json_file = str(ROOT / "ds_configs" / "zero2.json")
+    with pytest.raises(ValueError, match="following accelerate config variables will be ignored"):
+        DeepSpeedPlugin(hf_ds_config=json_file)
+    precision_from_the_launcher_as_from_its_flag(os.environ)
+    assert os.environ["ACCELERATE_CONFIG_DS_FIELDS"] == "deepspeed_config_file,zero3_init_flag"
+    DeepSpeedPlugin(hf_ds_config=json_file)
+
+
+def test_a_deepspeed_json_contradicting_the_launch_precision_is_refused(assets, tmp_path):
+    """A JSON enabling fp16 and a launch asking for bf16: accelerate's DeepSpeedPlugin raised a ValueError on every
+    rank; refused before anything starts, naming both and the fix (finetune plan asks the same)."""
+    from finetune.config import build_config
+    from finetune.parallel import deepspeed
+
+    ds = json.loads((ROOT / "ds_configs" / "zero2.json").read_text())
+    ds["fp16"] = {"enabled": True}
+    (tmp_path / "fp16.json").write_text(json.dumps(ds))
+    cfg = build_config({"model": assets.llama, "dataset": assets.instruction}, check_filesystem=False)
+    env = {
+        "ACCELERATE_USE_DEEPSPEED": "true",
+        "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(tmp_path / "fp16.json"),
+        "WORLD_SIZE": "2",
+    }
+    assert not deepspeed.problems(cfg, {**env, "ACCELERATE_MIXED_PRECISION": "fp16"}, here=False)
+    [(key, why)] = deepspeed.problems(cfg, {**env, "ACCELERATE_MIXED_PRECISION": "bf16"}, here=False)
+    assert key == "mixed_precision" and "enables fp16 but the run asks for bf16" in why, why
+
+
+def test_zero3_holds_16bit_weights_in_fp32_says_so_and_plans_for_it(assets):
+    """Under ZeRO-3 zero.Init builds every parameter in the DeepSpeed config's dtype: fp32 outside DeepSpeed's own
+    16-bit modes (bf16 runs through autocast), whatever torch_dtype says (a LoRA on a bf16 base held float32 under
+    ZeRO-3 only). The start log says so (deepspeed.zero3_weights_dtype_note, from the partitions' dtype), and
+    finetune plan counts 4 bytes per weight there (it counted 2), 2 in DeepSpeed's bf16 mode, and torch_dtype's
+    under ZeRO-2."""
+    from finetune import memory
+    from finetune.parallel import sharding, topology
+    from finetune.parallel.deepspeed import zero3_weights_dtype_note
+
+    net = torch.nn.Linear(2, 2).requires_grad_(False)
+    for p in net.parameters():
+        p.ds_tensor = torch.zeros(1)  # a ZeRO-3 partition, in fp32
+    assert "ZeRO-3 holds the weights in float32, not torch_dtype bfloat16" in zero3_weights_dtype_note(
+        net, torch.bfloat16
+    )
+    assert zero3_weights_dtype_note(net, torch.float32) is None
+    for p in net.parameters():
+        p.ds_tensor = torch.zeros(1, dtype=torch.bfloat16)
+    assert zero3_weights_dtype_note(net, torch.bfloat16) is None
+
+    from finetune.config import build_config
+
+    values = {"model": assets.llama, "dataset": "(unused)", "torch_dtype": "bfloat16"}
+    shape = memory.shape_from_config(build_config(values, check_filesystem=False))
+    assert shape.weight_bytes == 2
+    for name, bf16_mode, want in (("zero3", False, 4), ("zero3", True, 2), ("zero2", False, 2)):
+        topo, _, _ = topology.read_config_file(ROOT / "accelerate_configs" / f"{name}.yaml", num_processes=1)
+        for mixed in ("no", "bf16"):
+            parts = sharding.model_states(topo, shape, mixed, sharding.Buckets(bf16_weights=bf16_mode))
+            held = sum(x.bytes for x in parts if x.name == "parameters")
+            if mixed == "bf16" or not bf16_mode:
+                assert held == pytest.approx(shape.total * want), (name, bf16_mode, mixed)

@@ -34,7 +34,13 @@ import torch
 from finetune import console
 from finetune.config import RunConfig, TrainArgs
 from finetune.parallel import base, ddp
-from finetune.parallel.topology import DEEPSPEED_KEYS, Launcher, deepspeed_offload_devices
+from finetune.parallel.topology import (
+    DEEPSPEED_KEYS,
+    Launcher,
+    deepspeed_json_precision,
+    deepspeed_offload_devices,
+    launched_json_precision,
+)
 
 logger = logging.getLogger("finetune")
 
@@ -58,6 +64,7 @@ def environment(cfg: RunConfig) -> None:
     for key in SET_BY_THE_LAUNCHER_TOO:
         os.environ.setdefault(DEEPSPEED_KEYS[key], str(_run_config_values(cfg.train)[key][1]))
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(project_cache() / "torch_extensions"))
+    precision_from_the_launcher_as_from_its_flag()
     announce_op_builds()
     compile_on_first_call()
     if not base.has_accelerator_device():
@@ -65,6 +72,20 @@ def environment(cfg: RunConfig) -> None:
         gloo_collectives_by_all_reduce()
     # DeepSpeed runs on the CPU through its own init path (gloo, see environment.make_accelerator); forcing
     # accelerate's CPU mode (ACCELERATE_USE_CPU) would silently turn a DeepSpeed config into plain MULTI_CPU.
+
+
+def precision_from_the_launcher_as_from_its_flag(env: dict = os.environ) -> None:
+    """Workaround (accelerate 1.15): a `mixed_precision:` line in a DeepSpeed Accelerate config file made every rank
+    fail in DeepSpeedPlugin with "When using deepspeed_config_file, the following accelerate config variables will be
+    ignored: [..., 'mixed_precision']": the launcher lists it among the config file's DeepSpeed fields
+    (ACCELERATE_CONFIG_DS_FIELDS, commands/launch.py launch_command), which the plugin refuses beside a JSON, while
+    `--mixed_precision` on the launch line passes. Both reach the ranks as ACCELERATE_MIXED_PRECISION, which finetune
+    has already read (environment.set_mixed_precision) and from which accelerate fills the JSON's "auto": dropped
+    from the list, the line works as the flag does. tests/test_precision.py::test_accelerate_still_refuses_a_
+    mixed_precision_line_beside_a_deepspeed_json fails once accelerate takes it."""
+    fields = env.get("ACCELERATE_CONFIG_DS_FIELDS")
+    if fields:
+        env["ACCELERATE_CONFIG_DS_FIELDS"] = ",".join(f for f in fields.split(",") if f != "mixed_precision")
 
 
 def _run_config_values(train: TrainArgs) -> dict[str, tuple[str, float]]:
@@ -126,6 +147,10 @@ def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here: bool = T
         )
         out.append(base.qlora_refused(f"ZeRO-3 ({where})", why))
     out += _not_run(zero, where, here)
+    in_json, asked = deepspeed_json_precision(ds), env.get("ACCELERATE_MIXED_PRECISION")
+    if in_json and asked in ("bf16", "fp16") and asked != in_json:  # accelerate's DeepSpeedPlugin raised
+        fix = f'set "{in_json}": {{"enabled": "auto"}} in the JSON to train in {asked}, or ask for {in_json}'
+        out.append(("mixed_precision", f"{where} enables {in_json} but the run asks for {asked}; {fix}"))
     for key, (field, ours, said) in _owned_by_run_config(cfg.train, launcher.world_size).items():
         value = ds.get(key, "auto")
         if value != "auto" and not _same(value, ours):
@@ -251,21 +276,15 @@ def bf16_through_autocast(plugin) -> bool:
     would reduce Linear layers' gradients in bf16). Must run before the model is built: ZeRO-3 builds it inside
     zero.Init in the dtype transformers' registered copy of the config says, registered again here."""
     config = plugin.deepspeed_config
-    if not str((config.get("bf16") or {}).get("enabled")).lower() == "true" or _json_says_bf16():
+    if (
+        not str((config.get("bf16") or {}).get("enabled")).lower() == "true"
+        or launched_json_precision(Launcher.read())[0]
+    ):
         return False
     config["bf16"] = {"enabled": False}
     config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
     plugin.set_deepspeed_weakref()
     return True
-
-
-def _json_says_bf16() -> bool:
-    """Whether the DeepSpeed JSON itself enables bf16 (not "auto", which accelerate fills from --mixed_precision)."""
-    try:
-        with open(Launcher.read().deepspeed_config_file or "") as f:
-            return (json.load(f).get("bf16") or {}).get("enabled") is True
-    except (OSError, json.JSONDecodeError):
-        return False
 
 
 def gather_16bit_weights_on_save(plugin) -> bool:
@@ -301,6 +320,72 @@ def keep_used_weight_conversions(model) -> None:
         base._weight_conversions = [c for c in conversions if c.was_used()]
 
 
+def zero3_loads_only_fitting_weights() -> None:
+    """Workaround (transformers 5.23): under ZeRO-3 from_pretrained loads through _load_state_dict_into_zero3_model,
+    which does not honour ignore_mismatched_sizes (it reports no mismatched keys: modeling_utils
+    _load_pretrained_model, "mismatched_keys=set()"), so a classifier checkpoint with another label count (finetune
+    asks for ignore_mismatched_sizes: model._load_kwargs) failed on every rank with "size mismatch for
+    classifier.weight", where every other layout starts that head anew. Here the checkpoint's tensors whose shape
+    differs from the model's (a ZeRO-3 parameter's full shape: ds_shape) are left out when ignore_mismatched_sizes
+    is asked: they stay missing, and transformers initialises them as it does a missing head, on every rank alike.
+    tests/test_deepspeed.py::test_transformers_zero3_loading_still_ignores_mismatched_sizes fails once transformers
+    honours it."""
+    from transformers import modeling_utils
+
+    load = modeling_utils._load_state_dict_into_zero3_model
+    if getattr(load, "leaves_out_mismatched_sizes", False):
+        return
+
+    @functools.wraps(load)
+    def load_what_fits(model_to_load, state_dict, load_config=None):
+        if getattr(load_config, "ignore_mismatched_sizes", False):
+            state_dict = _fitting(model_to_load, state_dict)
+        return load(model_to_load, state_dict, load_config)
+
+    load_what_fits.leaves_out_mismatched_sizes = True
+    modeling_utils._load_state_dict_into_zero3_model = load_what_fits
+
+
+def _fitting(model, state_dict):
+    """state_dict less the tensors whose shape differs from the model's parameter or buffer of that name (with or
+    without the model's base_model_prefix, as transformers matches them); every rank leaves out the same ones (the
+    other ranks' checkpoint tensors are meta tensors of the same shapes)."""
+    shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in model.named_parameters()}
+    shapes.update((n, tuple(b.shape)) for n, b in model.named_buffers())
+    prefix = getattr(model, "base_model_prefix", "")
+    mismatched = []
+    for key, value in state_dict.items():
+        want = shapes.get(key, shapes.get(f"{prefix}.{key}"))
+        if want is not None and tuple(value.shape) != want:
+            mismatched.append(key)
+    if not mismatched:
+        return state_dict
+    logger.info("checkpoint weights of another shape, initialised anew (ignore_mismatched_sizes): %s", mismatched)
+    fitting = state_dict.copy()
+    for key in mismatched:
+        del fitting[key]
+    return fitting
+
+
+def zero3_weights_dtype_note(net, asked) -> str | None:
+    """Under ZeRO-3 zero.Init builds every parameter in the DeepSpeed config's dtype, not torch_dtype's: bf16 or
+    fp16 only in DeepSpeed's own 16-bit modes, fp32 otherwise (bf16 through autocast, or no mixed precision). What
+    to tell a run that asked for 16-bit weights (`asked`) and holds fp32 ones; None where it holds what it asked."""
+    params = [p for p in net.parameters() if hasattr(p, "ds_tensor")]
+    frozen = [p for p in params if not p.requires_grad] or params  # (an adapter's own weights: fp32, PEFT's choice)
+    held = {p.ds_tensor.dtype for p in frozen}
+    if asked not in (torch.bfloat16, torch.float16) or torch.float32 not in held:
+        return None
+    name = str(asked).removeprefix("torch.")
+    return (
+        f"ZeRO-3 holds the weights in float32, not torch_dtype {name}: zero.Init builds every parameter in the "
+        "DeepSpeed config's dtype, 16-bit only in DeepSpeed's own bf16/fp16 modes (finetune runs bf16 through "
+        "autocast over fp32 weights): 4 bytes per parameter, partitioned, and bf16 compute as asked. For 16-bit "
+        'weights set "bf16": {"enabled": true} in the DeepSpeed JSON (DeepSpeed\'s bf16 mode, docs/precision.md), '
+        "or use ZeRO-2 or FSDP2"
+    )
+
+
 class Backend(ddp.Backend):
     """DeepSpeed ZeRO: only what differs from the DDP backend."""
 
@@ -326,6 +411,12 @@ class Backend(ddp.Backend):
     def place_model(self, model):
         model = super().place_model(model)
         keep_used_weight_conversions(model)
+        asked = self.cfg.model.torch_dtype
+        note = zero3_weights_dtype_note(
+            model, getattr(torch, asked, None) or getattr(model.config, "dtype", None)
+        )  # auto: the base's
+        if note:
+            logger.warning(note)
         return model
 
     def reentrant_checkpointing(self, peft_on: bool) -> bool:
@@ -387,6 +478,15 @@ class Backend(ddp.Backend):
         share_fp32_master_weights(prepared[1].optimizer)
         finish_collectives_after_a_write_error(prepared[0])
         return prepared
+
+    def generate(self, model, **kwargs) -> torch.Tensor:
+        """As DDP's, in the engine's torch_autocast (bf16_through_autocast): generate runs the module itself, outside
+        DeepSpeedEngine.forward, where DeepSpeed enters its autocast, so generation eval ran in fp32 while training
+        and loss eval ran in bf16."""
+        from deepspeed.runtime.torch_autocast import autocast_if_enabled
+
+        with autocast_if_enabled(model):
+            return super().generate(model, **kwargs)
 
     def clip_grad_norm(self, model, max_norm):
         """The global gradient norm of the step DeepSpeed just took (it clips inside its step, from the config's

@@ -14,7 +14,14 @@ from finetune import console
 from finetune.config import ConfigError, RunConfig
 from finetune.parallel.base import start_process_group
 from finetune.parallel.surface import FamilyModule
-from finetune.parallel.topology import FAMILIES, Launcher, distributed_type_name, launch_environment, requested_family
+from finetune.parallel.topology import (
+    FAMILIES,
+    Launcher,
+    distributed_type_name,
+    launch_environment,
+    launched_json_precision,
+    requested_family,
+)
 
 
 def family_module(family: str | None = None) -> FamilyModule:
@@ -136,10 +143,12 @@ def regional_compile():
 
 def set_mixed_precision(asked: str) -> str:
     """The compute precision of this run (no, bf16 or fp16), put where accelerate and its DeepSpeed and FSDP plugins
-    read it (ACCELERATE_MIXED_PRECISION) before Accelerator(), and logged with where it came from. What the
-    `accelerate launch` command says wins: its --mixed_precision, else its config file's mixed_precision. When it
-    says nothing, the run config's mixed_precision decides (auto: bf16 on a GPU that supports it, else fp32). On
-    a GPU, fp32 matmuls use TF32 (as Trainer's tf32 option and torchtitan do)."""
+    read it (ACCELERATE_MIXED_PRECISION) before Accelerator(), and logged with where it came from. A DeepSpeed JSON
+    that enables bf16 or fp16 itself ("enabled": true) decides: DeepSpeed trains in that mode whatever else says (a
+    launch asking for the other one is refused: deepspeed.problems). Else what the `accelerate launch` command says
+    wins: its --mixed_precision, else its config file's mixed_precision. When it says nothing, the run config's
+    mixed_precision decides (auto: bf16 on a GPU that supports it, else fp32). On a GPU, fp32 matmuls use TF32 (as
+    Trainer's tf32 option and torchtitan do)."""
     import os
 
     import torch
@@ -147,7 +156,12 @@ def set_mixed_precision(asked: str) -> str:
     launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
     said = launched if launched in ("bf16", "fp16") else launcher_mixed_precision() if launched == "no" else None
     gpu = torch.cuda.is_available() and not Launcher.read().use_cpu  # `accelerate launch --cpu`, or a CPU rank
-    if said is not None:
+    in_json, path = launched_json_precision(Launcher.read())
+    if in_json and said in (None, "no", in_json):
+        chosen, why = in_json, f"the DeepSpeed config {path} enables {in_json}"
+        if said == "no":
+            why += '; accelerate launch\'s no does not turn it off: "enabled": "auto" in the JSON does'
+    elif said is not None:
         chosen, why = said, "as accelerate launch says (--mixed_precision or its config file)"
     elif asked == "auto":
         chosen = "bf16" if gpu and torch.cuda.is_bf16_supported() else "no"
@@ -222,18 +236,18 @@ def mixed_precision_of_launch(launch_args: list[str]) -> str | None:
 
 def precision_problems(chosen: str) -> list[tuple[str, str]]:
     """fp16 on a machine without a GPU: accelerate ignores it there (no autocast, no loss scaling), so the run
-    would silently be fp32."""
+    would silently be fp32; a DeepSpeed JSON enabling fp16 is refused too (no layout of finetune's runs fp16 there)."""
     from finetune.parallel.base import has_accelerator_device
 
-    if chosen == "fp16" and not has_accelerator_device():
-        return [
-            (
-                "mixed_precision",
-                "fp16 needs a GPU: on a CPU accelerate ignores it (no autocast, no loss scaling) and the run would "
-                "silently train in fp32; use bf16 (--mixed_precision bf16, which runs on CPUs too) or no",
-            )
-        ]
-    return []
+    if chosen != "fp16" or has_accelerator_device():
+        return []
+    in_json, path = launched_json_precision(Launcher.read())
+    why = "on a CPU accelerate ignores it (no autocast, no loss scaling) and the run would silently train in fp32"
+    fix = "use bf16 (--mixed_precision bf16, which runs on CPUs too) or no"
+    if in_json == "fp16":
+        why = f"the DeepSpeed config {path} enables fp16, which finetune runs on GPUs only, as every layout's fp16"
+        fix = f'set "fp16": {{"enabled": "auto"}} in that JSON, then {fix}'
+    return [("mixed_precision", f"fp16 needs a GPU: {why}; {fix}")]
 
 
 # glibc's mallopt parameters (malloc.h) and what each cpu_allocator mode sets.
@@ -281,8 +295,10 @@ def set_cpu_allocator(mode: str) -> str:
     return mode
 
 
-def describe(accelerator) -> dict:
-    """Facts every run logs at start (and tests assert): no silent fallback to one process, the waits torch holds."""
+def describe(accelerator, mixed_precision: str) -> dict:
+    """Facts every run logs at start (and tests assert): no silent fallback to one process, the waits torch holds.
+    mixed_precision: the backend's (no, bf16, fp16: what it computes in); accelerate's own answer under DeepSpeed
+    is "no" once bf16 runs through autocast (deepspeed.bf16_through_autocast)."""
     import torch
 
     from finetune.cluster import host_gather, host_group
@@ -295,7 +311,7 @@ def describe(accelerator) -> dict:
         "distributed_type": distributed_type_name(state),
         "world_size": accelerator.num_processes,
         "backend": state.backend or "none",
-        "mixed_precision": accelerator.mixed_precision,
+        "mixed_precision": mixed_precision,
         "devices": host_gather(f"rank{accelerator.process_index}:{accelerator.device}"),
         "collective_timeout_s": group_timeout_s(accelerator.device),
         "host_wait_timeout_s": group_timeout_s(torch.device("cpu"), host_group()),

@@ -7,7 +7,8 @@ launching anything (`topology.read_config_file`), or from a running job's Topolo
 `model_states(topology, shape, precision, buckets)` lists a rank's parts in bytes, each placed on the device
 or on the host (CPU offload). Per parameter, with P trainable and T total parameters, N ranks sharding them,
 w the bytes of the weights a backend trains (the model's dtype; 2 in DeepSpeed's own bf16/fp16 modes: its bf16
-runs under autocast over fp32 weights unless the JSON enables bf16 itself):
+runs under autocast over fp32 weights unless the JSON enables bf16 itself; outside those modes ZeRO-3 holds 4
+whatever the model's dtype, zero.Init building in the DeepSpeed config's dtype):
 
   DDP (torch AdamW)   weights T*w, gradients P*w (views of DDP's 25 MB buckets: gradient_as_bucket_view),
                       moments 2*P*w (torch keeps them in the parameter's dtype)
@@ -128,7 +129,7 @@ def model_states(topology: Topology, shape: Any, mixed_precision: str, buckets: 
         # DeepSpeed's bf16 mode itself; fp16 is DeepSpeed's fp16 mode
         native = mixed_precision == "fp16" or (mixed_precision == "bf16" and buckets.bf16_weights)
         parts = _deepspeed(t, shape, native, buckets)
-        if half and not native and shape.weight_bytes == 4:
+        if half and not native and (shape.weight_bytes == 4 or t.zero_stage == 3):  # fp32 weights (_deepspeed)
             casts = 2 * (shape.total - shape.quantized)
             parts.append(Part("buffers", casts, note="autocast's 16-bit weight casts", phase=BACKWARD))
         return parts
@@ -180,7 +181,9 @@ def _ddp(t: Topology, shape, half: bool) -> list[Part]:
 
 def _deepspeed(t: Topology, shape, half: bool, b: Buckets) -> list[Part]:
     n = t.num_processes
-    w = 2 if half else shape.weight_bytes  # DeepSpeed casts the model to bf16/fp16 under mixed precision
+    # DeepSpeed casts the model to bf16/fp16 in its 16-bit modes; outside them ZeRO-3's zero.Init builds every
+    # parameter in fp32 whatever torch_dtype says (deepspeed.zero3_weights_dtype_note)
+    w = 2 if half else 4 if t.zero_stage == 3 else shape.weight_bytes
     total, trainable = shape.total, shape.trainable
     host_opt = t.offload_optimizer
     states = [Part("optimizer", 8 * trainable / n, host_opt, "fp32 AdamW moments, partitioned")]

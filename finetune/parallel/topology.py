@@ -506,10 +506,28 @@ def _deepspeed_file(raw: dict, path: Path, mixed: str | None, kw: dict) -> tuple
     optimizer, params = deepspeed_offloads(zero)
     kw.update(zero_stage=int(zero.get("stage", 0)), offload_optimizer=optimizer, offload_params=params)
     kw.update(offload_to=deepspeed_offload_devices(zero))
+    return ds, deepspeed_json_precision(ds) or mixed
+
+
+def deepspeed_json_precision(ds: Mapping) -> str | None:
+    """The 16-bit mode a DeepSpeed JSON enables itself ("enabled": true; "auto" is accelerate's to fill from the
+    run's precision): bf16, fp16, or None. Such a JSON decides the run's precision (environment.set_mixed_precision):
+    accelerate fills only "auto" values, and DeepSpeed then trains in that mode whatever else was said."""
     for key in ("bf16", "fp16"):
-        if mixed in (None, "no") and str((ds.get(key) or {}).get("enabled")).lower() == "true":
-            mixed = key
-    return ds, mixed
+        if str((ds.get(key) or {}).get("enabled")).lower() == "true":
+            return key
+    return None
+
+
+def launched_json_precision(launcher: Launcher) -> tuple[str | None, str | None]:
+    """(deepspeed_json_precision, the JSON's path) of the DeepSpeed JSON this process was launched with; (None,
+    None) without one, or where it cannot be read (deepspeed.problems says why)."""
+    path = launcher.deepspeed_config_file if launcher.family == "deepspeed" else None
+    try:
+        with open(path or "") as f:
+            return deepspeed_json_precision(json.load(f)), path
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None, None
 
 
 def launch_size(path: str | os.PathLike, wanted: int) -> tuple[int, str]:
