@@ -395,6 +395,7 @@ class Backend(ddp.Backend):
         super().__init__(accelerator, topology, cfg)
         bf16_through_autocast(accelerator.state.deepspeed_plugin)
         gather_16bit_weights_on_save(accelerator.state.deepspeed_plugin)
+        zero3_loads_only_fitting_weights()
 
     def writes_after_its_collectives(self) -> bool:
         return True  # made so: finish_collectives_after_a_write_error
