@@ -489,6 +489,9 @@ def test_zero3_fp16_checkpoints_before_the_first_update_and_resumes(assets, tmp_
     args = base_args(assets.llama, assets.instruction, "--max_steps", "6", "--save_steps", "2", "--eval_fraction", "0")
     args += ["--per_device_train_batch_size", "2", "--learning_rate", "1e-3"]
     straight = finetune(tmp_path / "straight", *args, launcher=str(config))
+    # the JSON's fp16 decides, and the start says so (it said "precision: no (mixed_precision auto ...)"); DeepSpeed's
+    # own fp16 mode runs on CPU processes, unlike accelerate's fp16 (refused there: test_fp16_is_refused_on_a_cpu)
+    assert "precision: fp16 (the DeepSpeed config" in straight.output and "mixed precision fp16," in straight.output
     rows = straight.train_rows
     assert not rows[-1]["offload_params"] and not rows[-1]["offload_optimizer"], rows[-1]
     skipped = [r["skipped_steps"] for r in rows]

@@ -236,18 +236,19 @@ def mixed_precision_of_launch(launch_args: list[str]) -> str | None:
 
 def precision_problems(chosen: str) -> list[tuple[str, str]]:
     """fp16 on a machine without a GPU: accelerate ignores it there (no autocast, no loss scaling), so the run
-    would silently be fp32; a DeepSpeed JSON enabling fp16 is refused too (no layout of finetune's runs fp16 there)."""
+    would silently be fp32. Not where a DeepSpeed JSON enables fp16 itself: DeepSpeed's own fp16 mode (16-bit
+    weights, its dynamic loss scaling) runs on CPU processes too."""
     from finetune.parallel.base import has_accelerator_device
 
-    if chosen != "fp16" or has_accelerator_device():
-        return []
-    in_json, path = launched_json_precision(Launcher.read())
-    why = "on a CPU accelerate ignores it (no autocast, no loss scaling) and the run would silently train in fp32"
-    fix = "use bf16 (--mixed_precision bf16, which runs on CPUs too) or no"
-    if in_json == "fp16":
-        why = f"the DeepSpeed config {path} enables fp16, which finetune runs on GPUs only, as every layout's fp16"
-        fix = f'set "fp16": {{"enabled": "auto"}} in that JSON, then {fix}'
-    return [("mixed_precision", f"fp16 needs a GPU: {why}; {fix}")]
+    if chosen == "fp16" and not has_accelerator_device() and launched_json_precision(Launcher.read())[0] != "fp16":
+        return [
+            (
+                "mixed_precision",
+                "fp16 needs a GPU: on a CPU accelerate ignores it (no autocast, no loss scaling) and the run would "
+                "silently train in fp32; use bf16 (--mixed_precision bf16, which runs on CPUs too) or no",
+            )
+        ]
+    return []
 
 
 # glibc's mallopt parameters (malloc.h) and what each cpu_allocator mode sets.
