@@ -269,8 +269,12 @@ def report(error: BaseException) -> int | None:
     lines[0] += _torchrun_note()
     messages = list(dict.fromkeys(f.error_file_data["message"]["message"] for f in ours.values()))
     print("\n".join(lines + messages), file=sys.stderr)
-    code = next(iter(ours.values())).exitcode
-    return 128 - code if code < 0 else code  # killed by signal N after its message: os._exit(-N) would exit 256 - N
+    import signal
+
+    codes = [128 - f.exitcode if f.exitcode < 0 else f.exitcode for f in ours.values()]  # os._exit(-N): 256 - N
+    # a rank that named the failure and exited with its own code wins over one that torchrun's SIGTERM then reached
+    # after it had written its message (bad input: rank 1 exits 2 first, rank 0 is stopped: 143)
+    return next((code for code in codes if code != 128 + signal.SIGTERM), codes[0])
 
 
 def _report_killed(error, failures: dict) -> int | None:
