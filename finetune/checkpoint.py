@@ -61,21 +61,37 @@ MANIFEST = "manifest.json"
 
 
 HALF_WRITTEN = ".tmp_step_"  # a checkpoint being written: checkpoints/.tmp_step_<N>, renamed step_<N> once complete
+REPLACED = ".replaced"  # a directory replace_directory replaced: <name>.replaced<pid>, removed once the new one is in
 
 
 def remove_half_written(output_dir: str) -> list[str]:
-    """Remove the checkpoints a stopped run was writing (.tmp_step_N: never complete, never resumed from); the
-    paths removed. A resumed run would otherwise leave each one on disk, a whole checkpoint's size, until it saved
-    that step again."""
+    """Remove the checkpoints a stopped run was writing (.tmp_step_N: never complete, never resumed from), and the
+    ones it was removing after writing that step anew (step_N.replaced<pid>, beside the new step_N); the paths
+    removed. A resumed run would otherwise leave each one on disk, a whole checkpoint's size."""
     root = checkpoints_dir(output_dir)
-    names = (
-        sorted(n for n in os.listdir(root) if re.fullmatch(re.escape(HALF_WRITTEN) + r"\d+", n))
-        if os.path.isdir(root)
-        else []
-    )
+    listed = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    replaced = re.compile(r"(step_\d+)" + re.escape(REPLACED) + r"\d+")
+    names = [
+        n
+        for n in listed
+        if re.fullmatch(re.escape(HALF_WRITTEN) + r"\d+", n)
+        or (replaced.fullmatch(n) and replaced.fullmatch(n).group(1) in listed)
+    ]
     for name in names:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     return [os.path.join(root, name) for name in names]
+
+
+def replace_directory(tmp: str, final: str) -> None:
+    """The directory `tmp` as `final`. An earlier `final` is renamed aside first and removed after: removed first (a
+    checkpoint of hundreds of GB takes minutes), a run stopped meanwhile would have neither."""
+    if not os.path.exists(final):
+        os.replace(tmp, final)
+        return
+    aside = f"{final}{REPLACED}{os.getpid()}"
+    os.replace(final, aside)
+    os.replace(tmp, final)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def write_atomic(path: str, text: str) -> None:
@@ -146,9 +162,7 @@ class Checkpointer:
 
     def _publish(self, tmp: str, final: str, step: int) -> None:
         """The written checkpoint in place, then `latest` naming it (each step atomic)."""
-        if os.path.exists(final):  # e.g. a resumed run saving the step it resumed from
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        replace_directory(tmp, final)  # a step_N there: a resumed run saving the step it resumed from
         fault_point("enospc-naming-checkpoint", step)
         write_atomic(os.path.join(os.path.dirname(final), LATEST), f"step_{step}\n")
 

@@ -16,7 +16,16 @@ from typing import Any
 
 import yaml
 
-from finetune.checkpoint import CONFIG_FILE, WriteError, attempt_write, report, resume_hint, which_failed, write_atomic
+from finetune.checkpoint import (
+    CONFIG_FILE,
+    WriteError,
+    attempt_write,
+    replace_directory,
+    report,
+    resume_hint,
+    which_failed,
+    write_atomic,
+)
 from finetune.cluster import host_gather, host_wait
 from finetune.config import ConfigError
 from finetune.config.preflight import looks_local
@@ -80,9 +89,7 @@ def _finish(net, tokenizer, run_config: dict[str, Any], tmp: str, final: str, dt
         write_atomic(os.path.join(tmp, LABELS_FILE), json.dumps([id2label[i] for i in sorted(id2label)]))
     fault_point("enospc-in-export", 0)
     fault_point("signal-in-export", 0)
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    replace_directory(tmp, final)
 
 
 def stamp_dtype(directory: str, dtype: str) -> None:

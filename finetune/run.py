@@ -397,7 +397,7 @@ def restore_or_start(cfg: RunConfig, acc, backend, p: Prepared, plan, resume, st
         return state
     metrics.MetricsLog(t.output_dir, enabled=acc.is_main_process).truncate_after(state.step)
     for path in checkpoint.remove_half_written(t.output_dir) if storage.writes else ():
-        logger.info("removed %s: a checkpoint the stopped run did not finish writing", path)
+        logger.info("removed %s: a checkpoint the stopped run did not finish writing (or removing)", path)
     return state
 
 

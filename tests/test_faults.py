@@ -471,6 +471,34 @@ def test_kill_while_writing_a_checkpoint_keeps_the_previous_one_and_auto_resumes
     assert not (ckpts / ".tmp_step_4").exists() and (out / "final" / "model.safetensors").exists()
 
 
+def test_a_run_stopped_while_removing_the_checkpoint_it_wrote_again_keeps_the_new_one(tmp_path, monkeypatch):
+    """A resumed run writes the step it resumed from again (and every run its final/): the old directory is renamed
+    aside before the new one takes its place, and removed last. Before, it was removed first: a run stopped during
+    that removal (minutes, for hundreds of GB) had neither. The next start removes what is left aside."""
+    from finetune import checkpoint
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    old, new = ckpts / "step_4", ckpts / ".tmp_step_4"
+    for path, text in ((old, "old"), (new, "new")):
+        path.mkdir(parents=True)
+        (path / "trainer_state.json").write_text(text)
+
+    def stopped(path, ignore_errors=False):
+        raise KeyboardInterrupt  # the stop arrives while the old checkpoint is being removed
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.replace_directory(str(new), str(old))
+    monkeypatch.undo()
+    assert (old / "trainer_state.json").read_text() == "new" and not new.exists()
+    left = [p.name for p in ckpts.iterdir() if p.name != "step_4"]
+    assert len(left) == 1 and left[0].startswith("step_4.replaced"), left
+    lone = ckpts / "step_9.replaced1"  # a stop between the two renames: the only copy of step_9, kept
+    lone.mkdir()
+    assert checkpoint.remove_half_written(str(tmp_path / "run")) == [str(ckpts / left[0])]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_4", "step_9.replaced1"]
+
+
 def test_a_stop_signal_on_the_last_step_or_after_it_loses_nothing(assets, tmp_path):
     """SIGTERM while the last step runs (FINETUNE_FAULT signal-before-step): a preemption as on any other step, with
     its checkpoint (also with save_steps null), exit 143, no final/ yet. The resume (auto) gets SIGTERM while it
