@@ -676,7 +676,10 @@ def test_full_disk_while_saving_then_a_damaged_checkpoint(assets, tmp_path):
     assert (out / "final" / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("launcher", ["ddp", "zero3", "fsdp2", "tp2"])
+# The sharded layouts by default; ddp and tp2 (the same vote, whole tensors) with FINETUNE_FAULT_GRID=1 (suite time)
+@pytest.mark.parametrize(
+    "launcher", ["zero3", "fsdp2", *(grid_param(n, default=False, grid="FINETUNE_FAULT_GRID") for n in ("ddp", "tp2"))]
+)
 def test_divergence_stops_at_the_non_finite_step_and_exports_nothing(assets, tmp_path, launcher):
     """Every rank stops at the step whose gradient norm is not finite (each layout computes that norm its own way:
     DDP's local one, as one process does, DeepSpeed's engine, FSDP2's and TP's DTensors), says so once, and exports
@@ -703,10 +706,14 @@ def damage(checkpoint) -> str:
     return name
 
 
-# By default one layout per checkpoint writer: DeepSpeed's own (zero3), torch distributed checkpoint (fsdp2), and
-# whole tensors gathered from DTensors (tp2). DDP writes the same whole-tensor checkpoint as tp2 without the gathers
-# (about 50 s of a 2-core machine): FINETUNE_FAULT_GRID=1 runs it too.
-STORAGE_FAULT_LAYOUTS = ["zero3", "fsdp2", "tp2", grid_param("ddp", default=False, grid="FINETUNE_FAULT_GRID")]
+# By default the two sharded checkpoint writers: DeepSpeed's own (zero3) and torch distributed checkpoint (fsdp2).
+# The whole-tensor writer, gathered from DTensors (tp2, about 80 s of a 2-core machine) or not (ddp, 50 s), runs with
+# FINETUNE_FAULT_GRID=1 (its resume across layouts: test_resume_layouts' tensor-parallel window; suite time).
+STORAGE_FAULT_LAYOUTS = [
+    "zero3",
+    "fsdp2",
+    *(grid_param(n, default=False, grid="FINETUNE_FAULT_GRID") for n in ("tp2", "ddp")),
+]
 
 
 @pytest.mark.parametrize("launcher", STORAGE_FAULT_LAYOUTS)

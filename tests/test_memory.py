@@ -31,7 +31,7 @@ GRID = [
     for size in SIZES
     for config in ("ddp", "zero1", "zero2", "zero3")
 ]
-DEFAULT = {("large", "ddp", "no"), ("large", "zero3", "no"), ("small", "zero3", "bf16")}
+DEFAULT = {("large", "zero3", "no"), ("small", "zero3", "bf16")}  # (large, ddp, no) with the grid: suite time
 # `cpu_allocator: release`: glibc returns freed blocks to the system at once (what the estimate assumes on a CPU,
 # finetune/memory/); with its default dynamic thresholds it keeps freed blocks under 32 MiB, and ZeRO-3's per-step
 # gathers left 0.25-0.33 GB per rank more resident at 35M parameters.
