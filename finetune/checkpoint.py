@@ -70,13 +70,8 @@ def remove_half_written(output_dir: str) -> list[str]:
     removed. A resumed run would otherwise leave each one on disk, a whole checkpoint's size."""
     root = checkpoints_dir(output_dir)
     listed = sorted(os.listdir(root)) if os.path.isdir(root) else []
-    replaced = re.compile(r"(step_\d+)" + re.escape(REPLACED) + r"\d+")
-    names = [
-        n
-        for n in listed
-        if re.fullmatch(re.escape(HALF_WRITTEN) + r"\d+", n)
-        or (replaced.fullmatch(n) and replaced.fullmatch(n).group(1) in listed)
-    ]
+    leftover = re.compile(re.escape(HALF_WRITTEN) + r"\d+|(step_\d+)" + re.escape(REPLACED) + r"\d+")
+    names = [n for n in listed if (m := leftover.fullmatch(n)) and (m.group(1) is None or m.group(1) in listed)]
     for name in names:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     return [os.path.join(root, name) for name in names]
