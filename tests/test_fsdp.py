@@ -8,6 +8,7 @@ import shutil
 import sys
 
 import pytest
+import torch
 from conftest import (
     base_args,
     crash_after,
@@ -145,11 +146,15 @@ def test_fsdp2_equals_one_process_and_resumes_exactly(assets, tmp_path):
 
 def test_tp2_x_fsdp2_on_four_processes_equals_one_process(assets, tmp_path):
     """TP 2 x FSDP 2 on 4 CPU processes: 2 data-parallel ranks x GA 2 = the reference's global batch; losses
-    within 1e-4 relative; each rank holds about a quarter of the model."""
-    single = single_ga4(assets, tmp_path / "single", assets.llama)
+    within 1e-4 relative; each rank holds about a quarter of the model. The model ties its LM head to its input
+    embeddings (fsdp.untied_while_split; it failed to load before): the plan splits the one tensor over the
+    vocabulary for both, and final/ holds it under one name, as one process exports it, and reloads tied."""
+    from transformers import AutoModelForCausalLM
+
+    single = single_ga4(assets, tmp_path / "single", assets.llama_tied)
     run = finetune(
         tmp_path / "tp2_fsdp2",
-        *fsdp_args(assets, assets.llama),
+        *fsdp_args(assets, assets.llama_tied),
         "--gradient_accumulation_steps",
         "2",
         launcher="tp2_fsdp2",
@@ -161,6 +166,44 @@ def test_tp2_x_fsdp2_on_four_processes_equals_one_process(assets, tmp_path):
     assert all(r["fsdp_version"] == 2 and 0.2 <= r["parameter_shard"] <= 0.3 for r in rows), rows[-1]
     assert max_rel_diff(single.losses(), run.losses()) <= 1e-4, (single.losses(), run.losses())
     assert max_weight_diff(single.output_dir / "final", run.output_dir / "final") <= 1e-4
+    reloaded = AutoModelForCausalLM.from_pretrained(run.output_dir / "final")
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+
+
+def test_a_tied_head_is_split_with_its_embeddings_or_refused(assets):
+    """fsdp.untied_while_split: the head has a Parameter of its own while the plan splits the model, and is tied
+    again to the split embeddings after; split another way than the embeddings (a placement of its own), the
+    model is refused, naming both and what to use instead."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.config import ConfigError
+    from finetune.parallel.fsdp import untied_while_split
+
+    llama = AutoModelForCausalLM.from_pretrained(assets.llama_tied)
+    embed = llama.model.embed_tokens
+    with untied_while_split(llama):
+        assert llama.lm_head.weight is not embed.weight
+        embed.weight = torch.nn.Parameter(embed.weight.detach().clone())  # as the plan replaces it
+    assert llama.lm_head.weight is embed.weight and [n for n, _ in llama.named_parameters() if "lm_head" in n] == []
+    with pytest.raises(ConfigError) as refused, untied_while_split(llama):
+        llama.lm_head.weight.placements = ("Shard(dim=1)",)  # as a row-wise head's DTensor
+    said = str(refused.value)
+    assert "lm_head.weight" in said and "model.embed_tokens.weight" in said and "fsdp2.yaml" in said
+
+
+def test_transformers_still_fails_on_a_tied_head(assets):
+    """The reason for finetune.parallel.fsdp.untied_while_split: apply_tensor_parallelism finds a tied LM head's
+    weight in named_parameters() under the embeddings' name only, and looks lm_head.weight up as a module. When
+    this fails, transformers splits a loaded tied model: delete the workaround (test_tp2_x_fsdp2_... proves it)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    llama = AutoModelForCausalLM.from_pretrained(assets.llama_tied)
+    plan = llama._expand_parallel_plan(dict(llama.tp_plan))
+    head = {name: style for name, style in plan.items() if name.startswith("lm_head")}
+    assert head == {"lm_head.weight": "colwise_gather_output", "lm_head": "colwise_gather_output"}
+    with pytest.raises(KeyError, match="lm_head.weight"):
+        apply_tensor_parallelism(llama, None, head)  # fails at the lookup, before it needs a mesh
 
 
 def test_transformers_still_replaces_the_device_mesh():

@@ -15,7 +15,9 @@ What differs from DDP, and why:
 - TP x FSDP2: the model is split by its tp_plan on accelerate's "tp" mesh (`tensor_parallel_on`, a workaround of
   transformers building its own mesh); accelerate shards every parameter outside the model's tp_plan (the norms) as a Replicate DTensor
   through transformers' ReplicateParallel, which transformers 5 no longer has: `replicate_parallel_shim`
-  (tests/test_fsdp.py::test_transformers_still_lacks_replicate_parallel fails once it is back).
+  (tests/test_fsdp.py::test_transformers_still_lacks_replicate_parallel fails once it is back). A head tied to
+  the input embeddings is untied while the plan splits the model, then tied to the split embeddings
+  (`untied_while_split`, a workaround of transformers failing on the tied name).
 - The units: each class of the model's _no_split_modules, less any that holds the input embeddings
   (`wrap_classes`, a workaround of accelerate 1.15: BERT, RoBERTa, ModernBERT and about 40 more list their
   *Embeddings there, and prepare failed).
@@ -23,6 +25,7 @@ What differs from DDP, and why:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -168,11 +171,53 @@ def tensor_parallel_on(model, tp_mesh) -> None:
     builds its own mesh over every rank (modeling_utils: `device_mesh = mesh_manager.get_mesh(...)`), so
     its DTensors cannot be combined with accelerate's dp_shard mesh ("Cannot concatenate overlapping
     meshes"). Apply transformers' own TP plan to the loaded model on accelerate's "tp" mesh instead
-    (tests/test_fsdp.py::test_transformers_still_replaces_the_device_mesh fails once it is honoured)."""
+    (tests/test_fsdp.py::test_transformers_still_replaces_the_device_mesh fails once it is honoured).
+    A tied LM head goes through `untied_while_split`."""
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
-    apply_tensor_parallelism(model, tp_mesh, model._expand_parallel_plan(dict(model.tp_plan)))
+    with untied_while_split(model):
+        apply_tensor_parallelism(model, tp_mesh, model._expand_parallel_plan(dict(model.tp_plan)))
     model._tp_size = tp_mesh.size()
+
+
+@contextlib.contextmanager
+def untied_while_split(model):
+    """Workaround (transformers 5.23): apply_tensor_parallelism (distributed/tensor_parallel.py) takes each plan
+    entry missing from dict(model.named_parameters()) for a module (`module = modules[name]`); named_parameters()
+    lists a tied parameter once, under its first name (model.embed_tokens.weight), so the head's entry fails:
+    KeyError 'lm_head.weight'. Its own from_pretrained never meets this: it builds the model untied
+    (init.no_tie_weights), splits it, loads, then ties. So here too: each tied name gets a Parameter of its own
+    while the plan splits the model, then is tied again to its source as split, when the plan split both alike
+    (the vocabulary: embedding_rowwise and colwise_gather_output are both Shard(0)); else the model is refused,
+    naming both. tests/test_fsdp.py::test_transformers_still_fails_on_a_tied_head fails once that lookup works."""
+    import torch
+
+    first = {id(p): name for name, p in model.named_parameters()}  # a tied parameter under its first name
+    # alias -> source, e.g. lm_head.weight -> model.embed_tokens.weight
+    tied = {n: first[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if first[id(p)] != n}
+    for name in tied:
+        module, _, attr = name.rpartition(".")
+        param = model.get_parameter(name)
+        model.get_submodule(module)._parameters[attr] = torch.nn.Parameter(param.detach(), param.requires_grad)
+    yield
+    for name, source in tied.items():
+        split, kept = (_placements(model.get_parameter(n)) for n in (name, source))
+        if split != kept:
+            raise ConfigError([("model", tied_split_differently(name, split, source, kept))])
+        module, _, attr = name.rpartition(".")
+        model.get_submodule(module)._parameters[attr] = model.get_parameter(source)
+
+
+def _placements(param) -> tuple | None:
+    return tuple(getattr(param, "placements", ())) or None  # None: not split (a plain tensor)
+
+
+def tied_split_differently(name: str, split, source: str, kept) -> str:
+    return (
+        f"the model ties {name} to {source} (tie_word_embeddings), and its tensor-parallel plan splits the two "
+        f"differently ({split} and {kept}), so no one tensor can serve both under tensor parallelism; use "
+        "accelerate_configs/fsdp2.yaml or zero3.yaml (parameters sharded over every rank, no tensor parallelism)"
+    )
 
 
 def wrap_classes(plugin, model) -> None:
