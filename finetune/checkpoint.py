@@ -65,12 +65,22 @@ REPLACED = ".replaced"  # a directory replace_directory replaced: <name>.replace
 
 
 def remove_half_written(output_dir: str) -> list[str]:
-    """Remove the checkpoints a stopped run was writing (.tmp_step_N: never complete, never resumed from), and the
-    ones it was removing after writing that step anew (step_N.replaced<pid>, beside the new step_N); the paths
-    removed. A resumed run would otherwise leave each one on disk, a whole checkpoint's size."""
-    root = checkpoints_dir(output_dir)
+    """Remove what a stopped run left half done; the paths removed. A resumed (or replacing) run would otherwise leave
+    each one on disk, a whole checkpoint's or model's size:
+      - checkpoints it was writing (checkpoints/.tmp_step_N: never complete, never resumed from);
+      - old copies it was removing after writing them anew (replace_directory): checkpoints/step_N.replaced<pid>
+        beside the new step_N, and final.replaced<pid> beside the new final/. One without its new copy beside it
+        (a stop between replace_directory's two renames) is the only copy, and kept."""
+    replaced = re.escape(REPLACED) + r"\d+"
+    removed = _remove_leftovers(checkpoints_dir(output_dir), re.escape(HALF_WRITTEN) + r"\d+|(step_\d+)" + replaced)
+    return removed + _remove_leftovers(output_dir, r"(final)" + replaced)
+
+
+def _remove_leftovers(root: str, pattern: str) -> list[str]:
+    """Remove the entries of root whose name matches pattern in full, where its group 1 (the name of the new copy),
+    if it has one, is an entry of root too; the paths removed."""
     listed = sorted(os.listdir(root)) if os.path.isdir(root) else []
-    leftover = re.compile(re.escape(HALF_WRITTEN) + r"\d+|(step_\d+)" + re.escape(REPLACED) + r"\d+")
+    leftover = re.compile(pattern)
     names = [n for n in listed if (m := leftover.fullmatch(n)) and (m.group(1) is None or m.group(1) in listed)]
     for name in names:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)

@@ -153,8 +153,7 @@ def merge_adapter(adapter_dir: str, out_dir: str, dtype: str | None = None, over
     try:
         merged = _adapted_model(adapter_dir, adapter_config, label_names)
     except OSError as e:  # a Hub id neither cached nor reachable, or a base directory without weights
-        key = f"base_model_name_or_path in {os.path.join(adapter_dir, 'adapter_config.json')}"
-        raise load_error("base model", base.model, e, key=key) from None
+        raise _base_load_error(adapter_dir, base.model, e) from None
     if dtype in (None, "auto"):  # the run's save_dtype (None), or the base model's own dtype, as its config.json says
         dtype = save_dtype(ModelArgs(model=base.model, save_dtype=dtype or _run_save_dtype(adapter_dir)))
     merged = merged.merge_and_unload().to(DTYPES[dtype])
@@ -208,6 +207,25 @@ def _base_model_problems(adapter_dir: str, name: str) -> list[tuple[str, str]]:
     if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
         return [("adapter", f"the base model {name!r} ({where}) has no config.json; {fix}")]
     return []
+
+
+def _base_load_error(adapter_dir: str, name: str, e: OSError) -> ConfigError:
+    """The base model that adapter_config.json names could not be loaded (a directory without weights, a Hub id
+    neither in the local cache nor reachable): why, and what to set there instead."""
+    from huggingface_hub import constants
+
+    key = f"base_model_name_or_path in {os.path.join(adapter_dir, 'adapter_config.json')}"
+    if os.path.isdir(name):
+        return load_error("base model", name, e, key=key, fix="set it there to a directory saved with save_pretrained")
+    offline = constants.is_offline_mode()
+    fix = (
+        "it is not a local directory nor in the local Hugging Face cache, and the Hub is "
+        + ("offline (HF_HUB_OFFLINE)" if offline else "unreachable")
+        + ": set it there to a local copy of the base model (a directory saved with save_pretrained), or merge "
+        + ("with HF_HUB_OFFLINE unset" if offline else "again")
+        + " where the Hub is reachable (the base model is then downloaded into the cache)"
+    )
+    return load_error("base model", name, e, key=key, fix=fix)
 
 
 def _merge_output_problems(adapter_dir: str, base: str, out_dir: str, overwrite: bool) -> list[tuple[str, str]]:

@@ -22,12 +22,13 @@ SINGLE_LABEL = "single_label_classification"  # the only problem_type finetune t
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
-def load_error(what: str, spec: str, e: Exception, key: str = "model") -> ConfigError:
-    """A model, tokenizer or config that from_pretrained could not load: the key that named it, and the fix."""
+def load_error(what: str, spec: str, e: Exception, key: str = "model", fix: str | None = None) -> ConfigError:
+    """A model, tokenizer or config that from_pretrained could not load: the key that named it, and the fix (given
+    where the run config's model is not what named it: `finetune merge`)."""
     first = (str(e).strip().splitlines() or [""])[0]
-    if os.path.isdir(spec):
+    if fix is None and os.path.isdir(spec):
         fix = "point model at a directory saved with save_pretrained"
-    else:
+    elif fix is None:
         fix = (
             "it is not a local directory and the Hub is unreachable or offline (HF_HUB_OFFLINE): "
             "give a local model directory, or a Hub id with the Hub reachable"

@@ -50,6 +50,10 @@ from finetune.config.preflight import LATEST, latest_missing, restarts_its_start
 from finetune.stop import Preempted, agreed_signal
 
 logger = logging.getLogger("finetune")
+# why checkpoint.remove_half_written removed a path: what the resume (or --overwrite_output_dir) logs
+LEFT_BY_A_STOPPED_RUN = (
+    "a checkpoint the stopped run did not finish writing (or the old copy of a checkpoint or of final/ it was removing)"
+)
 
 
 def run(cfg: RunConfig) -> dict:
@@ -397,7 +401,7 @@ def restore_or_start(cfg: RunConfig, acc, backend, p: Prepared, plan, resume, st
         return state
     metrics.MetricsLog(t.output_dir, enabled=acc.is_main_process).truncate_after(state.step)
     for path in checkpoint.remove_half_written(t.output_dir) if storage.writes else ():
-        logger.info("removed %s: a checkpoint the stopped run did not finish writing (or removing)", path)
+        logger.info("removed %s: %s", path, LEFT_BY_A_STOPPED_RUN)
     return state
 
 
@@ -416,6 +420,7 @@ def _start_output_dir(cfg: RunConfig, storage) -> None:
 
 def _clear_previous_run(output_dir: str) -> None:
     """--overwrite_output_dir: remove what a previous run left (only the files a run writes)."""
+    checkpoint.remove_half_written(output_dir)  # final.replaced<pid> (while its final/ is beside it: before final/)
     for name in (*RUN_MARKERS, ".tmp_final"):
         path = os.path.join(output_dir, name)
         if os.path.isdir(path):

@@ -573,6 +573,13 @@ CASES = [
         "optimizer",
         "remove it",
     ),
+    Case(
+        # accelerate's CPU mode drops the DeepSpeed config: it was an AttributeError in Topology.read (no plugin)
+        "deepspeed_in_accelerate_cpu_mode",
+        lambda c: (c.env.update(ACCELERATE_USE_CPU="true"), c.deepspeed())[1],
+        "ACCELERATE_USE_CPU",
+        "accelerate ignores the DeepSpeed config",
+    ),
     # ---- dataset mixtures (datasets:)
     Case(
         "mixture_weight_not_positive",

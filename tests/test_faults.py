@@ -474,29 +474,49 @@ def test_kill_while_writing_a_checkpoint_keeps_the_previous_one_and_auto_resumes
 def test_a_run_stopped_while_removing_the_checkpoint_it_wrote_again_keeps_the_new_one(tmp_path, monkeypatch):
     """A resumed run writes the step it resumed from again (and every run its final/): the old directory is renamed
     aside before the new one takes its place, and removed last. Before, it was removed first: a run stopped during
-    that removal (minutes, for hundreds of GB) had neither. The next start removes what is left aside."""
+    that removal (minutes, for hundreds of GB) had neither. The next start (a resume, or --overwrite_output_dir)
+    removes what is left aside; final.replaced<pid> stayed for good before (only checkpoints/ was looked at)."""
+    from finetune import checkpoint
+    from finetune.run import _clear_previous_run
+
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+    left = [stopped_while_replacing(ckpts / "step_4", monkeypatch), stopped_while_replacing(run / "final", monkeypatch)]
+    assert [p.name.split(".replaced")[0] for p in left] == ["step_4", "final"], left
+    lone = ckpts / "step_9.replaced1"  # a stop between the two renames: the only copy of step_9, kept
+    lone.mkdir()
+    (run / "other.replaced1").mkdir()  # not a directory replace_directory writes: not finetune's to remove
+    assert checkpoint.remove_half_written(str(run)) == [str(p) for p in left]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_4", "step_9.replaced1"]
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "final", "other.replaced1"]
+
+    again = tmp_path / "again"  # --overwrite_output_dir removes it with the final/ it was left beside
+    stopped_while_replacing(again / "final", monkeypatch)
+    (tmp_path / "lone" / "final.replaced1").mkdir(parents=True)  # the only copy of final/, kept
+    for output_dir in (again, tmp_path / "lone"):
+        _clear_previous_run(str(output_dir))
+    assert list(again.iterdir()) == [] and (tmp_path / "lone" / "final.replaced1").is_dir()
+
+
+def stopped_while_replacing(old: Path, monkeypatch) -> Path:
+    """replace_directory(new, old) stopped while it removes the old copy: the new one is in place; what is left."""
     from finetune import checkpoint
 
-    ckpts = tmp_path / "run" / "checkpoints"
-    old, new = ckpts / "step_4", ckpts / ".tmp_step_4"
+    new = old.parent / f".tmp_{old.name}"
     for path, text in ((old, "old"), (new, "new")):
         path.mkdir(parents=True)
         (path / "trainer_state.json").write_text(text)
 
     def stopped(path, ignore_errors=False):
-        raise KeyboardInterrupt  # the stop arrives while the old checkpoint is being removed
+        raise KeyboardInterrupt  # the stop arrives while the old copy is being removed
 
     monkeypatch.setattr(checkpoint.shutil, "rmtree", stopped)
     with pytest.raises(KeyboardInterrupt):
         checkpoint.replace_directory(str(new), str(old))
     monkeypatch.undo()
     assert (old / "trainer_state.json").read_text() == "new" and not new.exists()
-    left = [p.name for p in ckpts.iterdir() if p.name != "step_4"]
-    assert len(left) == 1 and left[0].startswith("step_4.replaced"), left
-    lone = ckpts / "step_9.replaced1"  # a stop between the two renames: the only copy of step_9, kept
-    lone.mkdir()
-    assert checkpoint.remove_half_written(str(tmp_path / "run")) == [str(ckpts / left[0])]
-    assert sorted(p.name for p in ckpts.iterdir()) == ["step_4", "step_9.replaced1"]
+    (left,) = old.parent.glob(f"{old.name}.replaced*")
+    return left
 
 
 def test_a_stop_signal_on_the_last_step_or_after_it_loses_nothing(assets, tmp_path):

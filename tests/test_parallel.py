@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -307,6 +308,22 @@ def test_accelerate_still_imports_deepspeed_to_unwrap():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip().splitlines()[-1:] == ["True"], out.stdout + out.stderr[-2000:]
+
+
+def test_accelerate_still_drops_deepspeed_in_cpu_mode():
+    """Why finetune.parallel.deepspeed.problems refuses ACCELERATE_USE_CPU beside a DeepSpeed launch (the bad-input
+    case deepspeed_in_accelerate_cpu_mode): accelerate's AcceleratorState starts DeepSpeed only outside its CPU mode
+    and drops the DeepSpeed plugin without a word. When this fails, accelerate runs DeepSpeed in CPU mode: drop the
+    refusal, and check that Topology.read finds the plugin."""
+    ds = str(ROOT / "ds_configs" / "zero2.json")
+    code = (
+        "from accelerate import Accelerator; from accelerate.utils import DeepSpeedPlugin; "
+        f"acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config={ds!r})); "
+        "print(acc.distributed_type.name, acc.state.deepspeed_plugin)"
+    )
+    env = {**os.environ, "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_USE_CPU": "true"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.stdout.strip().splitlines()[-1:] == ["NO None"], out.stdout + out.stderr[-2000:]
 
 
 # A child that runs a step-like pattern twelve times (activations, 32 MiB logits, softmax, gradients; all freed at

@@ -458,8 +458,9 @@ def test_an_adapter_names_a_local_base_model_by_its_absolute_path(assets, tmp_pa
 def test_merge_never_replaces_what_it_did_not_write(assets, tmp_path, capsys, monkeypatch):
     """`finetune merge` replaces only a previous merge: ADAPTER/merged as it stands, another --output with
     --overwrite. It removed whatever --output held (a user's files, the adapter itself) and then wrote there. A base
-    model that is no longer where adapter_config.json says: exit 2 naming base_model_name_or_path (it was an OSError
-    traceback). Every refusal leaves every file as it was."""
+    model that is no longer where adapter_config.json says, a Hub id neither cached nor reachable, a directory without
+    weights: exit 2 naming base_model_name_or_path and what to set it to (it was an OSError traceback, then a fix
+    naming the run config's model). Every refusal leaves every file as it was."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -515,6 +516,18 @@ def test_merge_never_replaces_what_it_did_not_write(assets, tmp_path, capsys, mo
     assert merge([str(moved)]) == 2 and not (moved / "merged").exists()  # was an OSError traceback
     err = capsys.readouterr().err
     assert "base_model_name_or_path in" in err and "someorg/a-model-not-in-the-cache" in err and "Hub" in err, err
+    # the fix is the adapter's key, not the run config's model: a local copy there, or the Hub reachable
+    assert "the Hub is offline (HF_HUB_OFFLINE): set it there to a local copy of the base model" in err, err
+    assert "merge with HF_HUB_OFFLINE unset where the Hub is reachable" in err, err
+    no_weights = tmp_path / "config_only"  # a base directory without weights: was 'point model at ...'
+    no_weights.mkdir()
+    shutil.copy(Path(assets.llama) / "config.json", no_weights)
+    config["base_model_name_or_path"] = str(no_weights)
+    (moved / "adapter_config.json").write_text(json.dumps(config))
+    assert merge([str(moved)]) == 2 and not (moved / "merged").exists()
+    err = capsys.readouterr().err
+    assert "model.safetensors" in err and "set it there to a directory saved with save_pretrained" in err, err
+    assert "point model" not in err and "Traceback" not in err, err
 
     monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` fails, as without finetune[peft]
     assert merge([str(adapter)]) == 2  # was a ModuleNotFoundError traceback

@@ -126,7 +126,7 @@ def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here: bool = T
     config's AdamW and schedule are used on every backend), and what finetune's DeepSpeed cannot run: ZeRO stage 0,
     NVMe offload where DeepSpeed's async I/O op cannot load (here only: finetune plan plans for other machines)."""
     launcher = Launcher.read(env)
-    out = _set_by_the_launcher(cfg.train, launcher)
+    out = _cpu_mode(launcher) + _set_by_the_launcher(cfg.train, launcher)
     try:
         ds, where = requested_config(launcher)
     except (OSError, json.JSONDecodeError) as e:
@@ -171,6 +171,25 @@ def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here: bool = T
                 )
             )
     return out
+
+
+def _cpu_mode(launcher: Launcher) -> list[tuple[str, str]]:
+    """accelerate's CPU mode (ACCELERATE_USE_CPU=true in the ranks' environment: accelerate's own launchers do not set
+    it for a DeepSpeed config, a user's shell or job script does) beside a DeepSpeed launch: AcceleratorState starts
+    DeepSpeed only outside CPU mode (accelerate 1.15 state.py: `ACCELERATE_USE_DEEPSPEED ... and not cpu`), so the
+    DeepSpeed config would be dropped without a word and the run be plain DDP or one process, without ZeRO."""
+    if not launcher.use_cpu:
+        return []
+    return [
+        (
+            "ACCELERATE_USE_CPU",
+            "is true in the environment (accelerate's CPU mode), and in CPU mode accelerate ignores the DeepSpeed "
+            f"config ({launcher.deepspeed_config_file or 'the Accelerate config'}): the run would be plain DDP (or one "
+            "process) without ZeRO. Unset ACCELERATE_USE_CPU for this launch (`env -u ACCELERATE_USE_CPU accelerate "
+            "launch ...`): DeepSpeed needs no CPU mode on a machine without a GPU (finetune runs it there on gloo); or, "
+            "to train without DeepSpeed, launch with accelerate_configs/ddp.yaml",
+        )
+    ]
 
 
 def _set_by_the_launcher(train: TrainArgs, launcher: Launcher) -> list[tuple[str, str]]:
