@@ -17,7 +17,10 @@ What differs from DDP, and why:
   through transformers' ReplicateParallel, which transformers 5 no longer has: `replicate_parallel_shim`
   (tests/test_fsdp.py::test_transformers_still_lacks_replicate_parallel fails once it is back). A head tied to
   the input embeddings is untied while the plan splits the model, then tied to the split embeddings
-  (`untied_while_split`, a workaround of transformers failing on the tied name).
+  (`untied_while_split`, a workaround of transformers failing on the tied name). Eval statistics are gathered
+  one copy per TP group (`gathered_once_per_tp_group`, a workaround of accelerate's gather_for_metrics counting
+  every TP rank's copy of a batch; tests/test_fsdp.py::test_accelerate_still_counts_every_tp_copy_of_an_eval_row
+  fails once accelerate counts each row once).
 - The units: each class of the model's _no_split_modules, less any that holds the input embeddings
   (`wrap_classes`, a workaround of accelerate 1.15: BERT, RoBERTa, ModernBERT and about 40 more list their
   *Embeddings there, and prepare failed).
@@ -33,7 +36,7 @@ from collections.abc import Mapping
 
 from finetune.config import ConfigError, RunConfig
 from finetune.parallel import base, ddp, tensor
-from finetune.parallel.topology import Launcher, fsdp_offloads
+from finetune.parallel.topology import Launcher, Topology, fsdp_offloads
 
 logger = logging.getLogger("finetune")
 
@@ -259,6 +262,26 @@ def wrap_classes(plugin, model) -> None:
         )
 
 
+def gathered_once_per_tp_group(accelerator, stats: dict, topology: Topology) -> dict:
+    """Workaround (accelerate 1.15): the eval statistics of every row of the eval set, each once, under TP x FSDP2.
+
+    accelerate shards the eval loader over the data-parallel groups only (the TP ranks of a group read the same
+    batches; prepare_data_loader with the device mesh) and counts the last round's remainder in those batches, but
+    gather_for_metrics gathers every rank and keeps the first `remainder` rows of that: every full batch TP times,
+    and of the last round some rows TP times, some once, some not at all. Here: accelerate's gather, the first TP
+    rank's copy of each batch (accelerate's mesh has "tp" innermost: ranks dp_rank * tp ... + tp - 1 hold one
+    batch), then the remainder of the last round, as gather_for_metrics cuts it."""
+    gathered = accelerator.gather(stats)
+    state = accelerator.gradient_state
+    keep = state.remainder if state.end_of_dataloader and state.remainder > 0 else None
+    n, tp = topology.num_processes, topology.tp
+
+    def once(rows):
+        return rows.reshape(n, -1, *rows.shape[1:])[::tp].flatten(0, 1)[:keep]
+
+    return {k: once(v) for k, v in gathered.items()}
+
+
 def embedding_holders(model) -> set[str]:
     """Class names of the modules below the model that contain its input embeddings (not the embeddings' own)."""
     try:
@@ -320,6 +343,12 @@ class Backend(ddp.Backend):
 
             plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
         return base.prepare_all(self.acc, model, optimizer, train_loader, eval_loader, scheduler)
+
+    def gather_for_metrics(self, stats):
+        """TP x FSDP2: one copy of each data-parallel group's rows (gathered_once_per_tp_group)."""
+        if self.topology.tp > 1:
+            return gathered_once_per_tp_group(self.acc, stats, self.topology)
+        return super().gather_for_metrics(stats)
 
     def observed(self, model) -> dict:
         """From the prepared model itself: FSDP2 really applied (DTensor parameters), and how much of the model
