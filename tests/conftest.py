@@ -243,8 +243,9 @@ def run_killing_the_group(cmd: list[str], env: dict, timeout: int) -> subprocess
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-# Four tests have a grid too slow for the suite's 25 minutes: each runs the cases it names by default, and every case
-# when its variable is set (FINETUNE_BAD_INPUT_GRID, FINETUNE_CONFIG_GRID, FINETUNE_FAULT_GRID, FINETUNE_MEMORY_GRID).
+# Some tests have a grid too slow for the suite's 25 minutes: each runs the cases it names by default, and every case
+# when its variable is set (FINETUNE_BAD_INPUT_GRID, FINETUNE_CONFIG_GRID, FINETUNE_FAULT_GRID, FINETUNE_MEMORY_GRID;
+# the README's "Tests" section lists them).
 def grid_param(*values, default: bool, grid: str, id: str | None = None, marks=()) -> object:
     """`pytest.param(*values)`, skipped unless it is one of the `default` cases or `grid`=1 asks for every case."""
     skip = () if default or os.environ.get(grid) else (pytest.mark.skip(reason=f"{grid}=1 runs every case"),)

@@ -47,7 +47,8 @@ def check_adapter(final, r: int, hidden: int = 64) -> dict[str, torch.Tensor]:
 
 
 def test_lora_causal_lm_same_under_every_backend(assets, tmp_path):
-    """single, ZeRO-1, ZeRO-2 with CPU offload, ZeRO-3, ZeRO-3 with CPU offload, FSDP2 (gradient checkpointing on):
+    """single, ZeRO-1, ZeRO-2 with CPU offload, ZeRO-3, ZeRO-3 with CPU offload, FSDP2 (gradient checkpointing on;
+    ZeRO-1 and ZeRO-3 offload with FINETUNE_CONFIG_GRID=1):
     same losses, the same non-empty adapters (ZeRO-3 and FSDP2 shard the frozen base and gather the adapter; ZeRO-1/2
     hold the model whole, as DDP does, and partition the adapter's optimizer states; offload steps the adapter with
     DeepSpeed's CPU Adam). DDP's adapter: test_resume_layouts' adapter chain, weights against one process's.
@@ -72,6 +73,8 @@ def test_lora_causal_lm_same_under_every_backend(assets, tmp_path):
     )
     out = tmp_path / "parity"
     layouts = ("single", "zero1", "zero2_offload", "zero3", "zero3_offload", "fsdp2")
+    if not os.environ.get("FINETUNE_CONFIG_GRID"):  # suite time (about 25 s): ZeRO-1 partitions the adapter's moments
+        layouts = ("single", "zero2_offload", "zero3", "fsdp2")  # as ZeRO-2 does; ZeRO-3 offload is both of these
     proc = subprocess.run(
         [
             sys.executable,
