@@ -35,7 +35,7 @@ from typing import Any
 import yaml
 
 from finetune.cluster import host_gather, host_wait
-from finetune.config import NESTED, ROW_FIELDS, ConfigError
+from finetune.config import ROW_FIELDS, ConfigError
 from finetune.config.preflight import (
     LATEST,
     STATE_FILE,
@@ -44,6 +44,7 @@ from finetune.config.preflight import (
     named_by_latest,
     resolve_resume,
 )
+from finetune.config.schema import config_differences
 from finetune.faults import fault_point
 from finetune.parallel.base import save_from_this_process, unwrap
 from finetune.parallel.topology import (
@@ -568,7 +569,6 @@ FIXED_ON_RESUME = (
     "peft.target_modules",
     "peft.modules_to_save",
 )
-NOT_COMPARED = ("output_dir", "resume_from_checkpoint", "overwrite_output_dir")
 SCHEDULE_KEYS = {"learning_rate", "max_steps", "num_train_epochs", "warmup_steps", "warmup_ratio", "lr_scheduler_type"}
 
 
@@ -580,8 +580,7 @@ def config_changes(path: str, run_config: dict[str, Any]) -> list[tuple[str, Any
             saved = yaml.safe_load(f) or {}
     except OSError:
         return []
-    was, now = _dotted(saved), _dotted(run_config)
-    changes = [(k, was[k], v) for k, v in now.items() if k not in NOT_COMPARED and k in was and was[k] != v]
+    changes = config_differences(saved, run_config)
     fixed = [(k, was, now) for k, was, now in changes if k in FIXED_ON_RESUME]
     if fixed:
         raise ConfigError(
@@ -595,17 +594,6 @@ def config_changes(path: str, run_config: dict[str, Any]) -> list[tuple[str, Any
             ]
         )
     return changes
-
-
-def _dotted(flat: dict[str, Any]) -> dict[str, Any]:
-    """The run config's sections (peft: {...}) as dotted keys (peft.method), the names the command line uses."""
-    out = {}
-    for k, v in flat.items():
-        if k in NESTED and isinstance(v, dict):  # not a mapping field's value (role_map): that is one value
-            out.update({f"{k}.{sub}": x for sub, x in v.items()})
-        else:
-            out[k] = v
-    return out
 
 
 def find_resume(path: str | None, layout: dict[str, Any], run_config: dict[str, Any]) -> Resume | None:

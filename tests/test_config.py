@@ -163,6 +163,48 @@ def test_a_run_without_a_checkpoint_is_told_a_command_that_is_accepted(valid):
     assert "--overwrite_output_dir" in again and "resume_from_checkpoint latest" not in again, again
 
 
+def finished_in(out: Path, cfg: RunConfig, card: str) -> None:
+    """What a finished run leaves: final/ with its run config and model card, metrics.jsonl up to step 3."""
+    (out / "final").mkdir(parents=True)
+    (out / "final" / "run_config.yaml").write_text(yaml.safe_dump(cfg.to_flat(), sort_keys=False))
+    (out / "final" / "README.md").write_text(card)
+    (out / "run_config.yaml").write_text(yaml.safe_dump(cfg.to_flat(), sort_keys=False))
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)))
+
+
+def test_a_requeued_run_that_had_finished_ends_at_once(tmp_path, valid):
+    """A SLURM job preempted after its run's last step's vote exits 128+N once final/ is complete; SLURM requeues it,
+    and its --resume_from_checkpoint auto was refused (exit 2: output_dir holds a previous run) without a checkpoint
+    (save_steps null), or wrote final/ again from the last one. The same run config on a finished run (final/ and its
+    model card complete) now exits 0 at once, saying so, before anything loads, and leaves output_dir as it was; a
+    run config that differs (but for resume_from_checkpoint, overwrite_output_dir) is refused as before, saying that
+    run finished; a card without finetune's mark (an adapter's own README.md: report.finish had not run) or
+    push_to_hub (no record of the upload) is not taken for a finished run."""
+    from finetune.config.preflight import finished_run
+    from finetune.config.schema import CARD_MARK
+
+    out = Path(valid["output_dir"])
+    auto = {**valid, "resume_from_checkpoint": "auto"}
+    finished_in(out, build_config(valid), f"# run\n\nA model, {CARD_MARK} on `data`.\n")
+    cfg = build_config(auto)
+    done = finished_run(cfg)
+    assert done and done.final == str(out / "final") and done.step == 3 and not done.differences, done
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
+    proc = run_cli("--config", write_yaml(tmp_path / "run.yaml", auto))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip() == done.message(str(out)), proc.stderr
+    assert f"the run in {out} finished already ({out / 'final'} complete, step 3); nothing left to run" in proc.stderr
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()} == before
+    assert "output_dir" in problems_of(valid)  # without auto: refused as before
+    assert finished_run(build_config({**auto, "overwrite_output_dir": True})) is None
+    assert finished_run(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, push_to_hub=True))) is None
+    changed = problems_of({**auto, "max_steps": 5})["output_dir"]
+    assert "holds a previous run (final)" in changed and "that run finished" in changed, changed
+    assert "max_steps was -1, now 5" in changed, changed
+    (out / "final" / "README.md").write_text("# Model Card for Model ID\n")  # PEFT's, in an adapter's final/
+    assert finished_run(cfg) is None and "output_dir" in problems_of(auto)
+
+
 def test_a_checkpoint_of_another_run_does_not_let_a_run_into_an_occupied_output_dir(tmp_path, valid):
     """resume_from_checkpoint naming another run's checkpoint starts output_dir over from it: refused where output_dir
     holds a run (unless overwrite_output_dir), as a fresh start is; and overwrite_output_dir is refused where it would

@@ -523,7 +523,9 @@ def test_a_stop_signal_on_the_last_step_or_after_it_loses_nothing(assets, tmp_pa
     """SIGTERM while the last step runs (FINETUNE_FAULT signal-before-step): a preemption as on any other step, with
     its checkpoint (also with save_steps null), exit 143, no final/ yet. The resume (auto) gets SIGTERM while it
     writes final/ (signal-in-export): final/ is finished first, then the run exits 143 saying so. Before, the first
-    signal was ignored, and one during the export stopped it half-way: .tmp_final left, no final/, no checkpoint."""
+    signal was ignored, and one during the export stopped it half-way: .tmp_final left, no final/, no checkpoint.
+    The job requeued after that (auto again) ends at once with exit 0 (it wrote final/ again from step_3's checkpoint;
+    with no checkpoint, save_steps null and a signal after the vote, it was refused: exit 2)."""
     args = base_args(assets.gpt2, assets.text, "--max_steps", "3", "--save_steps", "null", "--eval_fraction", "0")
     args += ["--resume_from_checkpoint", "auto"]
     out = tmp_path / "run"
@@ -537,6 +539,12 @@ def test_a_stop_signal_on_the_last_step_or_after_it_loses_nothing(assets, tmp_pa
     assert ended.returncode == 143 and "Traceback" not in ended.output, ended.output[-3000:]
     assert f"after the last step (3), once the run had finished: {out / 'final'} is complete." in ended.output
     assert (out / "final" / "model.safetensors").exists() and not (out / ".tmp_final").exists()
+    # the scheduler requeues the preempted job, the same command: nothing left to run, exit 0, nothing written again
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    requeued = finetune(out, *args, expect_ok=False)  # (expect_ok also asks for the log of a run that started)
+    assert requeued.returncode == 0 and "Traceback" not in requeued.output, requeued.output[-3000:]
+    assert f"the run in {out} finished already ({out / 'final'} complete, step 3)" in requeued.output, requeued.output
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
 
 
 def test_a_complete_checkpoint_that_latest_does_not_name_is_resumed(assets, tmp_path):

@@ -3,18 +3,23 @@ local model and data files, shipped metrics offline, the Hub token, output_dir a
 
 from __future__ import annotations
 
+import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.config.rules import encoder_decoder_problems, position_problems
 from finetune.config.schema import (
+    CARD_MARK,
     DATA_EXTENSIONS,
     HUB_REPO_ID,
+    MODEL_CARD,
     RUN_MARKERS,
     PeftArgs,
     RunConfig,
     TrainArgs,
+    config_differences,
     hub_repo_id,
     shipped_metrics,
 )
@@ -194,7 +199,10 @@ def filesystem_problems(cfg: RunConfig) -> list[tuple[str, str]]:
         check_metrics(p, t.metrics)
     if t.generation_max_new_tokens and t.generation_metrics:
         check_metrics(p, t.generation_metrics, "generation_metrics")
-    return p + resume_problems(t) + output_dir_problems(t)
+    done = finished_run(cfg)
+    if done and not done.differences:  # nothing left to run: cli says so and exits 0
+        return p + resume_problems(t)
+    return p + resume_problems(t) + output_dir_problems(t, done)
 
 
 def model_dir_problems(model: str, max_seq_length: int, task: str) -> list[tuple[str, str]]:
@@ -329,7 +337,66 @@ def resumes_elsewhere(t: TrainArgs) -> bool:
     return bool(spec) and spec != LATEST and outside_checkpoints(t.output_dir, spec)
 
 
-def output_dir_problems(t: TrainArgs) -> list[tuple[str, str]]:
+@dataclass(frozen=True)
+class Finished:
+    """A finished run in output_dir (finished_run): its final/, last step, and how its run config differs from this
+    one's (config_differences)."""
+
+    final: str
+    step: int | None
+    differences: list[tuple[str, object, object]]
+
+    def message(self, output_dir: str) -> str:
+        step = f", step {self.step}" if self.step is not None else ""
+        return (
+            f"finetune: the run in {output_dir} finished already ({self.final} complete{step}); nothing left to run. "
+            "Pick a new output_dir, or add --overwrite_output_dir true, to train again."
+        )
+
+
+def finished_run(cfg: RunConfig) -> Finished | None:
+    """Under --resume_from_checkpoint auto (what a requeued job runs again), the run output_dir holds when it finished:
+    final/ is complete (renamed into place whole, export.py) and so is what report.finish writes after it, merged/
+    included (the model card, MODEL_CARD with CARD_MARK). With `differences` empty (nothing but NOT_COMPARED differs
+    from final/run_config.yaml) it is this very run, and nothing is left to run, not even final/ again: with
+    load_best_model_at_end it holds the best step's weights, which a resume would only choose again. None with
+    push_to_hub: whether the upload completed is not recorded, so that run goes on as before."""
+    t = cfg.train
+    if t.resume_from_checkpoint != "auto" or t.overwrite_output_dir or t.push_to_hub or not t.output_dir:
+        return None
+    import yaml
+
+    final = os.path.join(t.output_dir, "final")
+    try:
+        with open(os.path.join(final, MODEL_CARD)) as f:
+            card = f.read()
+        with open(os.path.join(final, "run_config.yaml")) as f:
+            saved = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    if CARD_MARK not in card or not isinstance(saved, dict):
+        return None
+    return Finished(final, last_step(t.output_dir), config_differences(saved, cfg.to_flat()))
+
+
+def last_step(output_dir: str) -> int | None:
+    """The last step metrics.jsonl names (None without one)."""
+    step = None
+    try:
+        with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:  # a line cut short by a kill
+                    continue
+                if isinstance(row, dict) and isinstance(row.get("step"), int):
+                    step = max(step or 0, row["step"])
+    except (OSError, UnicodeDecodeError):
+        return None
+    return step
+
+
+def output_dir_problems(t: TrainArgs, finished: Finished | None = None) -> list[tuple[str, str]]:
     """output_dir is a directory, and holds no previous run unless this one resumes (from one of its checkpoints) or
     replaces it."""
     if t.output_dir and os.path.isfile(t.output_dir):
@@ -351,6 +418,13 @@ def output_dir_problems(t: TrainArgs) -> list[tuple[str, str]]:
         f"{t.output_dir!r} holds a previous run ({', '.join(found)}); pick a new output_dir, "
         f"{resume}or replace it with --overwrite_output_dir"
     )
+    if finished and finished.differences:
+        key, was, now = finished.differences[0]
+        more = f" and {len(finished.differences) - 1} more" if len(finished.differences) > 1 else ""
+        why += (
+            f"; that run finished ({finished.final} is complete) with another run config ({key} was {was!r}, now "
+            f"{now!r}{more}), and has no checkpoint to resume from"
+        )
     if elsewhere:
         why += (
             f" ({t.resume_from_checkpoint} is not one of its checkpoints: this run would start it over from another "

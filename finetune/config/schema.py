@@ -104,6 +104,15 @@ REFERENCE_FILE = "reference_logps.pt"  # preference methods: the starting model'
 RUN_MARKERS = ("metrics.jsonl", "checkpoints", "final", "run_config.yaml", "logs", "curves.png", "runs", REFERENCE_FILE)
 
 
+# final/README.md, the model card report.finish writes once final/ (and merged/ in it) is complete; PEFT writes a README.md
+# of its own into an adapter directory, without CARD_MARK.
+MODEL_CARD = "README.md"
+CARD_MARK = "trained with finetune"
+# Run-config keys that say where a run writes and how it starts, not what it trains: never compared between the config
+# a run was trained with (its run_config.yaml) and the one given now.
+NOT_COMPARED = ("output_dir", "resume_from_checkpoint", "overwrite_output_dir")
+
+
 def shipped_metrics() -> list[str]:
     """The names of the evaluate modules shipped in SHIPPED_METRICS (they load offline)."""
     return sorted(p.name for p in SHIPPED_METRICS.iterdir() if p.is_dir())
@@ -553,6 +562,25 @@ def changed_fields(section: Any) -> list[str]:
     """The fields of a section (ModelArgs, ..., PeftArgs) whose value is not the default: what the user set, whether
     or not the YAML also holds the defaults (a saved run_config.yaml writes every field)."""
     return [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(type(section)(), f.name)]
+
+
+def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key, saved, now) for every value of the run config `now` (to_flat) that differs from `saved` (a run_config.yaml
+    as written), by dotted key (peft.method), the names the command line uses; NOT_COMPARED and the keys `saved` does
+    not hold (written before they existed) are left out."""
+    was, now = dotted(saved), dotted(now)
+    return [(k, was[k], v) for k, v in now.items() if k not in NOT_COMPARED and k in was and was[k] != v]
+
+
+def dotted(flat: dict[str, Any]) -> dict[str, Any]:
+    """The run config's sections (peft: {...}) as dotted keys (peft.method)."""
+    out = {}
+    for k, v in flat.items():
+        if k in NESTED and isinstance(v, dict):  # not a mapping field's value (role_map): that is one value
+            out.update({f"{k}.{sub}": x for sub, x in v.items()})
+        else:
+            out[k] = v
+    return out
 
 
 def all_fields() -> dict[str, tuple[str, dataclasses.Field]]:

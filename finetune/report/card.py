@@ -9,10 +9,11 @@ from typing import Any
 
 from finetune.checkpoint import write_atomic
 from finetune.config import AUTO_CLASSES, RunConfig, hub_repo_id, looks_local, sources_of
+from finetune.config.schema import CARD_MARK, MODEL_CARD
 from finetune.report.outcome import RunFacts, memory_text, outcome
 from finetune.report.trackers import run_name
 
-CARD = "README.md"
+CARD = MODEL_CARD
 
 
 PIPELINE_TAGS = {
@@ -94,7 +95,7 @@ def card_text(cfg: RunConfig, rows: list[dict[str, Any]], facts: RunFacts) -> st
     lines = [
         f"# {run_name(cfg.train)}",
         "",
-        f"{what} `{m.model}` ({m.task.replace('_', ' ')}), trained with finetune on {source}",
+        f"{what} `{m.model}` ({m.task.replace('_', ' ')}), {CARD_MARK} on {source}",
     ]
     load = _how_to_load(cfg, facts.label_names)
     lines += ["", "## How to load it", "", "```python", load, "```", "", "## Training data", ""]
