@@ -574,7 +574,7 @@ class ModelFacts:
         head = params_of("get_output_embeddings")
         apart = {id(p) for p in [*params_of("get_input_embeddings"), *head]}
         body = [p for p in params if id(p) not in apart]
-        cfg = getattr(net, "config", None)
+        cfg = text_config(net)
         share = routed_share(cfg)
         routed = routed_experts(net) if share < 1.0 else []
         return cls(
@@ -591,6 +591,13 @@ class ModelFacts:
             routed_trainable=size(routed, trainable_only=True),
             routed_share=share if routed else 1.0,
         )
+
+
+def text_config(net):
+    """The config that holds the language model's sizes (hidden_size, num_hidden_layers, experts): a model of several
+    parts (Gemma 3, Mistral 3: a vision tower beside the language model) keeps them in its text_config."""
+    cfg = getattr(net, "config", None)
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
 # The config's count of routed experts, and of experts each token goes to, under the names MoE configs use

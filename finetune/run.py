@@ -371,7 +371,7 @@ def _length_aware_batches(train, sampler, plan: parallel.Plan, net) -> data.Leng
     import pyarrow.compute as pc
 
     lengths = pc.list_value_length(data.arrow_column(train, "input_ids")).to_pylist()
-    hidden = getattr(getattr(net, "config", None), "hidden_size", None)
+    hidden = getattr(model.text_config(net), "hidden_size", None)
     parts = plan.gradient_accumulation_steps * plan.data_parallel_size
     logger.info(
         "length-aware batching: each global batch of %d rows split into %d micro batches of similar cost",

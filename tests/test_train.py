@@ -525,6 +525,28 @@ def test_model_flops_count_the_experts_a_token_goes_through(arch):
     assert facts.flops_per_token == pytest.approx(6.0 * active + 12.0 * layers * h * 128)
 
 
+def test_model_flops_read_the_sizes_of_a_model_of_several_parts_from_its_text_config():
+    """Gemma 3 (AutoModelForCausalLM loads Gemma3ForConditionalGeneration: a vision tower beside the language model)
+    keeps its layers and hidden size in config.text_config: attention's FLOPs come from there (they were 0)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.model import ModelFacts
+
+    text = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28)
+    config = AutoConfig.for_model(
+        "gemma3",
+        text_config={**text, "intermediate_size": 64, "vocab_size": 300},
+        vision_config={**vision, "patch_size": 14},
+        mm_tokens_per_image=4,
+    )
+    net = AutoModelForCausalLM.from_config(config)
+    assert not hasattr(net.config, "hidden_size") or net.config.hidden_size != 32  # the sizes are not at the top
+    facts = ModelFacts.of(net, lambda p: p.numel(), seq_len=128)
+    assert (facts.layers, facts.hidden) == (2, 32)
+    assert facts.attention_flops_per_token == 12.0 * 2 * 32 * 128
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_model_flops_count_the_lm_head_once_on_the_learned_positions(tied):
     """model.ModelFacts (MFU's FLOPs), against parameters counted here by name: per token 6 x the parameters other
