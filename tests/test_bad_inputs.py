@@ -580,6 +580,30 @@ CASES = [
         "ACCELERATE_USE_CPU",
         "accelerate ignores the DeepSpeed config",
     ),
+    # ---- an Accelerate parallelism_config whose ranks share a batch (accelerate launch passes its sizes on)
+    Case(
+        # accelerate gives a context-parallel group's ranks one batch; finetune counted each rank's as its own
+        "context_parallel_size",
+        lambda c: (c.env.update(ACCELERATE_USE_PARALLELISM_CONFIG="true", PARALLELISM_CONFIG_CP_SIZE="2"), c.yaml())[1],
+        "parallelism_config_cp_size",
+        "set parallelism_config_cp_size: 1",
+    ),
+    Case(
+        # accelerate splits no model by it under DeepSpeed, and its tp ranks read one batch
+        "deepspeed_with_parallelism_config_tp",
+        lambda c: (
+            c.env.update(ACCELERATE_USE_PARALLELISM_CONFIG="true", PARALLELISM_CONFIG_TP_SIZE="2"),
+            c.deepspeed(),
+        )[1],
+        "parallelism_config_tp_size",
+        "tp2_fsdp2.yaml",
+    ),
+    Case(
+        "deepspeed_autotp",
+        lambda c: c.deepspeed(tensor_parallel={"autotp_size": 2}),
+        "tensor_parallel.autotp_size",
+        "tp2_fsdp2.yaml",
+    ),
     # ---- dataset mixtures (datasets:)
     Case(
         "mixture_weight_not_positive",

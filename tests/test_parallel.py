@@ -477,3 +477,144 @@ def test_the_accelerate_side_cannot_override_what_the_run_config_owns(tmp_path):
     got = refused({"distributed_type": "FSDP", "fsdp_config": fsdp_config})
     assert list(got) == ["fsdp_version"] and "accelerate_configs/fsdp2.yaml" in got["fsdp_version"], got
     assert refused({"distributed_type": "FSDP", "fsdp_config": {**fsdp_config, "fsdp_version": 2}}) == {}
+
+
+def test_a_parallelism_config_whose_ranks_share_a_batch_is_refused(tmp_path):
+    """accelerate 1.15 gives the ranks of a context-parallel (cp_size) or sequence-parallel (sp_size) group one batch,
+    and under DeepSpeed a parallelism_config tp_size splits no model (DeepSpeed splits by its JSON's AutoTP alone,
+    which gives its tp ranks one batch too) while its tp ranks still read one batch: finetune, counting those ranks as
+    data parallel or as tensor-parallel copies of a batch, would miscount losses, token counts and eval. Each is
+    refused before any model loads, naming the Accelerate key and what to use instead; what finetune counts right
+    is not (HSDP's dp_replicate, TP x FSDP2, a DeepSpeed parallelism_config without tp). Each environment is the one
+    accelerate's own launcher code builds from the config file (topology.launch_environment): accelerate launches
+    every one of these, DeepSpeed with a parallelism_config included."""
+    import json
+    import math
+
+    import yaml
+
+    from finetune.config import build_config
+    from finetune.parallel.environment import family_module
+    from finetune.parallel.topology import Launcher, launch_environment, shipped_by_name
+
+    values = {"model": "(config given)", "dataset": "d.jsonl", "output_dir": str(tmp_path)}
+    cfg = build_config(values, check_filesystem=False)
+    fsdp2 = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2}}
+    ddp = {"distributed_type": "MULTI_GPU"}
+
+    def zero2(**json_fields) -> dict:
+        shipped = json.loads((ROOT / "ds_configs" / "zero2.json").read_text())
+        (tmp_path / "ds.json").write_text(json.dumps({**shipped, **json_fields}))
+        return {
+            "distributed_type": "DEEPSPEED",
+            "deepspeed_config": {"deepspeed_config_file": str(tmp_path / "ds.json")},
+        }
+
+    def problems(env: dict) -> dict[str, str]:
+        return dict(family_module(Launcher.read(env).family).problems(cfg, env, here=False))
+
+    def refused(layout: dict, **sizes: int) -> dict[str, str]:
+        n = math.prod(sizes.values()) if sizes else 2
+        pc = {"parallelism_config": {f"parallelism_config_{k}_size": v for k, v in sizes.items()}} if sizes else {}
+        (tmp_path / "acc.yaml").write_text(yaml.safe_dump({**layout, "num_processes": n, **pc}))
+        return problems(launch_environment(tmp_path / "acc.yaml", n))
+
+    for layout, sizes in [
+        (fsdp2, dict(dp_shard=2, cp=2)),
+        (fsdp2, dict(dp_shard=2, tp=2, cp=2)),
+        (ddp, dict(cp=2)),
+        (zero2(), dict(cp=2)),
+    ]:
+        got = refused(layout, **sizes)
+        assert list(got) == ["parallelism_config_cp_size"], (layout, sizes, got)
+        assert "context parallelism" in got["parallelism_config_cp_size"]
+        assert "set parallelism_config_cp_size: 1" in got["parallelism_config_cp_size"]
+    for layout in (fsdp2, zero2()):
+        got = refused(layout, dp_shard=2, sp=2)
+        assert list(got) == ["parallelism_config_sp_size"] and "set parallelism_config_sp_size: 1" in str(got), got
+    for n in (2, 4):  # tp alone, and tp with as many data-parallel ranks
+        got = refused(zero2(), tp=2, dp_shard=n // 2)
+        assert list(got) == ["parallelism_config_tp_size"], got
+        assert (
+            "DeepSpeed" in got["parallelism_config_tp_size"] and "tp2_fsdp2.yaml" in got["parallelism_config_tp_size"]
+        )
+    got = refused(zero2(tensor_parallel={"autotp_size": 2}))
+    assert list(got) == ["tensor_parallel.autotp_size"] and "tp2_fsdp2.yaml" in got["tensor_parallel.autotp_size"]
+    # counted right: HSDP (every dp_replicate x dp_shard rank reads its own batches), TP x FSDP2, HSDP x TP, a
+    # DeepSpeed parallelism_config without tp (accelerate's DeepSpeed loaders shard by its "tp" only)
+    assert refused(fsdp2, dp_replicate=2, dp_shard=2) == {}
+    assert refused(fsdp2, dp_replicate=2, dp_shard=2, tp=2) == {}
+    assert refused(zero2(), dp_shard=2) == {} and refused(zero2(tensor_parallel={"autotp_size": 1})) == {}
+    for name in ("tp2_fsdp2", "tp2", "fsdp2", "zero2", "ddp"):
+        path = shipped_by_name()[name]
+        assert problems(launch_environment(path, int(yaml.safe_load(path.read_text())["num_processes"]))) == {}, name
+
+
+def dealt_by_accelerate(pc, rows: int) -> list[list[int]]:
+    """The rows each rank's train loader yields (batch 1) under accelerate's ParallelismConfig pc, outside DeepSpeed:
+    prepare_data_loader as accelerate calls it for that rank, with what it reads of the device mesh accelerate builds
+    for pc (its dimension names and sizes, ParallelismConfig._get_mesh), in this process."""
+    from types import SimpleNamespace
+
+    from accelerate.data_loader import prepare_data_loader
+
+    names, shape = pc._get_mesh()
+
+    class Mesh:
+        mesh_dim_names = names
+
+        def __getitem__(self, name: str):
+            return SimpleNamespace(size=lambda: shape[names.index(name)])
+
+    loader = torch.utils.data.DataLoader(torch.arange(rows), batch_size=1)
+    n = pc.total_size
+    return [
+        [int(b) for b in prepare_data_loader(loader, num_processes=n, process_index=rank, torch_device_mesh=Mesh())]
+        for rank in range(n)
+    ]
+
+
+def fsdp_topology(pc, rank: int):
+    """Topology.read of rank `rank` of an FSDP2 launch whose Accelerator holds pc (accelerate's started state, faked)."""
+    from types import SimpleNamespace
+
+    from finetune.parallel.topology import Topology
+
+    env = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "ACCELERATE_USE_PARALLELISM_CONFIG": "true"}
+    state = SimpleNamespace(fsdp_plugin=SimpleNamespace(cpu_offload=None, fsdp_version=2), distributed_type="FSDP")
+    accelerator = SimpleNamespace(state=state, num_processes=pc.total_size, process_index=rank, parallelism_config=pc)
+    return Topology.read(accelerator, env)
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [dict(dp_replicate_size=2, dp_shard_size=2), dict(dp_replicate_size=2, dp_shard_size=2, tp_size=2)],
+    ids=["hsdp", "hsdp_x_tp"],
+)
+def test_topology_counts_the_batches_accelerate_deals_under_hsdp(sizes):
+    """HSDP (dp_replicate_size > 1) is data parallel: accelerate's loaders give every dp_replicate x dp_shard rank
+    its own batches (prepare_data_loader: process_index // (tp x cp) of dp_replicate x dp_shard), and Topology.read's
+    dp (processes / tp) and dp_rank (rank // tp) say which: rank r's j-th batch is j x dp + dp_rank
+    (plan.global_batch_index), the tp ranks of a group reading the same."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    pc = ParallelismConfig(**sizes)
+    dealt = dealt_by_accelerate(pc, rows=8 * pc.total_size)
+    for rank, rows in enumerate(dealt):
+        topology = fsdp_topology(pc, rank)
+        assert (topology.dp, topology.tp) == (pc.data_parallel_size, pc.tp_size)
+        assert rows == [j * topology.dp + topology.dp_rank for j in range(len(rows))], (rank, rows)
+
+
+def test_context_parallel_ranks_read_one_batch_and_a_topology_refuses_them():
+    """accelerate gives the cp ranks of a group the same batches (the reason fsdp/ddp/tensor/deepspeed.problems refuse
+    parallelism_config_cp_size > 1); a Topology read from such an Accelerator would have counted every rank as data
+    parallel (dp 4 where accelerate deals 2 ways), so Topology.read refuses it too. When the first assertion fails,
+    accelerate deals context-parallel batches otherwise: look again at what finetune refuses."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    pc = ParallelismConfig(dp_shard_size=2, cp_size=2)
+    dealt = dealt_by_accelerate(pc, rows=16)
+    assert dealt[0] == dealt[1] != dealt[2] == dealt[3]
+    with pytest.raises(ValueError, match="cp_size 2"):
+        fsdp_topology(pc, 0)

@@ -208,6 +208,45 @@ def qlora_refused(layout: str, why: str) -> tuple[str, str]:
     )
 
 
+def sequence_split_problems(launcher: Launcher) -> list[tuple[str, str]]:
+    """Context and sequence parallelism in the Accelerate config's parallelism_config, refused under every family:
+    accelerate 1.15 gives the ranks of such a group one batch (cp: outside DeepSpeed), split along the sequence only
+    where the training script asks, and finetune counts ranks as data parallel (each its own batch) or as tensor-parallel copies (each
+    the whole batch), so its losses, token counts and eval would count each batch several times over, or in part.
+    - cp_size: prepare_data_loader gives the cp ranks one batch (data_loader.py: process_index // (tp x cp); not
+      under DeepSpeed, whose loaders shard by "tp" only); the split is Accelerator.maybe_context_parallel's, a
+      context finetune's loop never enters, and _prepare_cp's hooks drop every self_attn's attention mask for
+      is_causal (big_modeling._attach_context_parallel_hooks), under every backend.
+    - sp_size: under DeepSpeed, Ulysses (Accelerator._prepare_deepspeed) wraps each loader in DeepSpeed's
+      UlyssesSPDataLoaderAdapter, which deals the group one batch, a slice of its sequence to each rank; elsewhere
+      accelerate builds no device mesh for it (ParallelismConfig.build_device_mesh) and it does nothing."""
+    out = []
+    cp, sp = launcher.parallelism("cp"), launcher.parallelism("sp")
+    if cp > 1:
+        why = (
+            f"is {cp}: context parallelism, which finetune does not run. accelerate 1.15 splits a batch's sequence "
+            "over the cp ranks only inside accelerator.maybe_context_parallel, which finetune's loop does not enter, "
+            "yet its hooks drop the attention masks of every self_attn (is_causal instead), and its loaders (all but "
+            f"DeepSpeed's) give the {cp} ranks of a group the same batches, which finetune would count as batches of "
+            "their own (losses, token counts and eval miscounted)"
+        )
+        fix = (
+            "set parallelism_config_cp_size: 1 (or leave it out), with its ranks in parallelism_config_dp_shard_size "
+            "or not launched; for long sequences use gradient_checkpointing: true, or tensor parallelism "
+            "(accelerate_configs/tp2_fsdp2.yaml)"
+        )
+        out.append(("parallelism_config_cp_size", f"{why}; {fix}"))
+    if sp > 1:
+        why = (
+            f"is {sp}: sequence parallelism (DeepSpeed's Ulysses), which finetune does not run. Under DeepSpeed "
+            f"accelerate 1.15 deals each batch to the {sp} ranks of a group, a slice of its sequence to each, which "
+            "finetune's losses, token counts and eval do not know; under the other backends it does nothing"
+        )
+        fix = "set parallelism_config_sp_size: 1 (or leave it out); for long sequences use gradient_checkpointing: true"
+        out.append(("parallelism_config_sp_size", f"{why}; {fix}"))
+    return out
+
+
 def prepare_all(accelerator, model, optimizer, train_loader, eval_loader, scheduler) -> tuple:
     """One accelerate.prepare call for everything (Megatron-LM needs that); eval_loader may be None."""
     objects = [model, optimizer, train_loader, scheduler] + ([eval_loader] if eval_loader is not None else [])

@@ -21,11 +21,12 @@ from finetune.parallel.base import (
     local_fraction,
     prepare_all,
     save_from_this_process,
+    sequence_split_problems,
     trainable_parameters,
     unwrap,
     unwrap_without_deepspeed,
 )
-from finetune.parallel.topology import Topology
+from finetune.parallel.topology import Launcher, Topology
 
 logger = logging.getLogger("finetune")
 
@@ -40,7 +41,8 @@ def environment(cfg: RunConfig) -> None:
 
 
 def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here: bool = True) -> list[tuple[str, str]]:
-    return []
+    """A parallelism_config beside a DDP config (accelerate's MULTI_GPU) that splits the sequence."""
+    return sequence_split_problems(Launcher.read(env))
 
 
 def accelerator_kwargs(cfg: RunConfig) -> dict:

@@ -124,9 +124,11 @@ def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here: bool = T
     """What the run config owns set otherwise on the Accelerate side (an inline deepspeed_config key, an `accelerate
     launch` flag, a DeepSpeed JSON value), a DeepSpeed JSON that defines its own optimizer or scheduler (the run
     config's AdamW and schedule are used on every backend), and what finetune's DeepSpeed cannot run: ZeRO stage 0,
-    NVMe offload where DeepSpeed's async I/O op cannot load (here only: finetune plan plans for other machines)."""
+    NVMe offload where DeepSpeed's async I/O op cannot load (here only: finetune plan plans for other machines),
+    tensor, context or sequence parallelism (a parallelism_config, the JSON's AutoTP)."""
     launcher = Launcher.read(env)
     out = _cpu_mode(launcher) + _set_by_the_launcher(cfg.train, launcher)
+    out += _parallelism_config_tp(launcher) + base.sequence_split_problems(launcher)
     try:
         ds, where = requested_config(launcher)
     except (OSError, json.JSONDecodeError) as e:
@@ -146,7 +148,7 @@ def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here: bool = T
             "bitsandbytes' packed weights, a path never proven"
         )
         out.append(base.qlora_refused(f"ZeRO-3 ({where})", why))
-    out += _not_run(zero, where, here)
+    out += _not_run(zero, where, here) + _autotp(ds, where)
     in_json, asked = deepspeed_json_precision(ds), env.get("ACCELERATE_MIXED_PRECISION")
     if in_json and asked in ("bf16", "fp16") and asked != in_json:  # accelerate's DeepSpeedPlugin raised
         fix = f'set "{in_json}": {{"enabled": "auto"}} in the JSON to train in {asked}, or ask for {in_json}'
@@ -188,6 +190,50 @@ def _cpu_mode(launcher: Launcher) -> list[tuple[str, str]]:
             "process) without ZeRO. Unset ACCELERATE_USE_CPU for this launch (`env -u ACCELERATE_USE_CPU accelerate "
             "launch ...`): DeepSpeed needs no CPU mode on a machine without a GPU (finetune runs it there on gloo); or, "
             "to train without DeepSpeed, launch with accelerate_configs/ddp.yaml",
+        )
+    ]
+
+
+def _parallelism_config_tp(launcher: Launcher) -> list[tuple[str, str]]:
+    """A parallelism_config tp_size beside a DeepSpeed config: accelerate 1.15 launches it (the launcher's
+    `--use_parallelism_config` check in commands/launch.py runs before the config file is read, and
+    utils/launch.py prepare_deepspeed_cmd_env passes its sizes on), but splits no model by it. Accelerator._prepare_tp
+    only rewraps a model that is already DTensors (transformers' tp_plan, which finetune gives under tp2.yaml and
+    tp2_fsdp2.yaml only), and DeepSpeed itself splits by its JSON's tensor_parallel.autotp_size alone
+    (_prepare_deepspeed). The loaders still give the tp ranks one batch (data_loader.py prepare_data_loader, its
+    DEEPSPEED branch: process_index // tp), and ZeRO averages over every rank as data parallel."""
+    tp = launcher.tp_size
+    if tp <= 1:
+        return []
+    why = (
+        f"is {tp} beside a DeepSpeed config, and accelerate 1.15 splits no model by it under DeepSpeed (its tensor "
+        "parallelism takes a model already split by transformers' tp_plan, and DeepSpeed splits only by its own JSON): "
+        f"every rank would hold the whole model, the {tp} ranks of a group computing the same batches (and, with "
+        "more processes than that, eval gathering their rows from each)"
+    )
+    fix = (
+        "remove parallelism_config from the DeepSpeed Accelerate config (ZeRO-3, zero3.yaml, shards the parameters "
+        "over every rank), or use accelerate_configs/tp2_fsdp2.yaml for tensor x data parallelism"
+    )
+    return [("parallelism_config_tp_size", f"{why}; {fix}")]
+
+
+def _autotp(ds: Mapping, where: str) -> list[tuple[str, str]]:
+    """DeepSpeed's AutoTP (the JSON's tensor_parallel.autotp_size): DeepSpeed splits the model over that many ranks
+    (engine.py _configure_tensor_parallel) and accelerate 1.15 gives them one batch (its ds_device_mesh, which
+    prepare_data_loader shards by), but finetune's DeepSpeed backend counts every rank as data parallel and knows
+    ZeRO's partitions alone."""
+    size = (ds.get("tensor_parallel") or {}).get("autotp_size") or 0
+    if not isinstance(size, int) or size <= 1:
+        return []
+    return [
+        (
+            "tensor_parallel.autotp_size",
+            f"{where} sets it to {size} (DeepSpeed's AutoTP), which finetune does not run: the {size} ranks of a "
+            "group read the same batches while finetune counts each as data parallel (losses, token counts and eval "
+            "miscounted), and none of its DeepSpeed paths (full weights, checkpoints, export) knows AutoTP's split; "
+            "remove tensor_parallel from the JSON, or use "
+            "accelerate_configs/tp2_fsdp2.yaml for tensor x data parallelism",
         )
     ]
 

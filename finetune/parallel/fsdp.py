@@ -83,6 +83,7 @@ def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here: bool = T
                 "parallelism_config sizes (for one process: accelerate_configs/fsdp2.yaml or fsdp2_offload.yaml)",
             )
         )
+    p += base.sequence_split_problems(launcher)
     blocker = chunked_loss_blocker()
     if cfg.model.chunked_loss == "true" and blocker:
         p.append(("chunked_loss", f"is true, but {blocker}: upgrade torch to 2.13 or newer, or set chunked_loss: auto"))

@@ -49,7 +49,7 @@ def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here: bool = T
                 "for tensor x data parallelism",
             )
         )
-    return p + model_problems(cfg, tp)
+    return p + base.sequence_split_problems(launcher) + model_problems(cfg, tp)
 
 
 def model_problems(cfg: RunConfig, tp: int) -> list[tuple[str, str]]:

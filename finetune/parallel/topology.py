@@ -60,6 +60,9 @@ DEEPSPEED_KEYS = {
     "offload_param_device": "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
     "zero3_save_16bit_model": "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
 }
+# The sizes of accelerate 1.15's ParallelismConfig (parallelism_config_<dim>_size in an Accelerate config): data
+# parallel replicated (HSDP) and sharded (FSDP), tensor, context and sequence parallel (DeepSpeed's Ulysses)
+PARALLELISM_DIMS = ("tp", "dp_replicate", "dp_shard", "cp", "sp")
 NODE_KEYS = ("GROUP_RANK", "CROSS_RANK")  # torchrun's, DeepSpeed launch.py's index of this machine
 MACHINES_KEYS = ("ACCELERATE_NUM_MACHINES", "CROSS_SIZE")
 
@@ -105,7 +108,7 @@ class Launcher:
     use_fsdp: bool  # ACCELERATE_USE_FSDP
     fsdp_version: int  # FSDP_VERSION (1 where unset, as accelerate's FSDP plugin reads it)
     use_parallelism_config: bool  # ACCELERATE_USE_PARALLELISM_CONFIG
-    parallelism_sizes: Mapping[str, int]  # PARALLELISM_CONFIG_<TP|DP_REPLICATE|DP_SHARD|CP>_SIZE (1: not said)
+    parallelism_sizes: Mapping[str, int]  # PARALLELISM_CONFIG_<TP|DP_REPLICATE|DP_SHARD|CP|SP>_SIZE (1: not said)
     use_megatron: bool  # ACCELERATE_USE_MEGATRON_LM
     megatron_tp: int  # MEGATRON_LM_TP_DEGREE (the defaults are MegatronLMPlugin.__post_init__'s)
     megatron_pp: int  # MEGATRON_LM_PP_DEGREE
@@ -136,10 +139,7 @@ class Launcher:
             use_fsdp=_true(env.get("ACCELERATE_USE_FSDP")),
             fsdp_version=_int(env, "FSDP_VERSION", 1),
             use_parallelism_config=_true(env.get("ACCELERATE_USE_PARALLELISM_CONFIG")),
-            parallelism_sizes={
-                k: _int(env, f"PARALLELISM_CONFIG_{k.upper()}_SIZE", 1)
-                for k in ("tp", "dp_replicate", "dp_shard", "cp")
-            },
+            parallelism_sizes={k: _int(env, f"PARALLELISM_CONFIG_{k.upper()}_SIZE", 1) for k in PARALLELISM_DIMS},
             use_megatron=_true(env.get("ACCELERATE_USE_MEGATRON_LM")),
             megatron_tp=_int(env, "MEGATRON_LM_TP_DEGREE", 1),
             megatron_pp=_int(env, "MEGATRON_LM_PP_DEGREE", 1),
@@ -165,10 +165,16 @@ class Launcher:
         """Started by a launcher that runs several processes (or sets a local rank)."""
         return self.world_size > 1 or (self.local_rank if self.local_rank is not None else -1) != -1
 
+    def parallelism(self, dim: str) -> int:
+        """A size of the Accelerate config's parallelism_config (one of PARALLELISM_DIMS), as accelerate's
+        ParallelismConfig reads it from the environment; 1 where the launch has no parallelism_config (accelerate
+        then builds none: Accelerator.__init__ reads ACCELERATE_USE_PARALLELISM_CONFIG)."""
+        return self.parallelism_sizes[dim] if self.use_parallelism_config else 1
+
     @property
     def tp_size(self) -> int:
         """torch-native tensor-parallel degree from the Accelerate config's parallelism_config."""
-        return self.parallelism_sizes["tp"] if self.use_parallelism_config else 1
+        return self.parallelism("tp")
 
     @property
     def family(self) -> str:
@@ -323,7 +329,11 @@ class Topology:
         else:
             pc = getattr(accelerator, "parallelism_config", None)
             tp = pc.tp_size if pc is not None and pc.tp_enabled else 1
-            kw.update(tp=tp, dp=n // tp, dp_rank=rank // tp)  # accelerate's mesh: tp innermost
+            if pc is not None and pc.non_data_parallel_size != tp:  # the families' problems() refuse cp and sp first
+                raise ValueError(f"cp_size {pc.cp_size}, sp_size {pc.sp_size}: ranks splitting one batch, not counted")
+            # accelerate's mesh: dp_replicate, dp_shard, tp (innermost); its loaders give rank r the batches of
+            # r // tp among dp_replicate x dp_shard = n / tp data-parallel ranks (HSDP included)
+            kw.update(tp=tp, dp=n // tp, dp_rank=rank // tp)
         topology = cls(
             family=family,
             distributed_type=distributed_type_name(state),
@@ -541,9 +551,7 @@ def launch_size(path: str | os.PathLike, wanted: int) -> tuple[int, str]:
     pc = raw.get("parallelism_config") or {}
     mcfg = raw.get("megatron_lm_config") or {}
     if pc:
-        sizes = {
-            k: int(pc.get(f"parallelism_config_{k}_size", 1) or 1) for k in ("tp", "dp_replicate", "dp_shard", "cp")
-        }
+        sizes = {k: int(pc.get(f"parallelism_config_{k}_size", 1) or 1) for k in PARALLELISM_DIMS}
         mesh = math.prod(sizes.values())
         said = " x ".join(f"{k} {v}" for k, v in sizes.items() if v > 1)
         return (mesh, f"{mesh} processes ({said})") if wanted >= mesh else (0, f"needs {mesh} processes ({said})")
