@@ -211,8 +211,9 @@ def qlora_refused(layout: str, why: str) -> tuple[str, str]:
 def sequence_split_problems(launcher: Launcher) -> list[tuple[str, str]]:
     """Context and sequence parallelism in the Accelerate config's parallelism_config, refused under every family:
     accelerate 1.15 gives the ranks of such a group one batch (cp: outside DeepSpeed), split along the sequence only
-    where the training script asks, and finetune counts ranks as data parallel (each its own batch) or as tensor-parallel copies (each
-    the whole batch), so its losses, token counts and eval would count each batch several times over, or in part.
+    where the training script asks, and finetune counts ranks as data parallel (each its own batch) or as
+    tensor-parallel copies (each the whole batch), so its losses, token counts and eval would count each batch
+    several times over, or in part.
     - cp_size: prepare_data_loader gives the cp ranks one batch (data_loader.py: process_index // (tp x cp); not
       under DeepSpeed, whose loaders shard by "tp" only); the split is Accelerator.maybe_context_parallel's, a
       context finetune's loop never enters, and _prepare_cp's hooks drop every self_attn's attention mask for
