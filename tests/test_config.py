@@ -178,8 +178,8 @@ def test_a_requeued_run_that_had_finished_ends_at_once(tmp_path, valid):
     (save_steps null), or wrote final/ again from the last one. The same run config on a finished run (final/ and its
     model card complete) now exits 0 at once, saying so, before anything loads, and leaves output_dir as it was; a
     run config that differs (but for resume_from_checkpoint, overwrite_output_dir) is refused as before, saying that
-    run finished; a card without finetune's mark (an adapter's own README.md: report.finish had not run) or
-    push_to_hub (no record of the upload) is not taken for a finished run."""
+    run finished; a card without finetune's mark (an adapter's own README.md: report.finish had not run),
+    push_to_hub (no record of the upload) or several machines (final/ on machine 0 only) is not taken for one."""
     from finetune.config.preflight import finished_run
     from finetune.config.schema import CARD_MARK
 
@@ -201,6 +201,10 @@ def test_a_requeued_run_that_had_finished_ends_at_once(tmp_path, valid):
     changed = problems_of({**auto, "max_steps": 5})["output_dir"]
     assert "holds a previous run (final)" in changed and "that run finished" in changed, changed
     assert "max_steps was -1, now 5" in changed, changed
+    # several machines: final/ is machine 0's alone where output_dirs are not shared, and the others would wait
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("ACCELERATE_NUM_MACHINES", "2")
+        assert finished_run(cfg) is None
     (out / "final" / "README.md").write_text("# Model Card for Model ID\n")  # PEFT's, in an adapter's final/
     assert finished_run(cfg) is None and "output_dir" in problems_of(auto)
 

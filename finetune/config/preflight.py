@@ -360,9 +360,15 @@ def finished_run(cfg: RunConfig) -> Finished | None:
     included (the model card, MODEL_CARD with CARD_MARK). With `differences` empty (nothing but NOT_COMPARED differs
     from final/run_config.yaml) it is this very run, and nothing is left to run, not even final/ again: with
     load_best_model_at_end it holds the best step's weights, which a resume would only choose again. None with
-    push_to_hub: whether the upload completed is not recorded, so that run goes on as before."""
+    push_to_hub (whether the upload completed is not recorded) and on several machines (final/ is machine 0's alone
+    where their output_dirs are not shared: the others would resume or start and wait for it at the join until
+    ddp_timeout): those runs go on as before."""
+    from finetune.parallel.topology import Launcher
+
     t = cfg.train
     if t.resume_from_checkpoint != "auto" or t.overwrite_output_dir or t.push_to_hub or not t.output_dir:
+        return None
+    if Launcher.read().num_machines > 1:
         return None
     import yaml
 
