@@ -14,7 +14,6 @@ import sys
 from finetune.checkpoint import WriteError
 from finetune.config import ConfigError
 from finetune.config.load import parse
-from finetune.config.preflight import finished_run
 from finetune.launcher_report import write_error_file
 from finetune.report import PushFailed
 from finetune.stop import STOP, Diverged, Preempted, Stopped
@@ -65,8 +64,8 @@ def run_cli(argv: list[str] | None = None) -> int:
         _no_misspelled_subcommand(argv)
         cfg = parse(argv)
         STOP.install(cfg.train.preemption_signal)
-        done = finished_run(cfg)
-        if done and not done.differences:  # a requeued job whose run had finished: every rank reads the same files
+        done = cfg.finished  # found while parsing: every rank read the same files
+        if done and not done.differences:  # a requeued job whose run had finished
             if _is_main_rank():
                 _tell(done.message(cfg.train.output_dir))
             return 0

@@ -189,6 +189,7 @@ def test_a_requeued_run_that_had_finished_ends_at_once(tmp_path, valid):
     cfg = build_config(auto)
     done = finished_run(cfg)
     assert done and done.final == str(out / "final") and done.step == 3 and not done.differences, done
+    assert cfg.finished == done  # the parse carries it to cli, which reads final/ and metrics.jsonl no second time
     before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
     proc = run_cli("--config", write_yaml(tmp_path / "run.yaml", auto))
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr

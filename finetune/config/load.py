@@ -101,6 +101,8 @@ def build_config(values: dict[str, Any], *, check_filesystem: bool = True, ignor
         else:
             sections[section][key.removeprefix(f"{section}.")] = coerced
     cfg = RunConfig(**{s: cls(**sections[s]) for s, cls in SECTIONS.items()})
+    if check_filesystem:  # read once, here: the output_dir check (validate) and the start (cli) both need it
+        cfg.finished = preflight.finished_run(cfg)
     problems += validate(cfg, check_filesystem=check_filesystem)
     problems = [(key, message) for key, message in problems if key not in ignore]
     if problems:

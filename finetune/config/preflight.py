@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.config.rules import encoder_decoder_problems, position_problems
@@ -16,6 +15,7 @@ from finetune.config.schema import (
     HUB_REPO_ID,
     MODEL_CARD,
     RUN_MARKERS,
+    Finished,
     PeftArgs,
     RunConfig,
     TrainArgs,
@@ -199,7 +199,7 @@ def filesystem_problems(cfg: RunConfig) -> list[tuple[str, str]]:
         check_metrics(p, t.metrics)
     if t.generation_max_new_tokens and t.generation_metrics:
         check_metrics(p, t.generation_metrics, "generation_metrics")
-    done = finished_run(cfg)
+    done = cfg.finished  # build_config's finished_run, read once for this check and for cli
     if done and not done.differences:  # nothing left to run: cli says so and exits 0
         return p + resume_problems(t)
     return p + resume_problems(t) + output_dir_problems(t, done)
@@ -335,23 +335,6 @@ def resumes_elsewhere(t: TrainArgs) -> bool:
     run is a start (from that checkpoint), not the continuation of what output_dir holds."""
     spec = resume_spec(t.output_dir, t.resume_from_checkpoint)
     return bool(spec) and spec != LATEST and outside_checkpoints(t.output_dir, spec)
-
-
-@dataclass(frozen=True)
-class Finished:
-    """A finished run in output_dir (finished_run): its final/, last step, and how its run config differs from this
-    one's (config_differences)."""
-
-    final: str
-    step: int | None
-    differences: list[tuple[str, object, object]]
-
-    def message(self, output_dir: str) -> str:
-        step = f", step {self.step}" if self.step is not None else ""
-        return (
-            f"finetune: the run in {output_dir} finished already ({self.final} complete{step}); nothing left to run. "
-            "Pick a new output_dir, or add --overwrite_output_dir true, to train again."
-        )
 
 
 def finished_run(cfg: RunConfig) -> Finished | None:

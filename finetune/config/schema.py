@@ -537,6 +537,23 @@ SECTIONS = {"model": ModelArgs, "data": DataArgs, "train": TrainArgs, "peft": Pe
 NESTED = ("peft",)  # sections written as a mapping in YAML and as --<section>.<field> on the command line
 
 
+@dataclass(frozen=True)
+class Finished:
+    """A finished run in output_dir (preflight.finished_run): its final/, last step, and how its run config differs
+    from this one's (config_differences)."""
+
+    final: str
+    step: int | None
+    differences: list[tuple[str, object, object]]
+
+    def message(self, output_dir: str) -> str:
+        step = f", step {self.step}" if self.step is not None else ""
+        return (
+            f"finetune: the run in {output_dir} finished already ({self.final} complete{step}); nothing left to run. "
+            "Pick a new output_dir, or add --overwrite_output_dir true, to train again."
+        )
+
+
 @dataclass
 class RunConfig:
     """The whole run config: one section per builder. Flat in YAML and on the command line."""
@@ -545,6 +562,10 @@ class RunConfig:
     data: DataArgs = field(default_factory=DataArgs)
     train: TrainArgs = field(default_factory=TrainArgs)
     peft: PeftArgs = field(default_factory=PeftArgs)
+    # Not a setting but a fact of the disk that parsing found (build_config, with the filesystem checked): the run in
+    # output_dir finished already. Read once there, since it reads final/ and all of metrics.jsonl; the output_dir
+    # check and the start (cli: nothing left to run) both ask it. None otherwise; never compared.
+    finished: Finished | None = field(default=None, compare=False)
 
     def to_flat(self) -> dict[str, Any]:
         """The effective config as the YAML a user would write (what is saved next to every export)."""
