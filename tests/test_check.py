@@ -43,6 +43,7 @@ def row(rank: int, **kw) -> dict:
         "config_hash": "abc123",
         "config_error": None,
         "output_dir": "/out",
+        "finished": None,
         "seed": 7,
         "broadcast_ok": True,
         "allreduce_ok": True,

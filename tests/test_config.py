@@ -176,7 +176,8 @@ def test_a_requeued_run_that_had_finished_ends_at_once(tmp_path, valid):
     """A SLURM job preempted after its run's last step's vote exits 128+N once final/ is complete; SLURM requeues it,
     and its --resume_from_checkpoint auto was refused (exit 2: output_dir holds a previous run) without a checkpoint
     (save_steps null), or wrote final/ again from the last one. The same run config on a finished run (final/ and its
-    model card complete) now exits 0 at once, saying so, before anything loads, and leaves output_dir as it was; a
+    model card complete) now exits 0 at once, saying so, before anything loads, and leaves output_dir as it was
+    (`finetune check` of that launch says so too: it said "check passed" and nothing of the run ending at once); a
     run config that differs (but for resume_from_checkpoint, overwrite_output_dir) is refused as before, saying that
     run finished; a card without finetune's mark (an adapter's own README.md: report.finish had not run),
     push_to_hub (no record of the upload) or several machines (final/ on machine 0 only) is not taken for one."""
@@ -191,11 +192,19 @@ def test_a_requeued_run_that_had_finished_ends_at_once(tmp_path, valid):
     assert done and done.final == str(out / "final") and done.step == 3 and not done.differences, done
     assert cfg.finished == done  # the parse carries it to cli, which reads final/ and metrics.jsonl no second time
     before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
-    proc = run_cli("--config", write_yaml(tmp_path / "run.yaml", auto))
+    run_yaml = write_yaml(tmp_path / "run.yaml", auto)
+    proc = run_cli("--config", run_yaml)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip() == done.message(str(out)), proc.stderr
     assert f"the run in {out} finished already ({out / 'final'} complete, step 3); nothing left to run" in proc.stderr
     assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()} == before
+    checked = run_cli("check", "--config", run_yaml)  # the preflight of that launch: it passes, and says why it
+    assert checked.returncode == 0 and checked.stdout.rstrip().endswith("check passed"), checked  # would not train
+    assert (
+        f"the run in {out} finished already ({out / 'final'} complete, step 3): launched with --resume_from_checkpoint "
+        "auto, the run ends at once (exit 0) without training. Pick a new output_dir, or add --overwrite_output_dir "
+        "true, to train again."
+    ) in checked.stdout.splitlines(), checked.stdout
     assert "output_dir" in problems_of(valid)  # without auto: refused as before
     assert finished_run(build_config({**auto, "overwrite_output_dir": True})) is None
     assert finished_run(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, push_to_hub=True))) is None

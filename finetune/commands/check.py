@@ -13,7 +13,8 @@ at resume. This check finds each of those in seconds and names the rank:
    rank 0 waits --timeout seconds and names the ranks that never arrived;
 3. a process group (gloo on CPU, nccl on GPU): all_gather of the facts, a broadcast and an all-reduce
    checked for the right values, and the all-reduce bandwidth;
-4. each node's local main writes a file into output_dir: writable? shared between nodes?
+4. each node's local main writes a file into output_dir: writable? shared between nodes? (And from the
+   parse: has the run there finished already, so that the launch would end at once without training?)
 5. rank 0 prints one table and "check passed" or a numbered list of problems, each with what to do.
 
 Exit code: 0 all well, 1 a problem, 2 bad input. The logic that judges the gathered facts
@@ -56,7 +57,9 @@ What it checks, in order (every rank; rank 0 reports):
   2. arrival through the launcher's TCP store within --timeout seconds; ranks that never arrive are named;
   3. a process group (gloo on CPU, nccl on GPU): gather of the facts, broadcast and all-reduce with checked
      results, all-reduce bandwidth (algbw and busbw = algbw * 2(n-1)/n, as nccl-tests define them);
-  4. output_dir: writable on every node, and shared between nodes or node-local.
+  4. output_dir: writable on every node, and shared between nodes or node-local; under
+     --resume_from_checkpoint auto on one machine, whether the run there finished already (the launch would
+     end at once, exit 0, without training: one line says so, and how to train again).
 Problems (exit 1): versions or run config differing between ranks, two ranks on one GPU, output_dir
 not writable, ranks that never arrived, a collective with a wrong result. Bad input: exit 2.
 Without a launcher (`python -m finetune check`) it checks this one process."""
@@ -170,10 +173,11 @@ def versions(gpu: bool) -> dict[str, str]:
 
 
 def config_facts(args: argparse.Namespace, overrides: list[str]) -> dict:
-    """Hash of the effective run config (what the real run would use) and the output_dir to check.
+    """Hash of the effective run config (what the real run would use), the output_dir to check, and whether the run
+    in it finished already (`finished`: the line saying so, where the real run would end at once without training).
     A bad config is a ConfigError rendered into the facts: the rank still arrives, and rank 0 reports it."""
     if not args.config and not overrides:
-        return {"config_hash": None, "config_error": None, "output_dir": args.output_dir}
+        return {"config_hash": None, "config_error": None, "output_dir": args.output_dir, "finished": None}
     from finetune.config import parse
 
     argv = (["--config", args.config] if args.config else []) + overrides
@@ -181,12 +185,14 @@ def config_facts(args: argparse.Namespace, overrides: list[str]) -> dict:
     try:
         cfg = parse(argv)
     except ConfigError as e:
-        return {"config_hash": None, "config_error": e.render(), "output_dir": args.output_dir}
+        return {"config_hash": None, "config_error": e.render(), "output_dir": args.output_dir, "finished": None}
     flat = json.dumps(cfg.to_flat(), sort_keys=True, default=str)
+    done = cfg.finished  # the real run would end at once here, exit 0: the check passes, but says it would not train
     return {
         "config_hash": hashlib.sha256(flat.encode()).hexdigest()[:12],
         "config_error": None,
         "output_dir": cfg.train.output_dir,
+        "finished": done.launch_note(cfg.train.output_dir) if done and not done.differences else None,
     }
 
 
@@ -369,7 +375,7 @@ def render_report(rows: list[dict], heading: str) -> tuple[str, int]:
     """The whole report rank 0 prints, and the exit code."""
     problems = find_problems(rows)
     parts = [heading, render_table(rows)]
-    parts += [line for line in (bandwidth_summary(rows), output_summary(rows)) if line]
+    parts += [line for line in (bandwidth_summary(rows), output_summary(rows), rows[0]["finished"]) if line]
     parts.append(render_problems(problems) if problems else "check passed")
     return "\n".join(parts), 1 if problems else 0
 

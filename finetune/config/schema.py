@@ -537,6 +537,10 @@ SECTIONS = {"model": ModelArgs, "data": DataArgs, "train": TrainArgs, "peft": Pe
 NESTED = ("peft",)  # sections written as a mapping in YAML and as --<section>.<field> on the command line
 
 
+# How to train again where a run finished already (Finished): what the run ending at once and `finetune check` say.
+TRAIN_AGAIN = "Pick a new output_dir, or add --overwrite_output_dir true, to train again."
+
+
 @dataclass(frozen=True)
 class Finished:
     """A finished run in output_dir (preflight.finished_run): its final/, last step, and how its run config differs
@@ -547,11 +551,19 @@ class Finished:
     differences: list[tuple[str, object, object]]
 
     def message(self, output_dir: str) -> str:
-        step = f", step {self.step}" if self.step is not None else ""
+        """What the run says as it ends at once (cli)."""
+        return f"finetune: {self._state(output_dir)}; nothing left to run. {TRAIN_AGAIN}"
+
+    def launch_note(self, output_dir: str) -> str:
+        """What `finetune check` says of it: the launch it checks would not train (its own exit 0 is no sign of that)."""
         return (
-            f"finetune: the run in {output_dir} finished already ({self.final} complete{step}); nothing left to run. "
-            "Pick a new output_dir, or add --overwrite_output_dir true, to train again."
+            f"{self._state(output_dir)}: launched with --resume_from_checkpoint auto, the run ends at once (exit 0) "
+            f"without training. {TRAIN_AGAIN}"
         )
+
+    def _state(self, output_dir: str) -> str:
+        step = f", step {self.step}" if self.step is not None else ""
+        return f"the run in {output_dir} finished already ({self.final} complete{step})"
 
 
 @dataclass
