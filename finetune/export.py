@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
@@ -27,7 +28,7 @@ from finetune.checkpoint import (
     write_atomic,
 )
 from finetune.cluster import host_gather, host_wait
-from finetune.config import ConfigError
+from finetune.config import AUTO_CLASSES, ConfigError
 from finetune.config.preflight import looks_local
 from finetune.faults import fault_point
 from finetune.formats import at_rest
@@ -122,110 +123,226 @@ def absolute_base_model(directory: str) -> None:
 MERGE_MARKER = "finetune_merge.json"  # in a merged model directory: what it was merged from; marks it replaceable
 
 
-def merge_adapter(adapter_dir: str, out_dir: str, dtype: str | None = None, overwrite: bool = False) -> str:
+@dataclass(frozen=True)
+class MergeBase:
+    """The base model a merge loads: its name (a local directory or a Hub id) and the key that named it (--base_model,
+    or base_model_name_or_path in the adapter's adapter_config.json), which every error about it names."""
+
+    name: str
+    key: str
+    given: bool  # named by --base_model
+
+    def fix(self, what: str) -> str:
+        """How to name another base model: `what`, with --base_model first (the adapter's own file stays as it is)."""
+        if self.given:
+            return f"give --base_model {what}"
+        return f"give {what} with --base_model (or set it there)"
+
+
+def _merge_base(adapter_dir: str, adapter_config: dict, base_model: str | None) -> MergeBase:
+    """The base model of a merge: base_model where given, else the one adapter_config.json names."""
+    if base_model is not None:
+        return MergeBase(base_model, "--base_model", True)
+    key = f"base_model_name_or_path in {os.path.join(adapter_dir, 'adapter_config.json')}"
+    return MergeBase(adapter_config.get("base_model_name_or_path") or "", key, False)
+
+
+def merge_adapter(
+    adapter_dir: str, out_dir: str, dtype: str | None = None, overwrite: bool = False, base_model: str | None = None
+) -> str:
     """Base model + adapter -> one plain model directory (loads with from_pretrained), atomically, in dtype (None:
     the run's save_dtype, as final/ was written; auto: the base model's own). The merge itself is done in float32,
     whatever the base model's dtype.
 
+    base_model: the base model to merge into (a directory or Hub id) instead of the one adapter_config.json names;
+    it must fit the adapter (_adapted_model). adapter_dir is only read.
+
     out_dir must be new or empty, or hold a previous merge (its MERGE_MARKER) and be ADAPTER/merged or replaced on
-    purpose (overwrite); a ConfigError otherwise, and for a base model that is not where the adapter says.
+    purpose (overwrite); a ConfigError otherwise, for a base model that is not there or cannot be loaded, and for
+    one the adapter does not fit. Nothing is written then.
 
     A classifier adapter's classes come from its labels.json (the base model is rebuilt with that head); an
     encoder-decoder's adapter says so in its task_type."""
-    from transformers import AutoTokenizer
-
     from finetune.config import ModelArgs
 
     with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
         adapter_config = json.load(f)
-    base = ModelArgs(model=adapter_config.get("base_model_name_or_path") or "")
-    problems = peft_missing("adapter") + _base_model_problems(adapter_dir, base.model)
-    problems += _merge_output_problems(adapter_dir, base.model, out_dir, overwrite)
+    base = _merge_base(adapter_dir, adapter_config, base_model)
+    problems = peft_missing("adapter") + _base_model_problems(base)
+    problems += _merge_output_problems(adapter_dir, base.name, out_dir, overwrite)
     if problems:
         raise ConfigError(problems)
-    quantized = quantized_base(model_config(base), base.model)  # an unreadable config: from_pretrained says why
+    quantized = quantized_base(model_config(ModelArgs(model=base.name)), base.name)  # unreadable: loading says why
     if quantized:
-        raise ConfigError([("adapter", quantized)])
-    label_names = None
-    if os.path.exists(os.path.join(adapter_dir, LABELS_FILE)):
-        with open(os.path.join(adapter_dir, LABELS_FILE)) as f:
-            label_names = json.load(f)
-    try:
-        merged = _adapted_model(adapter_dir, adapter_config, label_names)
-    except OSError as e:  # a Hub id neither cached nor reachable, or a base directory without weights
-        raise _base_load_error(adapter_dir, base.model, e) from None
+        raise ConfigError([(base.key, quantized)])
+    tokenizer = _adapter_tokenizer(adapter_dir)
+    merged = _adapted_model(adapter_dir, adapter_config, base, len(tokenizer))
     if dtype in (None, "auto"):  # the run's save_dtype (None), or the base model's own dtype, as its config.json says
-        dtype = save_dtype(ModelArgs(model=base.model, save_dtype=dtype or _run_save_dtype(adapter_dir)))
+        dtype = save_dtype(ModelArgs(model=base.name, save_dtype=dtype or _run_save_dtype(adapter_dir)))
     merged = merged.merge_and_unload().to(DTYPES[dtype])
+    used = os.path.abspath(base.name) if os.path.isdir(base.name) else base.name
+    marker = {"adapter": os.path.abspath(adapter_dir), "base_model": used, "dtype": dtype}
+    _write_merged(merged, tokenizer, marker, out_dir)
+    return out_dir
+
+
+def _write_merged(merged, tokenizer, marker: dict, out_dir: str) -> None:
+    """The merged model, its tokenizer and MERGE_MARKER, written beside out_dir and renamed into place."""
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".merging-", dir=parent)  # a name of its own: nobody's files are in it
     try:
         merged.save_pretrained(tmp, safe_serialization=True)
-        AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(tmp)
-        marker = {"adapter": os.path.abspath(adapter_dir), "base_model": base.model, "dtype": dtype}
+        tokenizer.save_pretrained(tmp)
         write_atomic(os.path.join(tmp, MERGE_MARKER), json.dumps(marker, indent=2) + "\n")
-        if os.path.isdir(out_dir):  # empty, or a previous merge (checked above)
+        if os.path.isdir(out_dir):  # empty, or a previous merge (checked by _merge_output_problems)
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
 
 
 def _run_save_dtype(adapter_dir: str) -> str:
     """The save_dtype of the run that wrote adapter_dir (its run_config.yaml); auto without one."""
+    said = _run_config(adapter_dir).get("save_dtype", "auto")
+    return said if isinstance(said, str) and said in DTYPES else "auto"
+
+
+def _run_config(adapter_dir: str) -> dict:
+    """The run config of the run that wrote adapter_dir (its run_config.yaml); {} without a readable one."""
     try:
         with open(os.path.join(adapter_dir, CONFIG_FILE)) as f:
-            said = (yaml.safe_load(f) or {}).get("save_dtype", "auto")
-    except (OSError, yaml.YAMLError, AttributeError):
-        return "auto"
-    return said if said in DTYPES else "auto"
+            said = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return {}
+    return said if isinstance(said, dict) else {}
 
 
-def _adapted_model(adapter_dir: str, adapter_config: dict, label_names: list | None):
-    """The base model with the adapter on it, in float32; a classifier rebuilt with the adapter's classes."""
-    from peft import AutoPeftModelForCausalLM, AutoPeftModelForSeq2SeqLM, AutoPeftModelForSequenceClassification
+def _adapter_tokenizer(adapter_dir: str):
+    """The tokenizer saved with the adapter (the run's: what the merged model is used with)."""
+    from transformers import AutoTokenizer
 
-    if label_names:
-        return AutoPeftModelForSequenceClassification.from_pretrained(
-            adapter_dir, dtype=DTYPES["float32"], **head_kwargs(label_names)
-        )
+    try:
+        return AutoTokenizer.from_pretrained(adapter_dir)
+    except (OSError, ValueError, KeyError) as e:
+        raise load_error(
+            "tokenizer", adapter_dir, e, key="adapter", fix="save the run's tokenizer there (save_pretrained)"
+        ) from None
+
+
+def _adapted_model(adapter_dir: str, adapter_config: dict, base: MergeBase, vocab: int):
+    """The base model with the adapter on it, in float32 (a classifier rebuilt with the classes of the adapter's
+    labels.json; the embeddings grown to the adapter's tokenizer of vocab tokens, as the run grew them). Refused
+    where the adapter does not fit the base: no module it adapts, a tensor of another shape, an adapted module
+    missing or left over (a base of other sizes or layers)."""
+    import transformers
+    from peft import PeftConfig, get_peft_model
+
+    label_names = _label_names(adapter_dir)
     seq2seq = adapter_config.get("task_type") == "SEQ_2_SEQ_LM"
-    auto = AutoPeftModelForSeq2SeqLM if seq2seq else AutoPeftModelForCausalLM
-    return auto.from_pretrained(adapter_dir, dtype=DTYPES["float32"])
+    auto = AUTO_CLASSES["classification" if label_names else "seq2seq" if seq2seq else "causal_lm"]
+    try:
+        net = getattr(transformers, auto).from_pretrained(
+            base.name, dtype=DTYPES["float32"], **(head_kwargs(label_names) if label_names else {})
+        )
+    except OSError as e:  # a Hub id neither cached nor reachable, or a base directory without weights
+        raise _base_load_error(base, e) from None
+    except ValueError as e:  # a kind of model the adapter's Auto class does not load (an encoder-decoder's, ...)
+        raise _misfit(adapter_dir, base, f"{auto} does not load it ({_first_line(e)})") from None
+    if vocab > net.get_input_embeddings().num_embeddings:
+        net.resize_token_embeddings(vocab)
+    config = PeftConfig.from_pretrained(adapter_dir)
+    config.base_model_name_or_path, config.inference_mode = base.name, True  # in memory: the file stays as it is
+    try:
+        net = get_peft_model(net, config)
+        loaded = net.load_adapter(adapter_dir, "default")  # as PeftModel.from_pretrained, which drops this result
+    except (ValueError, RuntimeError) as e:  # no module to adapt (NoMatchingPeftModuleError), a size mismatch
+        raise _misfit(adapter_dir, base, _first_line(e, "size mismatch")) from None
+    left = [f"{len(keys)} {what} (e.g. {keys[0]})" for keys, what in _unplaced(loaded) if keys]
+    if left:
+        raise _misfit(adapter_dir, base, " and ".join(left))
+    return net
 
 
-def _base_model_problems(adapter_dir: str, name: str) -> list[tuple[str, str]]:
-    """The base model that adapter_config.json names, where it is local: there, and a model directory."""
-    where = f"base_model_name_or_path in {os.path.join(adapter_dir, 'adapter_config.json')}"
-    fix = "set it there to the base model's directory (or Hub id)"
-    if not name:
-        return [("adapter", f"{where} names no base model; {fix}")]
-    if looks_local(name) and not os.path.isdir(os.path.expanduser(name)):
-        return [("adapter", f"the base model {name!r} ({where}) does not exist here; moved? {fix}")]
-    if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
-        return [("adapter", f"the base model {name!r} ({where}) has no config.json; {fix}")]
+def _unplaced(loaded) -> list[tuple[list[str], str]]:
+    """What load_adapter could not place: the adapter's tensors without a module of the base (a layer or module it
+    lacks), the base's adapted modules without a tensor in the adapter (a layer it has more)."""
+    return [
+        (list(loaded.unexpected_keys), "of the adapter's tensors have no module in it"),
+        (list(loaded.missing_keys), "of its adapted modules have no tensor in the adapter"),
+    ]
+
+
+def _label_names(adapter_dir: str) -> list | None:
+    """A classifier adapter's classes in id order (its LABELS_FILE); None for any other adapter."""
+    path = os.path.join(adapter_dir, LABELS_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _first_line(e: Exception, containing: str = "") -> str:
+    """The error's first line (its first line containing `containing`, where one does)."""
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()] or [type(e).__name__]
+    return next((line for line in lines if containing and containing in line), lines[0])
+
+
+def _misfit(adapter_dir: str, base: MergeBase, why: str) -> ConfigError:
+    """The adapter does not fit the base model: why, and the model it was trained on (the run's, where its
+    run_config.yaml says)."""
+    trained = _run_config(adapter_dir).get("model")
+    on = f" (its run trained {trained!r})" if isinstance(trained, str) and trained else ""
+    return ConfigError(
+        [
+            (
+                base.key,
+                f"the adapter in {adapter_dir} does not fit the base model {base.name!r}: {why.rstrip('.')}. Merge it into the "
+                f"model it was trained on{on}: " + base.fix("that model's directory or Hub id"),
+            )
+        ]
+    )
+
+
+def _base_model_problems(base: MergeBase) -> list[tuple[str, str]]:
+    """The base model, where it is local: there, and a model directory."""
+    if not base.name:
+        return [(base.key, "names no base model; " + base.fix("the base model's directory or Hub id"))]
+    if looks_local(base.name) and not os.path.isdir(os.path.expanduser(base.name)):
+        moved = "" if base.given else "moved? "
+        fix = base.fix("the base model's directory (or Hub id)")
+        return [(base.key, f"the base model {base.name!r} does not exist here; {moved}{fix}")]
+    if os.path.isdir(base.name) and not os.path.isfile(os.path.join(base.name, "config.json")):
+        return [
+            (
+                base.key,
+                f"the base model {base.name!r} has no config.json; "
+                + base.fix("a model directory saved with save_pretrained"),
+            )
+        ]
     return []
 
 
-def _base_load_error(adapter_dir: str, name: str, e: OSError) -> ConfigError:
-    """The base model that adapter_config.json names could not be loaded (a directory without weights, a Hub id
-    neither in the local cache nor reachable): why, and what to set there instead."""
+def _base_load_error(base: MergeBase, e: OSError) -> ConfigError:
+    """The base model could not be loaded (a directory without weights, a Hub id neither in the local cache nor
+    reachable): why, and what to give instead."""
     from huggingface_hub import constants
 
-    key = f"base_model_name_or_path in {os.path.join(adapter_dir, 'adapter_config.json')}"
-    if os.path.isdir(name):
-        return load_error("base model", name, e, key=key, fix="set it there to a directory saved with save_pretrained")
+    if os.path.isdir(base.name):
+        return load_error(
+            "base model", base.name, e, key=base.key, fix=base.fix("a directory saved with save_pretrained")
+        )
     offline = constants.is_offline_mode()
     fix = (
         "it is not a local directory nor in the local Hugging Face cache, and the Hub is "
         + ("offline (HF_HUB_OFFLINE)" if offline else "unreachable")
-        + ": set it there to a local copy of the base model (a directory saved with save_pretrained), or merge "
+        + ": "
+        + base.fix("a local copy of the base model (a directory saved with save_pretrained)")
+        + ", or merge "
         + ("with HF_HUB_OFFLINE unset" if offline else "again")
         + " where the Hub is reachable (the base model is then downloaded into the cache)"
     )
-    return load_error("base model", name, e, key=key, fix=fix)
+    return load_error("base model", base.name, e, key=base.key, fix=fix)
 
 
 def _merge_output_problems(adapter_dir: str, base: str, out_dir: str, overwrite: bool) -> list[tuple[str, str]]:

@@ -462,8 +462,9 @@ def test_merge_never_replaces_what_it_did_not_write(assets, tmp_path, capsys, mo
     """`finetune merge` replaces only a previous merge: ADAPTER/merged as it stands, another --output with
     --overwrite. It removed whatever --output held (a user's files, the adapter itself) and then wrote there. A base
     model that is no longer where adapter_config.json says, a Hub id neither cached nor reachable, a directory without
-    weights: exit 2 naming base_model_name_or_path and what to set it to (it was an OSError traceback, then a fix
-    naming the run config's model). Every refusal leaves every file as it was."""
+    weights: exit 2 naming base_model_name_or_path and the fix, --base_model first (it was an OSError traceback, then
+    a fix naming the run config's model, then only editing adapter_config.json by hand). Every refusal leaves every
+    file as it was."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -513,6 +514,7 @@ def test_merge_never_replaces_what_it_did_not_write(assets, tmp_path, capsys, mo
     err = capsys.readouterr().err
     assert "base_model_name_or_path" in err and str(tmp_path / "gone") in err and "Traceback" not in err
     assert err.startswith("finetune: 1 problem in what finetune merge was given:"), err
+    assert "give the base model's directory (or Hub id) with --base_model (or set it there)" in err, err
 
     config["base_model_name_or_path"] = "someorg/a-model-not-in-the-cache"  # a Hub id, offline and not cached
     (moved / "adapter_config.json").write_text(json.dumps(config))
@@ -520,7 +522,8 @@ def test_merge_never_replaces_what_it_did_not_write(assets, tmp_path, capsys, mo
     err = capsys.readouterr().err
     assert "base_model_name_or_path in" in err and "someorg/a-model-not-in-the-cache" in err and "Hub" in err, err
     # the fix is the adapter's key, not the run config's model: a local copy there, or the Hub reachable
-    assert "the Hub is offline (HF_HUB_OFFLINE): set it there to a local copy of the base model" in err, err
+    assert "the Hub is offline (HF_HUB_OFFLINE): give a local copy of the base model" in err, err
+    assert "with --base_model (or set it there)" in err, err
     assert "merge with HF_HUB_OFFLINE unset where the Hub is reachable" in err, err
     no_weights = tmp_path / "config_only"  # a base directory without weights: was 'point model at ...'
     no_weights.mkdir()
@@ -529,10 +532,103 @@ def test_merge_never_replaces_what_it_did_not_write(assets, tmp_path, capsys, mo
     (moved / "adapter_config.json").write_text(json.dumps(config))
     assert merge([str(moved)]) == 2 and not (moved / "merged").exists()
     err = capsys.readouterr().err
-    assert "model.safetensors" in err and "set it there to a directory saved with save_pretrained" in err, err
+    assert "model.safetensors" in err and "give a directory saved with save_pretrained with --base_model" in err, err
     assert "point model" not in err and "Traceback" not in err, err
 
     monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` fails, as without finetune[peft]
     assert merge([str(adapter)]) == 2  # was a ModuleNotFoundError traceback
     err = capsys.readouterr().err
     assert "  - adapter: needs the peft package: pip install 'finetune[peft]'" in err and "Traceback" not in err, err
+
+
+def lora_adapter(base_model: str, directory: Path) -> Path:
+    """A LoRA adapter of base_model (q_proj and v_proj, r 2, B not zero: the merge changes the weights) saved as
+    finetune saves one: task_type, the tokenizer, and the run config naming the model it trained."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=2, lora_alpha=8, init_lora_weights=False, task_type="CAUSAL_LM")
+    get_peft_model(AutoModelForCausalLM.from_pretrained(base_model), config).save_pretrained(directory)
+    AutoTokenizer.from_pretrained(base_model).save_pretrained(directory)
+    (directory / "run_config.yaml").write_text(yaml.safe_dump({"model": base_model, "peft": {"method": "lora"}}))
+    return directory
+
+
+def merged_by_hand(base_model: str, adapter: Path) -> dict[str, torch.Tensor]:
+    """The base's weights with the adapter merged in, from the two safetensors: W + (alpha / r) B A."""
+    weights = load_file(str(Path(base_model) / "model.safetensors"))
+    lora = load_file(str(adapter / "adapter_model.safetensors"))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / config["r"]
+    for key in [k for k in lora if ".lora_A." in k]:
+        name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+        weights[name] = weights[name] + scale * lora[key.replace(".lora_A.", ".lora_B.")] @ lora[key]
+    return weights
+
+
+def test_merge_into_a_base_model_given_with_base_model(assets, tmp_path):
+    """An adapter whose adapter_config.json names a base model that is not here (trained on another machine): `finetune
+    merge --base_model` merges it into a copy of that base in another directory, with the weights of a merge into the
+    original (computed here from the two safetensors); finetune_merge.json names the base used, the adapter directory
+    is left byte for byte as it was, and the default dtype (auto here: no save_dtype in the run config) is the given
+    base's own. Without --base_model the only fix was editing adapter_config.json by hand."""
+    from finetune.commands.merge import main as merge
+
+    adapter = lora_adapter(assets.llama, tmp_path / "final")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = "/on/another/machine/llama"
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    base = tmp_path / "models" / "llama"
+    shutil.copytree(assets.llama, base)
+    before = {p: p.read_bytes() for p in adapter.rglob("*") if p.is_file()}
+    assert merge([str(adapter), "--base_model", str(base), "--output", str(tmp_path / "m")]) == 0
+    merged = load_file(str(tmp_path / "m" / "model.safetensors"))
+    want = merged_by_hand(assets.llama, adapter)
+    assert max_tensor_diff(merged, want) <= 1e-6
+    assert any((merged[k] - load_file(str(base / "model.safetensors"))[k]).abs().max() > 1e-3 for k in merged)
+    marker = json.loads((tmp_path / "m" / "finetune_merge.json").read_text())
+    assert marker == {"adapter": str(adapter), "base_model": str(base), "dtype": "float32"}, marker
+    assert {p: p.read_bytes() for p in adapter.rglob("*") if p.is_file()} == before
+
+    base_config = json.loads((base / "config.json").read_text())
+    base_config["dtype"] = "bfloat16"  # the given base's own dtype is what auto writes
+    (base / "config.json").write_text(json.dumps(base_config))
+    assert merge([str(adapter), "--base_model", str(base), "--output", str(tmp_path / "m16")]) == 0
+    merged16 = load_file(str(tmp_path / "m16" / "model.safetensors"))
+    assert all(torch.equal(merged16[k], merged[k].to(torch.bfloat16)) for k in merged)  # one merge, two casts
+    assert json.loads((tmp_path / "m16" / "finetune_merge.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_merge_refuses_a_base_model_the_adapter_does_not_fit(assets, tmp_path, capsys):
+    """--base_model naming a model the adapter was not trained on: a narrower Llama (LoRA shapes that do not fit), a
+    shallower one (adapter tensors without a module), a deeper one (adapted modules without a tensor: they would
+    merge nothing), GPT-2 (no q_proj or v_proj), T5 (not a causal LM), a directory that is not there. Exit 2 naming
+    --base_model, what does not fit and the model the run trained; nothing written, no traceback. peft alone loads
+    a shallower or deeper base (only the deeper one with a warning), and a merge into it would be silently wrong."""
+    from finetune import demo
+    from finetune.commands.merge import main as merge
+
+    adapter = lora_adapter(assets.llama, tmp_path / "final")
+    build = {"narrow": {"hidden_size": 32}, "shallow": {"num_hidden_layers": 1}, "deep": {"num_hidden_layers": 3}}
+    bases = {name: demo.build_model("llama", tmp_path / name, assets.tokenizer, **o) for name, o in build.items()}
+    bases |= {"gpt2": assets.gpt2, "t5": assets.t5, "nowhere": str(tmp_path / "nowhere")}
+    why = {
+        "narrow": "size mismatch for base_model.model.model.layers.0.self_attn.q_proj.lora_A",
+        "shallow": "4 of the adapter's tensors have no module in it (e.g. base_model.model.model.layers.1.",
+        "deep": "4 of its adapted modules have no tensor in the adapter (e.g. base_model.model.model.layers.2.",
+        "gpt2": "not found in the base model",
+        "t5": "AutoModelForCausalLM does not load it",
+        "nowhere": "does not exist here; give --base_model the base model's directory (or Hub id)",
+    }
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    for name, base in bases.items():
+        assert merge([str(adapter), "--base_model", base, "--output", str(tmp_path / "m")]) == 2, name
+        err = capsys.readouterr().err
+        assert "  - --base_model: " in err and why[name] in err and "Traceback" not in err, (name, err)
+        if name != "nowhere":
+            assert f"does not fit the base model {base!r}" in err, err
+            assert f"Merge it into the model it was trained on (its run trained {assets.llama!r})" in err, err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["deep", "final", "narrow", "shallow"]
