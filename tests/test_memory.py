@@ -239,6 +239,22 @@ def test_a_live_reference_copy_is_counted_as_the_layout_places_it(assets):
     )
 
 
+def test_plan_shows_an_fsdp2_mesh_accelerate_refuses_as_refused(assets, tmp_path, capsys):
+    """An FSDP2 parallelism_config with no dp_shard ranks (tp_size equal to the processes), which accelerate 1.15
+    refuses at Accelerator(): the plan's row says the run's own refusal (fsdp.mesh_problems), with no estimate."""
+    import yaml
+
+    fsdp2 = yaml.safe_load((ROOT / "accelerate_configs" / "fsdp2.yaml").read_text())
+    path = tmp_path / "tp_only.yaml"
+    path.write_text(
+        yaml.safe_dump({**fsdp2, "num_processes": 2, "parallelism_config": {"parallelism_config_tp_size": 2}})
+    )
+    argv = ["plan", "--model", assets.llama, "--max_seq_length", "64", "--configs", f"{path},fsdp2"]
+    assert run_cli(argv) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("tp_only "))
+    assert "refused: parallelism_config_dp_shard_size: is 1 in an FSDP2 parallelism_config (tp 2)" in row, row
+
+
 def test_a_preference_pair_is_two_rows_of_activations_and_logits(assets):
     """A micro batch of B pairs is one forward over 2B rows (data.Collator): the planner counts the activations and
     logits of 2B rows, in training and evaluation (no eval split here, so training alone)."""
