@@ -32,6 +32,8 @@ pytestmark = pytest.mark.xdist_group("bad_inputs")  # one worker: its module fix
 ROOT = Path(__file__).resolve().parents[1]
 TIME_LIMIT_S = 10.0
 DROP = object()  # a base-config field set to DROP is left out of the YAML
+# An FSDP2 launch with a parallelism_config (as accelerate launch passes it on), its sizes added by the case
+FSDP2_MESH = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "ACCELERATE_USE_PARALLELISM_CONFIG": "true"}
 
 # Where a case must have stopped. CONFIG: at the edge, while parsing and validating (no Accelerator,
 # no tokenizer, no data). DATA: before any model is loaded (the problem needs the data or the
@@ -126,6 +128,9 @@ class Case:
     overwrite: bool = True  # pass --overwrite_output_dir true (the problem is not about output_dir)
     problems: int = 1
     marks: tuple = ()
+    # problems under accelerate launch's 2 ranks, where they differ (None: `problems`): a parallelism_config's mesh
+    # of 2 processes is refused besides in the one process of the in-process run, not under the launch
+    launched_problems: int | None = None
 
 
 def rows_cls(labels: list) -> list[dict]:
@@ -599,6 +604,42 @@ CASES = [
         "tp2_fsdp2.yaml",
     ),
     Case(
+        # accelerate 1.15 refused it at Accelerator() in a traceback on every rank: FSDP2 has no dp_shard ranks
+        "fsdp2_tp_over_every_process",
+        lambda c: (c.env.update(PARALLELISM_CONFIG_TP_SIZE="2", **FSDP2_MESH), c.yaml())[1],
+        "parallelism_config_dp_shard_size",
+        "tp2.yaml",
+        problems=2,  # and in one process: a mesh of 2 (accelerate config)
+        launched_problems=1,
+    ),
+    Case(
+        "fsdp2_dp_replicate_alone",
+        lambda c: (c.env.update(PARALLELISM_CONFIG_DP_REPLICATE_SIZE="2", **FSDP2_MESH), c.yaml())[1],
+        "parallelism_config_dp_shard_size",
+        "ddp.yaml",
+        problems=2,
+        launched_problems=1,
+    ),
+    Case(
+        "fsdp2_dp_replicate_x_tp",  # accelerate's ParallelismConfig refused it when it was made
+        lambda c: (
+            c.env.update(PARALLELISM_CONFIG_DP_REPLICATE_SIZE="2", PARALLELISM_CONFIG_TP_SIZE="2", **FSDP2_MESH),
+            c.yaml(),
+        )[1],
+        "parallelism_config_dp_shard_size",
+        "dp_replicate x dp_shard x tp = the processes",
+        problems=2,  # and a mesh of 4 processes in one (in two under accelerate launch)
+    ),
+    Case(
+        "parallelism_config_size_under_1",
+        lambda c: (
+            c.env.update(ACCELERATE_USE_PARALLELISM_CONFIG="true", PARALLELISM_CONFIG_DP_SHARD_SIZE="0"),
+            c.yaml(),
+        )[1],
+        "parallelism_config_dp_shard_size",
+        "must be a whole number >= 1",
+    ),
+    Case(
         "deepspeed_autotp",
         lambda c: c.deepspeed(tensor_parallel={"autotp_size": 2}),
         "tensor_parallel.autotp_size",
@@ -906,6 +947,7 @@ LAUNCHED_CASES = (
     # at the edge (the file and the command line are one parse on every rank: one case of it launched)
     "no_config_no_model",  # three problems
     "deepspeed_json_contradicts_accumulation",  # the launcher's DeepSpeed config
+    "fsdp2_tp_over_every_process",  # a parallelism_config accelerate refused at Accelerator() (FSDP2's come-up first)
     "output_dir_holds_previous_run",  # nothing of the previous run is touched
     # with the data: each place the main process can stop while the others wait for its cache
     "dataset_not_json",  # reading it
@@ -969,7 +1011,7 @@ def test_bad_input_under_accelerate_launch(case: Case, config: str, assets, no_c
     heading = "[launcher] finetune failed: rank" if config == "ddp" else "[launcher] finetune stopped with the message"
     report = next(i for i, line in enumerate(lines) if line.startswith(heading))
     message = lines[report + 1 :]  # the launcher's report ends with the message
-    n = case.problems
+    n = case.problems if case.launched_problems is None else case.launched_problems
     assert message[0] == f"finetune: {n} problem{'s' if n > 1 else ''} in the run config:", shown
     named = problem_lines("\n".join(message), case.key)
     assert len(named) == 1 and case.text in named[0], shown

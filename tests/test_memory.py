@@ -239,6 +239,76 @@ def test_a_live_reference_copy_is_counted_as_the_layout_places_it(assets):
     )
 
 
+def test_fsdp2_shards_over_dp_shard_x_tp_and_hsdp_replicas_hold_it_whole(assets, tmp_path):
+    """FSDP2 cuts a rank's model states dp_shard x tp ways (sharding.fsdp_shards): under HSDP (parallelism_config
+    dp_replicate_size 2 x dp_shard_size 2 on 4 processes) each dp_replicate group holds the whole model over its 2
+    dp_shard ranks (seen: parameter_shard 0.5 on 4 CPU processes; 0.2505 under HSDP x TP, 2 x 2 x 2 on 8), so a
+    rank holds what it holds under FSDP2 on 2 processes; the estimate had divided by every process (a quarter; an
+    eighth under HSDP x TP). Parameters, gradients, AdamW moments (fp32) and a live reference copy (dpo, which TP
+    refuses); the plan of such a config file, and the start log's estimate (Topology.read: test_parallel's HSDP
+    test), alike."""
+    import yaml
+
+    shape = memory.shape_from_config(run_config(assets.llama))
+    fsdp2 = yaml.safe_load((ROOT / "accelerate_configs" / "fsdp2.yaml").read_text())
+    live = run_config(assets.llama, method="dpo", reference="live")
+
+    def planned(n: int, **sizes: int) -> dict[str, float]:
+        pc = {"parallelism_config": {f"parallelism_config_{k}_size": v for k, v in sizes.items()}} if sizes else {}
+        (tmp_path / "acc.yaml").write_text(yaml.safe_dump({**fsdp2, "num_processes": n, **pc}))
+        cfg = run_config(assets.llama) if "tp" in sizes else live
+        est = memory.plan_config(shape, cfg, tmp_path / "acc.yaml", memory.Machines(cpu_processes=n))
+        assert not est.refused, est.refused
+        return {k: v * 1e9 for k, v in est.by_kind().items()}
+
+    w = 4  # fp32, each a share of the whole model
+    for n, sizes, share in [
+        (4, dict(dp_replicate=2, dp_shard=2), 1 / 2),
+        (2, {}, 1 / 2),
+        (8, dict(dp_replicate=2, dp_shard=2, tp=2), 1 / 4),
+        (4, dict(dp_shard=2, tp=2), 1 / 4),
+        (4, {}, 1 / 4),
+    ]:
+        got = planned(n, **sizes)
+        want = {"parameters": shape.total, "gradients": shape.trainable, "optimizer": 2 * shape.trainable}
+        if "tp" not in sizes:  # dpo's live reference: sharded as the trained model (prepare_frozen)
+            want["reference"] = shape.total
+        assert {k: got[k] for k in want} == pytest.approx({k: v * w * share for k, v in want.items()}), (n, sizes)
+    hsdp = topology.read_config_file(tmp_path / "acc.yaml")[0]
+    assert (hsdp.dp, hsdp.dp_replicate, hsdp.dp_shard) == (4, 1, 4)  # the last: fsdp2.yaml on 4
+    (tmp_path / "acc.yaml").write_text(
+        yaml.safe_dump(
+            {
+                **fsdp2,
+                "num_processes": 4,
+                "parallelism_config": {
+                    "parallelism_config_dp_replicate_size": 2,
+                    "parallelism_config_dp_shard_size": 2,
+                },
+            }
+        )
+    )
+    hsdp = topology.read_config_file(tmp_path / "acc.yaml")[0]
+    assert (hsdp.dp, hsdp.dp_replicate, hsdp.dp_shard) == (4, 2, 2)
+    assert "data parallel 4 (2 replicas x 2 shards) x tensor 1" in hsdp.summary()
+
+
+def test_plan_shows_an_fsdp2_mesh_accelerate_refuses_as_refused(assets, tmp_path, capsys):
+    """An FSDP2 parallelism_config with no dp_shard ranks (tp_size equal to the processes), which accelerate 1.15
+    refuses at Accelerator(): the plan's row says the run's own refusal (fsdp.mesh_problems), with no estimate."""
+    import yaml
+
+    fsdp2 = yaml.safe_load((ROOT / "accelerate_configs" / "fsdp2.yaml").read_text())
+    path = tmp_path / "tp_only.yaml"
+    path.write_text(
+        yaml.safe_dump({**fsdp2, "num_processes": 2, "parallelism_config": {"parallelism_config_tp_size": 2}})
+    )
+    argv = ["plan", "--model", assets.llama, "--max_seq_length", "64", "--configs", f"{path},fsdp2"]
+    assert run_cli(argv) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("tp_only "))
+    assert "refused: parallelism_config_dp_shard_size: is 1 in an FSDP2 parallelism_config (tp 2)" in row, row
+
+
 def test_a_preference_pair_is_two_rows_of_activations_and_logits(assets):
     """A micro batch of B pairs is one forward over 2B rows (data.Collator): the planner counts the activations and
     logits of 2B rows, in training and evaluation (no eval split here, so training alone)."""

@@ -550,6 +550,74 @@ def test_a_parallelism_config_whose_ranks_share_a_batch_is_refused(tmp_path):
         assert problems(launch_environment(path, int(yaml.safe_load(path.read_text())["num_processes"]))) == {}, name
 
 
+def accelerate_refuses(n: int, **sizes: int) -> bool:
+    """Whether accelerate 1.15 refuses this FSDP2 parallelism_config on n processes at Accelerator(): its
+    ParallelismConfig as Accelerator.__init__ makes it, then _validate_accelerator of a started FSDP2 Accelerator
+    (what that reads of it, faked)."""
+    from types import SimpleNamespace
+
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DistributedType
+
+    started = SimpleNamespace(
+        multi_device=n > 1, num_processes=n, is_fsdp2=True, distributed_type=DistributedType.FSDP, is_main_process=True
+    )
+    try:
+        ParallelismConfig(**{f"{k}_size": v for k, v in sizes.items()})._validate_accelerator(started)
+    except ValueError:
+        return True
+    return False
+
+
+def test_an_fsdp2_mesh_accelerate_refuses_is_refused_first(tmp_path):
+    """accelerate 1.15 refuses at Accelerator(), in a traceback on every rank, an FSDP2 parallelism_config that
+    leaves FSDP2 no dp_shard ranks to shard over: tp_size equal to the processes, dp_replicate_size alone
+    (_validate_accelerator: "no dimension for FSDP to shard across"), dp_replicate x tp (ParallelismConfig's
+    __post_init__), and any size under 1 (seen each on 2 or 4 CPU processes under accelerate launch). finetune
+    refuses each before the Accelerator, naming the key and a layout that runs; what accelerate runs is not refused
+    (plain FSDP2, TP x FSDP2, HSDP, HSDP x TP: seen running on 2, 4, 4 and 8 CPU processes). Each from the
+    environment accelerate's own launcher code builds for the config file (environment.launch_problems, which
+    finetune plan asks). When an accelerate_refuses assertion fails, accelerate runs such a mesh: look again."""
+    import math
+
+    import yaml
+
+    from finetune.config import build_config
+    from finetune.parallel.environment import launch_problems
+
+    cfg = build_config({"model": "(config given)", "dataset": "d.jsonl"}, check_filesystem=False)
+    fsdp2 = yaml.safe_load((ROOT / "accelerate_configs" / "fsdp2.yaml").read_text())
+
+    def refused(**sizes: int) -> dict[str, str]:
+        n = abs(math.prod(sizes.values()))
+        pc = {f"parallelism_config_{k}_size": v for k, v in sizes.items()}
+        (tmp_path / "acc.yaml").write_text(yaml.safe_dump({**fsdp2, "num_processes": n, "parallelism_config": pc}))
+        return dict(launch_problems(cfg, tmp_path / "acc.yaml", n))
+
+    for sizes, fix in [
+        (dict(tp=2), "accelerate_configs/tp2.yaml"),
+        (dict(tp=4), "accelerate_configs/tp2.yaml"),
+        (dict(dp_replicate=2), "accelerate_configs/ddp.yaml"),
+        (dict(dp_replicate=2, tp=2), "dp_replicate x dp_shard x tp = the processes"),
+        (dict(dp_replicate=2, dp_shard=1, tp=2), "tp2_fsdp2.yaml"),
+    ]:
+        assert accelerate_refuses(math.prod(sizes.values()), **sizes), sizes
+        got = refused(**sizes)
+        assert list(got) == ["parallelism_config_dp_shard_size"] and fix in got["parallelism_config_dp_shard_size"], got
+    assert accelerate_refuses(2, dp_replicate=-1, dp_shard=-2)
+    got = refused(dp_replicate=-1, dp_shard=-2)
+    assert list(got) == ["parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size"], got
+    assert all("must be a whole number >= 1" in why for why in got.values())
+    for sizes in (
+        dict(dp_shard=2),
+        dict(dp_shard=2, tp=2),
+        dict(dp_replicate=2, dp_shard=2),
+        dict(dp_replicate=2, dp_shard=2, tp=2),
+    ):
+        assert not accelerate_refuses(math.prod(sizes.values()), **sizes), sizes
+        assert refused(**sizes) == {}, sizes
+
+
 def dealt_by_accelerate(pc, rows: int) -> list[list[int]]:
     """The rows each rank's train loader yields (batch 1) under accelerate's ParallelismConfig pc, outside DeepSpeed:
     prepare_data_loader as accelerate calls it for that rank, with what it reads of the device mesh accelerate builds
@@ -603,6 +671,8 @@ def test_topology_counts_the_batches_accelerate_deals_under_hsdp(sizes):
     for rank, rows in enumerate(dealt):
         topology = fsdp_topology(pc, rank)
         assert (topology.dp, topology.tp) == (pc.data_parallel_size, pc.tp_size)
+        # what FSDP2 shards over (sharding.fsdp_shards): each dp_replicate group holds the whole model
+        assert (topology.dp_replicate, topology.dp_shard) == (pc.dp_replicate_size, pc.dp_shard_size)
         assert rows == [j * topology.dp + topology.dp_rank for j in range(len(rows))], (rank, rows)
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import torch
 
 from finetune.config import ConfigError
-from finetune.parallel.topology import Launcher
+from finetune.parallel.topology import PARALLELISM_DIMS, Launcher
 
 
 def has_accelerator_device() -> bool:
@@ -206,6 +206,22 @@ def qlora_refused(layout: str, why: str) -> tuple[str, str]:
         f"QLoRA does not run under {layout} here: {why}; use accelerate_configs/ddp.yaml or zero2.yaml (the 4-bit "
         "base is small: an adapter's optimizer state is what shards), or set peft.load_in_4bit: false",
     )
+
+
+def parallelism_size_problems(launcher: Launcher) -> list[tuple[str, str]]:
+    """A parallelism_config size under 1, refused under every family: accelerate 1.15 builds a ParallelismConfig
+    whenever the launch has a parallelism_config (Accelerator.__init__: ACCELERATE_USE_PARALLELISM_CONFIG), and its
+    __post_init__ raises for such a size (parallelism_config.py: "must be at least 1"); accelerate's launcher passes
+    any integer on (utils/launch.py prepare_extend_env_parallelism_config)."""
+    return [
+        (
+            f"parallelism_config_{dim}_size",
+            f"is {size}; a parallelism_config size must be a whole number >= 1 (accelerate refuses it at "
+            "Accelerator()): set the size you mean, or leave the key out (1: that dimension is not used)",
+        )
+        for dim in PARALLELISM_DIMS
+        if (size := launcher.parallelism(dim)) < 1
+    ]
 
 
 def sequence_split_problems(launcher: Launcher) -> list[tuple[str, str]]:

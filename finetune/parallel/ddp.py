@@ -19,6 +19,7 @@ from finetune.parallel.base import (
     for_export,
     has_accelerator_device,
     local_fraction,
+    parallelism_size_problems,
     prepare_all,
     save_from_this_process,
     sequence_split_problems,
@@ -41,8 +42,10 @@ def environment(cfg: RunConfig) -> None:
 
 
 def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here: bool = True) -> list[tuple[str, str]]:
-    """A parallelism_config beside a DDP config (accelerate's MULTI_GPU) that splits the sequence."""
-    return sequence_split_problems(Launcher.read(env))
+    """A parallelism_config beside a DDP config (accelerate's MULTI_GPU) that splits the sequence, or has a size
+    under 1."""
+    launcher = Launcher.read(env)
+    return parallelism_size_problems(launcher) + sequence_split_problems(launcher)
 
 
 def accelerator_kwargs(cfg: RunConfig) -> dict:

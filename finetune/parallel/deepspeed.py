@@ -128,7 +128,8 @@ def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here: bool = T
     tensor, context or sequence parallelism (a parallelism_config, the JSON's AutoTP)."""
     launcher = Launcher.read(env)
     out = _cpu_mode(launcher) + _set_by_the_launcher(cfg.train, launcher)
-    out += _parallelism_config_tp(launcher) + base.sequence_split_problems(launcher)
+    out += _parallelism_config_tp(launcher) + base.parallelism_size_problems(launcher)
+    out += base.sequence_split_problems(launcher)
     try:
         ds, where = requested_config(launcher)
     except (OSError, json.JSONDecodeError) as e:

@@ -71,19 +71,7 @@ def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here: bool = T
                 "weights by name); add `fsdp_version: 2` under fsdp_config, or start from accelerate_configs/fsdp2.yaml",
             )
         )
-    sizes = launcher.parallelism_sizes
-    mesh = math.prod(sizes.values())
-    if launcher.use_parallelism_config and mesh != launcher.world_size:
-        said = " x ".join(f"{k} {v}" for k, v in sizes.items() if v > 1)
-        p.append(
-            (
-                tensor.KEY,
-                f"the config's parallelism_config ({said}) makes a mesh of {mesh} processes and the launch has "
-                f"{launcher.world_size}; launch {mesh} processes (--num_processes {mesh}), or change the "
-                "parallelism_config sizes (for one process: accelerate_configs/fsdp2.yaml or fsdp2_offload.yaml)",
-            )
-        )
-    p += base.sequence_split_problems(launcher)
+    p += mesh_problems(launcher) + base.parallelism_size_problems(launcher) + base.sequence_split_problems(launcher)
     blocker = chunked_loss_blocker()
     if cfg.model.chunked_loss == "true" and blocker:
         p.append(("chunked_loss", f"is true, but {blocker}: upgrade torch to 2.13 or newer, or set chunked_loss: auto"))
@@ -105,6 +93,50 @@ def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here: bool = T
             )
         )
     return p
+
+
+def mesh_problems(launcher: Launcher) -> list[tuple[str, str]]:
+    """The parallelism_config mesh accelerate 1.15 refuses under FSDP2 at Accelerator() (parallelism_config.py),
+    said before it with the fix: a mesh of another size than the launch (_validate_accelerator: total_size), and a
+    mesh with no dp_shard ranks for FSDP2 to shard over, such as tp_size equal to the processes or
+    dp_replicate_size alone (_validate_accelerator: "no dimension for FSDP to shard across"; beside tp,
+    __post_init__: "cannot be used with pure data parallelism"). Context parallelism would give FSDP2 its cp ranks
+    to shard over, but is refused itself (base.sequence_split_problems); sizes under 1 are
+    base.parallelism_size_problems'."""
+    sizes = launcher.parallelism_sizes
+    if not launcher.use_parallelism_config or min(sizes.values()) < 1:
+        return []
+    p = []
+    mesh = math.prod(sizes.values())
+    said = " x ".join(f"{k} {v}" for k, v in sizes.items() if v > 1)
+    if mesh != launcher.world_size:
+        p.append(
+            (
+                tensor.KEY,
+                f"the config's parallelism_config ({said}) makes a mesh of {mesh} processes and the launch has "
+                f"{launcher.world_size}; launch {mesh} processes (--num_processes {mesh}), or change the "
+                "parallelism_config sizes (for one process: accelerate_configs/fsdp2.yaml or fsdp2_offload.yaml)",
+            )
+        )
+    if mesh > 1 and sizes["dp_shard"] == 1 and sizes["cp"] == 1:
+        p.append(("parallelism_config_dp_shard_size", nothing_to_shard(said, sizes)))
+    return p
+
+
+def nothing_to_shard(said: str, sizes: Mapping[str, int]) -> str:
+    """Why a mesh without dp_shard ranks cannot run under FSDP2, and what to launch instead."""
+    instead = []
+    if sizes["tp"] > 1 and sizes["dp_replicate"] == 1:
+        instead.append("for tensor parallelism over every process without FSDP use accelerate_configs/tp2.yaml")
+    if sizes["dp_replicate"] > 1 and sizes["tp"] == 1:
+        instead.append("for whole copies of the model on every rank (DDP) use accelerate_configs/ddp.yaml")
+    return (
+        f"is 1 in an FSDP2 parallelism_config ({said}), which leaves FSDP2 no ranks to shard the model over: "
+        "accelerate 1.15 refuses it at Accelerator(). Set parallelism_config_dp_shard_size to 2 or more with "
+        "dp_replicate x dp_shard x tp = the processes (TP x FSDP2: tp 2 x dp_shard 2 on 4, as "
+        "accelerate_configs/tp2_fsdp2.yaml; HSDP: dp_replicate 2 x dp_shard 2 on 4)"
+        + "".join(f"; or, {alternative}" for alternative in instead)
+    )
 
 
 def chunked_loss_blocker(torch_version: str | None = None) -> str | None:

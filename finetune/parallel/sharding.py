@@ -33,9 +33,10 @@ whatever the model's dtype, zero.Init building in the DeepSpeed config's dtype):
 Each part also says when it exists (`Part.phase`): always; during forward and backward only; or from the end
 of backward through the optimizer step (gradients the backend frees after every step: DeepSpeed ZeRO-1/2 and
 FSDP2, while DDP keeps its buckets). With gradient accumulation the gradients live across micro batches.
-  FSDP2               weights T*w/N, gradients P*w/N, moments 2P*w/N; gathered: the root module (embeddings,
-                      head) for the whole step, the layer computing now and the one prefetched, and one
-                      layer's full gradient before its reduce-scatter
+  FSDP2               weights T*w/N, gradients P*w/N, moments 2P*w/N, N = dp_shard x tp (fsdp_shards: the
+                      processes, but HSDP's dp_replicate groups each hold the whole model); gathered: the root
+                      module (embeddings, head) for the whole step, the layer computing now and the one
+                      prefetched, and one layer's full gradient before its reduce-scatter
   TP (tp ranks)       the model's tp_plan layers (decoder linears, head) split tp ways, the rest replicated
   Megatron-LM         layers split tp x pp ways; fp32 main gradients; distributed optimizer: moments and master
                       sharded over data parallel
@@ -146,7 +147,8 @@ def frozen_copy(topology: Topology, shape: Any) -> Part:
     whole on each rank elsewhere (one process, DDP, ZeRO-1/2, whose reference engine runs at stage 0)."""
     t, w = topology, shape.weight_bytes
     if t.family == "fsdp" or (t.family == "deepspeed" and t.zero_stage == 3):
-        return Part("reference", shape.total * w / t.num_processes, t.offload_params, "live reference, sharded")
+        ways = fsdp_shards(t) if t.family == "fsdp" else t.num_processes
+        return Part("reference", shape.total * w / ways, t.offload_params, "live reference, sharded")
     return Part("reference", _split(shape, t.tp, t.pp)[0] * w, note="live reference: a frozen copy")
 
 
@@ -232,15 +234,26 @@ def _deepspeed(t: Topology, shape, half: bool, b: Buckets) -> list[Part]:
     return parts
 
 
+def fsdp_shards(t: Topology) -> int:
+    """The pieces FSDP2 cuts a rank's model states into: dp_shard x tp, which is every process but under HSDP, whose
+    dp_replicate groups each hold the whole model (accelerate 1.15 shards over the mesh's dp_replicate and
+    dp_shard_cp dimensions, utils/fsdp_utils.py fsdp2_prepare_model, and torch's fully_shard replicates over the
+    first). Under TP x FSDP2 the tp_plan splits every weight but the norms tp ways first (transformers 5.23 adds the
+    input embeddings to every plan: distributed/mixin.py init_parallel_plans), then fully_shard dp_shard ways; the
+    norms, Replicate on the "tp" mesh (accelerate's _prepare_tp), only dp_shard ways (a few thousand weights)."""
+    return t.dp_shard * t.tp
+
+
 def _fsdp(t: Topology, shape, half: bool) -> list[Part]:
-    n = t.num_processes
+    n = fsdp_shards(t)
     w = shape.weight_bytes
     host = t.offload_params
     gw = 2 if half else w  # FSDP2's MixedPrecisionPolicy gathers in the 16-bit dtype
+    over = f"sharded {n} ways" + (f", x {t.dp_replicate} replicas" if t.dp_replicate > 1 else "")
     parts = [
-        Part("parameters", shape.total * w / n, host, "sharded"),
-        Part("gradients", shape.trainable * w / n, host, "sharded, freed after the step", phase=STEP),
-        Part("optimizer", 2 * shape.trainable * w / n, host, "AdamW moments, sharded"),
+        Part("parameters", shape.total * w / n, host, over),
+        Part("gradients", shape.trainable * w / n, host, f"{over}, freed after the step", phase=STEP),
+        Part("optimizer", 2 * shape.trainable * w / n, host, f"AdamW moments, {over}"),
     ]
     layer = shape.layer_params / t.tp
     parts.append(

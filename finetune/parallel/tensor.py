@@ -49,7 +49,8 @@ def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here: bool = T
                 "for tensor x data parallelism",
             )
         )
-    return p + base.sequence_split_problems(launcher) + model_problems(cfg, tp)
+    p += base.parallelism_size_problems(launcher) + base.sequence_split_problems(launcher)
+    return p + model_problems(cfg, tp)
 
 
 def model_problems(cfg: RunConfig, tp: int) -> list[tuple[str, str]]:

@@ -219,6 +219,9 @@ class Topology:
     process_index: int
     dp: int = 1  # data-parallel size: ranks that hold different batches
     dp_rank: int = 0
+    # HSDP (FSDP2 with parallelism_config_dp_replicate_size): of the dp ranks, how many groups each hold a whole
+    # copy of the model, sharded over the group's dp_shard ranks (dp = dp_replicate x dp_shard)
+    dp_replicate: int = 1
     tp: int = 1  # tensor-parallel size
     pp: int = 1  # pipeline-parallel size
     num_micro_batches: int = 1  # Megatron-LM: pipeline micro batches per optimizer step
@@ -233,6 +236,14 @@ class Topology:
     def replicas(self) -> int:
         """Ranks that hold each batch (a TP x PP group): a sum over all ranks counts every batch this often."""
         return self.num_processes // self.dp
+
+    @property
+    def dp_shard(self) -> int:
+        """Data-parallel ranks that split one copy of the model between them (FSDP2's dp_shard): dp, less HSDP's
+        replicas. accelerate 1.15 shards over the mesh's ("dp_replicate", "dp_shard_cp") dimensions
+        (utils/fsdp_utils.py fsdp2_prepare_model: parallelism_config.fsdp_dim_names), which fully_shard reads as
+        replicate over the first, shard over the second."""
+        return self.dp // self.dp_replicate
 
     @property
     def shards_parameters(self) -> bool:
@@ -254,6 +265,8 @@ class Topology:
         out = asdict(self)
         out.pop("process_index"), out.pop("dp_rank"), out.pop("offload_to")  # (where offloaded state lives: not)
         out["world_size"] = out.pop("num_processes")
+        if self.family != "fsdp":  # (HSDP is FSDP2's; other families' layouts, and their checkpoints, never had it)
+            out.pop("dp_replicate")
         if self.family != "megatron":  # (the layouts of other families, and their checkpoints, never had it)
             out.pop("distributed_optimizer")
         return out
@@ -281,14 +294,18 @@ class Topology:
                 to.setdefault("NVMe" if device == "nvme" else "CPU", []).append(what)
         if to:
             parts.append("offload " + ", ".join(f"{'+'.join(what)} to {device}" for device, what in to.items()))
-        sizes = f"data parallel {self.dp} x tensor {self.tp} x pipeline {self.pp}"
+        hsdp = f" ({self.dp_replicate} replicas x {self.dp_shard} shards)" if self.dp_replicate > 1 else ""
+        sizes = f"data parallel {self.dp}{hsdp} x tensor {self.tp} x pipeline {self.pp}"
         return f"{', '.join(parts)}; {sizes} on {self.num_machines} machine(s)"
 
     def __post_init__(self) -> None:
         """What holds for every topology, read from a started run or from an Accelerate config file."""
         sizes = {"num_processes": self.num_processes, "num_machines": self.num_machines, "dp": self.dp}
         sizes |= {"tp": self.tp, "pp": self.pp, "num_micro_batches": self.num_micro_batches}
+        sizes |= {"dp_replicate": self.dp_replicate}
         wrong = [f"{k} {v}" for k, v in sizes.items() if v < 1]
+        if self.dp_replicate > 1 and (self.family != "fsdp" or self.dp % self.dp_replicate):
+            wrong.append(f"dp_replicate {self.dp_replicate} of data parallel {self.dp} under {self.family}")
         if self.family not in FAMILIES:
             wrong.append(f"family {self.family!r} (one of {', '.join(FAMILIES)})")
         if not 0 <= self.process_index < self.num_processes or not 0 <= self.dp_rank < self.dp:
@@ -334,6 +351,8 @@ class Topology:
             # accelerate's mesh: dp_replicate, dp_shard, tp (innermost); its loaders give rank r the batches of
             # r // tp among dp_replicate x dp_shard = n / tp data-parallel ranks (HSDP included)
             kw.update(tp=tp, dp=n // tp, dp_rank=rank // tp)
+            if family == "fsdp" and pc is not None:  # HSDP: fsdp.problems refused a mesh without dp_shard ranks
+                kw.update(dp_replicate=pc.dp_replicate_size)
         topology = cls(
             family=family,
             distributed_type=distributed_type_name(state),
@@ -470,19 +489,17 @@ def read_config_file(
         distributed_optimizer = _true(mcfg.get("megatron_lm_use_distributed_optimizer", False))
         kw.update(distributed_optimizer=distributed_optimizer)
         ds = {"megatron_distributed_optimizer": distributed_optimizer}
-    tp_size = int((raw.get("parallelism_config") or {}).get("parallelism_config_tp_size", 1))
+    pc = raw.get("parallelism_config") or {}
+    tp_size = int(pc.get("parallelism_config_tp_size", 1))
     if family in ("ddp", "fsdp") and tp_size > 1:
         family = family if family == "fsdp" else "tensor"
         kw["tp"] = tp_size
-    tp = kw.get("tp", 1) * kw.get("pp", 1)
+    dp = max(1, n // (kw.get("tp", 1) * kw.get("pp", 1)))
+    replicas = int(pc.get("parallelism_config_dp_replicate_size", 1) or 1)
+    if family == "fsdp" and replicas > 1 and dp % replicas == 0:  # HSDP (a layout fsdp.problems refuses: not here)
+        kw["dp_replicate"] = replicas
     topo = Topology(
-        family=family,
-        distributed_type=kind,
-        num_processes=n,
-        num_machines=machines,
-        process_index=0,
-        dp=max(1, n // tp),
-        **kw,
+        family=family, distributed_type=kind, num_processes=n, num_machines=machines, process_index=0, dp=dp, **kw
     )
     return topo, ds, mixed
 
