@@ -235,7 +235,8 @@ def _tiny_bart(**ids):  # the decoder starts from EOS, as in BART
 
 
 def _tiny_decoder(model_type: str):
-    """The tiny Llama's shape in another decoder family: qwen2 (biases on q, k and v), qwen3 (per-head q/k norms)."""
+    """The tiny Llama's shape in another decoder family: qwen2 (biases on q, k and v), qwen3 (per-head q/k norms),
+    qwen3_moe (those norms and a mixture of experts)."""
 
     def build(vocab_size: int, **ids):
         from transformers import AutoConfig
@@ -252,6 +253,7 @@ TINY_CONFIGS = {
     "llama": lambda vocab_size, **ids: llama_config(kv_heads=2, intermediate=128, vocab=vocab_size, **ids),
     "qwen2": _tiny_decoder("qwen2"),
     "qwen3": _tiny_decoder("qwen3"),
+    "qwen3_moe": _tiny_decoder("qwen3_moe"),  # give num_experts etc. (its defaults are Qwen3-30B-A3B's 128 experts)
     "gpt2": _tiny_gpt2,
     "bert": _tiny_bert,
     "t5": _tiny_t5,

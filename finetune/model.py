@@ -291,6 +291,19 @@ def masks_without_host_sync() -> None:
     mu._finetune_without_host_sync = True
 
 
+def saves_as_its_base(net) -> None:
+    """A whole model loaded from a finetune checkpoint's weights (a resume converted from another layout, final/ from
+    the best checkpoint) saves in the layout its base model came in, as every other export of the run does.
+
+    A checkpoint holds transformers' in-memory names (a mixture of experts' fused mlp.experts.gate_up_proj, where
+    Mixtral's and Qwen-MoE's Hub checkpoints hold each expert's own linears), so loading it uses none of the model's
+    weight conversions; transformers 5.23 reverts at save only the conversions its load used
+    (core_model_loading.py:1876) and final/ kept the fused names (seen: a tiny Qwen3-MoE resumed in one process from
+    a TP checkpoint). With no record of a load, save_pretrained reverts the model class's own conversions, as for a
+    model made from its config (revert_weight_conversion)."""
+    net._weight_conversions = None
+
+
 def masks_converted_once() -> None:
     """Workaround (transformers 5.23 with torch 2.13): a training forward converts its attention mask once, not in
     every layer.

@@ -232,6 +232,8 @@ def build_model(cfg: RunConfig, backend, tokenizer, ds: data.Datasets, resume: c
     )
     if resume and resume.portable and peft_on:  # the run's own base model; the adapter's weights by name
         checkpoint.restore_adapter(backend, net, resume)
+    elif resume and resume.portable:
+        model.saves_as_its_base(net)
     net = backend.place_model(net)
     half = {str(p.dtype).removeprefix("torch.") for p in net.parameters() if p.requires_grad and p.element_size() == 2}
     if half and not backend.fp32_master_weights():

@@ -268,6 +268,33 @@ def test_best_checkpoint_early_stopping_pruning_and_resume(assets, tmp_path):
     assert final and all((again[k] == final[k]).all() for k in final)
 
 
+def test_the_best_checkpoint_of_a_mixture_of_experts_is_exported_in_its_base_models_layout(assets, tmp_path):
+    """A checkpoint holds transformers' in-memory names (the experts fused: mlp.experts.gate_up_proj); final/ from
+    the best checkpoint holds each expert's own linears, as the base model (and the Hub's checkpoints) do, and
+    reloads to exactly the checkpoint's weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from finetune import demo
+
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+    base = demo.build_model("qwen3_moe", tmp_path / "qwen3_moe", assets.tokenizer, **moe)
+    args = base_args(base, assets.instruction, "--max_steps", "4", "--learning_rate", "0.03", "--eval_fraction")
+    args += ["0.05", "--eval_steps", "1", "--save_steps", "1", "--load_best_model_at_end", "true"]
+    # the highest eval loss is the best: an early step's checkpoint (asserted), not the last step's model
+    run = finetune(tmp_path / "run", *args, "--greater_is_better", "true")
+    losses = [r["eval_loss"] for r in run.eval_rows]
+    best = run.eval_rows[losses.index(max(losses))]["step"]
+    assert best < 4, losses  # final/ comes from a checkpoint, not the last step's model
+    at_best = load_file(str(run.output_dir / "checkpoints" / f"step_{best}" / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.gate_up_proj" in at_best
+    assert set(load_file(str(run.output_dir / "final" / "model.safetensors"))) == set(
+        load_file(f"{base}/model.safetensors")
+    )
+    reloaded = AutoModelForCausalLM.from_pretrained(run.output_dir / "final").state_dict()
+    assert all((reloaded[k] == v).all() for k, v in at_best.items())
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["ddp", "zero3", "fsdp2"])
 def test_every_rank_stops_at_the_same_step_and_exports_the_best(assets, tmp_path, launcher):

@@ -590,17 +590,20 @@ def test_tp2_on_cpu_equals_one_process_and_resumes_exactly(assets, tmp_path):
     the exported weights within 1e-5 absolute, as the other layouts' (docs/megatron.md gives the measured figures);
     2 steps + resume + 2 steps equals 4 steps; final/ is a whole model that reloads. The model ties its LM head to
     its input embeddings: final/ has the names one process's has (max_weight_diff), not a gathered lm_head.weight
-    besides. It is a Qwen3 with q/k/v biases: Qwen2's sharded biases beside plain norms in AdamW's no-decay group
-    (the fused kernel refuses a group mixing DTensors and tensors: optim.build_optimizer), and per-head q_norm/k_norm,
+    besides. It is a Qwen3-MoE with q/k/v biases: Qwen2's sharded biases beside plain norms in AdamW's no-decay group
+    (the fused kernel refuses a group mixing DTensors and tensors: optim.build_optimizer), per-head q_norm/k_norm,
     whose gradient transformers sums over the ranks (wrong under gradient accumulation without
-    tensor.per_backward_grad_all_reduce: final/ q_norm 2e-3 off)."""
+    tensor.per_backward_grad_all_reduce: final/ q_norm 2e-3 off), a dense MLP in its first layer and 4 experts, 2
+    per token, in its second (transformers' moe_tp_experts: the fused gate_up_proj split packed, down_proj by rows,
+    the router's gate a plain tensor); final/ holds the experts one by one, as the Hub's checkpoints do."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from finetune import demo
 
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[0])
     model = demo.build_model(
-        "qwen3", tmp_path / "qwen3", assets.tokenizer, tie_word_embeddings=True, attention_bias=True
+        "qwen3_moe", tmp_path / "qwen3_moe", assets.tokenizer, tie_word_embeddings=True, attention_bias=True, **moe
     )
     args = base_args(model, assets.instruction, "--max_steps", "4", "--save_steps", "2", "--eval_fraction", "0.1")
     args += ["--gradient_accumulation_steps", "2"]
@@ -622,8 +625,10 @@ def test_tp2_on_cpu_equals_one_process_and_resumes_exactly(assets, tmp_path):
 
     step2 = tp.output_dir / "checkpoints" / "step_2"
     saved = load_file(str(step2 / "model.safetensors"))  # whole tensors, not rank 0's shards
-    base = load_file(os.path.join(model, "model.safetensors"))
-    assert {k: saved[k].shape for k in base} == {k: v.shape for k, v in base.items()}
+    whole = load_file(str(single.output_dir / "checkpoints" / "step_2" / "model.safetensors"))
+    assert whole and {k: saved[k].shape for k in whole} == {k: v.shape for k, v in whole.items()}
+    base = load_file(os.path.join(model, "model.safetensors"))  # per expert: transformers saves the Hub's layout
+    assert set(load_file(str(tp.output_dir / "final" / "model.safetensors"))) == set(base)  # so does final/
 
     import shutil
 
@@ -643,4 +648,6 @@ def test_tp2_on_cpu_equals_one_process_and_resumes_exactly(assets, tmp_path):
     single_resumed = finetune(part, *args, "--resume_from_checkpoint", "latest")
     assert "written by MULTI_CPU TP 2 on 2 process(es), converted" in single_resumed.output
     assert max_rel_diff(b, single_resumed.losses()) <= 1e-5
+    # the optimizer's moments too (the packed gate_up_proj's halves in their places): the same weights
+    assert max_weight_diff(tp.output_dir / "final", part / "final") <= 1e-5
     print(json.dumps({"single": a, "tp2": b}))
