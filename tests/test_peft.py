@@ -32,16 +32,15 @@ LORA = ["--peft.method", "lora", "--peft.r", "4", "--peft.alpha", "8"]
 
 
 def check_adapter(final, r: int, hidden: int = 64) -> dict[str, torch.Tensor]:
-    """Adapter tensors are present, non-empty and shaped (r, in) / (out, r)."""
+    """Adapter tensors are present, non-empty and shaped (r, in) / (out, r); a mixture of experts' fused experts
+    (3D parameters, peft's ParamWrapper) r per expert, 2r for gate_up_proj: a multiple of r."""
     tensors = load_file(str(final / "adapter_model.safetensors"))
     lora = {k: v for k, v in tensors.items() if "lora_" in k}
     assert lora, list(tensors)
     for k, v in lora.items():
         assert v.numel() > 0, k
-        if "lora_A" in k:
-            assert v.shape[0] == r and v.shape[1] > 0, (k, v.shape)
-        if "lora_B" in k:
-            assert v.shape[1] == r and v.shape[0] > 0, (k, v.shape)
+        rank = v.shape[0] if "lora_A" in k else v.shape[1]
+        assert (rank % r == 0 if ".mlp.experts." in k else rank == r) and v.numel() > rank, (k, v.shape)
     assert any("q_proj.lora_A" in k and tuple(v.shape) == (r, hidden) for k, v in lora.items())
     return tensors
 
@@ -54,12 +53,18 @@ def test_lora_causal_lm_same_under_every_backend(assets, tmp_path):
     DeepSpeed's CPU Adam). DDP's adapter: test_resume_layouts' adapter chain, weights against one process's.
     Parity runs from the user's folder, with every path relative to it (the config, the model and data in it,
     output_dir; the runs started in the project root: 'file ... does not exist'), and reads the overrides as
-    `finetune` does (a bare boolean, --key=value: it paired them two by two)."""
+    `finetune` does (a bare boolean, --key=value: it paired them two by two). The model is a mixture of experts
+    (Qwen3-MoE, 4 experts; its second layer dense): all-linear adapts the experts, which transformers keeps as 3D
+    parameters (mlp.experts.gate_up_proj), through peft's parameter targeting, beside the linears."""
+    from finetune import demo
+
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[1])
+    base_model = demo.build_model("qwen3_moe", tmp_path / "qwen3_moe", assets.tokenizer, **moe)
     run = tmp_path / "lora.yaml"
     run.write_text(
         json.dumps(
             {
-                "model": os.path.relpath(assets.llama, tmp_path),
+                "model": os.path.relpath(base_model, tmp_path),
                 "dataset": os.path.relpath(assets.instruction, tmp_path),
                 "max_seq_length": 64,
                 "per_device_train_batch_size": 4,
@@ -110,7 +115,7 @@ def test_lora_causal_lm_same_under_every_backend(assets, tmp_path):
         assert (said["gradient_checkpointing"], said["run_name"]) == (True, "lora-parity"), name
         adapters[name] = check_adapter(out / name / "final", r=4)
         adapter_config = json.loads((out / name / "final" / "adapter_config.json").read_text())
-        assert adapter_config["base_model_name_or_path"] == assets.llama, name  # given relative: merge from anywhere
+        assert adapter_config["base_model_name_or_path"] == base_model, name  # given relative: merge from anywhere
         assert "trainable (" in (out / f"{name}.log").read_text()
         rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
         train = [r for r in rows if "loss" in r]
@@ -119,6 +124,7 @@ def test_lora_causal_lm_same_under_every_backend(assets, tmp_path):
     # the exported adapters equal one process's (computed here from the files), and training moved them
     base = adapters["single"]
     assert any(v.abs().max() > 0 for k, v in base.items() if "lora_B" in k)  # B starts at zero
+    assert any(".mlp.experts." in k and "lora_B" in k and v.abs().max() > 0 for k, v in base.items()), list(base)
     for name, tensors in adapters.items():
         assert max_tensor_diff(base, tensors) <= 1e-5, name
     # Facts about the model are counted once, before prepare, the same under every backend (MFU's reference)
@@ -134,10 +140,20 @@ def test_lora_causal_lm_same_under_every_backend(assets, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     final = out / "zero3" / "final"
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(assets.llama), final)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_model), final)
     rows = [json.loads(line) for line in (out / "zero3" / "metrics.jsonl").read_text().splitlines()]
     again = reevaluate(model, AutoTokenizer.from_pretrained(final), assets.instruction, "causal_lm")
     assert again["eval_loss"] == pytest.approx([r for r in rows if "eval_loss" in r][-1]["eval_loss"], rel=1e-5)
+    # finetune merge folds the experts' adapter in too: the merged model's logits are the adapted model's, and its
+    # file holds each expert's own linears, as the base model's does
+    from finetune.export import merge_adapter
+
+    merged = AutoModelForCausalLM.from_pretrained(merge_adapter(str(final), str(tmp_path / "merged")))
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(merged(ids).logits, model.eval()(ids).logits, atol=1e-5)
+    expected = set(load_file(os.path.join(base_model, "model.safetensors")))
+    assert set(load_file(str(tmp_path / "merged" / "model.safetensors"))) == expected
 
 
 def test_lora_classifier_saves_head_and_reloads(assets, tmp_path):
