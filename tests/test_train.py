@@ -27,7 +27,8 @@ pytestmark = pytest.mark.slow
 
 def test_length_aware_batching_changes_speed_not_the_run(assets, tmp_path):
     """length_aware_batching reshapes each global batch's micro batches (less padding) but keeps its
-    examples: the losses equal fixed-size batching's to rounding; 2x1 equals 1x2 and ZeRO-2; resume is exact."""
+    examples: the losses equal fixed-size batching's to rounding; 2x1 equals 1x2 and ZeRO-2; resume is exact.
+    (Fixed-size batching runs as 1x2: 2x1 gives it the same micro batches, test_two_ranks_equal_one_rank_...)"""
     import random
 
     rng = random.Random(0)
@@ -38,7 +39,7 @@ def test_length_aware_batching_changes_speed_not_the_run(assets, tmp_path):
     data = tmp_path / "varied.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = base_args(assets.llama, str(data), "--max_steps", "6", "--eval_fraction", "0", "--save_steps", "3")
-    fixed = finetune(tmp_path / "fixed", *args, launcher="ddp")
+    fixed = finetune(tmp_path / "fixed", *args, "--gradient_accumulation_steps", "2")
     aware = [*args, "--length_aware_batching", "true"]
     ddp = finetune(tmp_path / "ddp", *aware, launcher="ddp")
     assert "length-aware batching: each global batch of 8 rows split into 2 micro batches" in ddp.output
