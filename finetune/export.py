@@ -31,6 +31,9 @@ from finetune.cluster import host_gather, host_wait
 from finetune.config import AUTO_CLASSES, ConfigError
 from finetune.config.preflight import looks_local
 from finetune.faults import fault_point
+from finetune.fingerprint import BASE_FILE, recorded_base
+from finetune.fingerprint import check as check_base
+from finetune.fingerprint import record as record_base
 from finetune.formats import at_rest
 from finetune.model import DTYPES, head_kwargs, load_error, model_config, peft_missing, quantized_base, save_dtype
 
@@ -85,9 +88,12 @@ def _finish(net, tokenizer, run_config: dict[str, Any], tmp: str, final: str, dt
     at_rest(tokenizer).save_pretrained(tmp)
     write_atomic(os.path.join(tmp, CONFIG_FILE), yaml.safe_dump(run_config, sort_keys=False))
     id2label = getattr(net.config, "id2label", None)
-    if os.path.exists(os.path.join(tmp, "adapter_config.json")) and run_config.get("task") == "classification":
+    adapter = os.path.exists(os.path.join(tmp, "adapter_config.json"))
+    if adapter and run_config.get("task") == "classification":
         # the classes a classifier adapter was trained for: `finetune merge` rebuilds the head from them
         write_atomic(os.path.join(tmp, LABELS_FILE), json.dumps([id2label[i] for i in sorted(id2label)]))
+    if adapter:  # the weights it was trained on: `finetune merge` refuses a base with others (fingerprint.py)
+        record_base(tmp, run_config["model"])
     fault_point("enospc-in-export", 0)
     fault_point("signal-in-export", 0)
     replace_directory(tmp, final)
@@ -148,18 +154,25 @@ def _merge_base(adapter_dir: str, adapter_config: dict, base_model: str | None) 
 
 
 def merge_adapter(
-    adapter_dir: str, out_dir: str, dtype: str | None = None, overwrite: bool = False, base_model: str | None = None
+    adapter_dir: str,
+    out_dir: str,
+    dtype: str | None = None,
+    overwrite: bool = False,
+    base_model: str | None = None,
+    allow_other_base: bool = False,
 ) -> str:
     """Base model + adapter -> one plain model directory (loads with from_pretrained), atomically, in dtype (None:
     the run's save_dtype, as final/ was written; auto: the base model's own). The merge itself is done in float32,
     whatever the base model's dtype.
 
     base_model: the base model to merge into (a directory or Hub id) instead of the one adapter_config.json names;
-    it must fit the adapter (_adapted_model). adapter_dir is only read.
+    it must fit the adapter (_adapted_model) and hold the weights it was trained on, where the adapter's BASE_FILE
+    fingerprints them (allow_other_base: merge into other weights on purpose). adapter_dir is only read.
 
     out_dir must be new or empty, or hold a previous merge (its MERGE_MARKER) and be ADAPTER/merged or replaced on
     purpose (overwrite); a ConfigError otherwise, for a base model that is not there or cannot be loaded, and for
-    one the adapter does not fit. Nothing is written then.
+    one the adapter does not fit or whose weights are not the adapter's base's. Nothing is written then. What the
+    weights check found is in MERGE_MARKER's base_weights.
 
     A classifier adapter's classes come from its labels.json (the base model is rebuilt with that head); an
     encoder-decoder's adapter says so in its task_type."""
@@ -176,14 +189,41 @@ def merge_adapter(
     if quantized:
         raise ConfigError([(base.key, quantized)])
     tokenizer = _adapter_tokenizer(adapter_dir)
+    checked = _base_weights(adapter_dir, base, allow_other_base, loaded=False)  # refused without the load's wait
     merged = _adapted_model(adapter_dir, adapter_config, base, len(tokenizer))
+    checked = checked or _base_weights(adapter_dir, base, allow_other_base, loaded=True)
     if dtype in (None, "auto"):  # the run's save_dtype (None), or the base model's own dtype, as its config.json says
         dtype = save_dtype(ModelArgs(model=base.name, save_dtype=dtype or _run_save_dtype(adapter_dir)))
     merged = merged.merge_and_unload().to(DTYPES[dtype])
     used = os.path.abspath(base.name) if os.path.isdir(base.name) else base.name
-    marker = {"adapter": os.path.abspath(adapter_dir), "base_model": used, "dtype": dtype}
+    marker = {"adapter": os.path.abspath(adapter_dir), "base_model": used, "dtype": dtype, "base_weights": checked}
     _write_merged(merged, tokenizer, marker, out_dir)
     return out_dir
+
+
+def _base_weights(adapter_dir: str, base: MergeBase, allow_other_base: bool, loaded: bool) -> str | None:
+    """The base model's weights against those the adapter was trained on (fingerprint.check): refused where they
+    differ, unless allow_other_base; else what was found, for MERGE_MARKER. Before the base has loaded (loaded
+    False), None where the answer waits for the load: a Hub id whose files the load downloads into the cache, and a
+    base of other shapes, whose fit check (_adapted_model) tells what does not fit."""
+    verdict = check_base(adapter_dir, base.name)
+    if not loaded and (not verdict.found or verdict.reshaped):
+        return None
+    if verdict.same is None:
+        return f"not verified: {verdict.note}"
+    if verdict.same:
+        return verdict.note
+    trained = recorded_base(adapter_dir).get("base_model")
+    if allow_other_base:
+        return f"not the weights the adapter was trained on ({trained}): {verdict.note}; merged with allow_other_base"
+    why = (
+        f"the weights of the base model {base.name!r} are not the ones the adapter in {adapter_dir} was trained on "
+        f"({trained!r}, fingerprinted in its {BASE_FILE}): {verdict.note}. Merged into other weights, an adapter "
+        "makes a silently wrong model. Merge it into the model it was trained on: "
+        + base.fix("that model's directory or Hub id")
+        + "; or, to merge it into this one on purpose (a sibling fine-tune), add --allow_other_base"
+    )
+    raise ConfigError([(base.key, why)])
 
 
 def _write_merged(merged, tokenizer, marker: dict, out_dir: str) -> None:

@@ -298,22 +298,82 @@ def test_adapter_resume_equals_uninterrupted(assets, tmp_path):
     assert max_weight_diff(straight.output_dir / "final", part / "final", "adapter_model.safetensors") <= 1e-6
 
 
-def test_continue_from_existing_adapter(assets, tmp_path):
-    first = finetune(
-        tmp_path / "first",
-        *base_args(assets.llama, assets.instruction, "--max_steps", "2", "--eval_fraction", "0"),
-        *LORA,
-    )
+@pytest.fixture(scope="module")
+def lora_run(assets, tmp_path_factory):
+    """A LoRA run of the tiny Llama (one process, 2 steps) that merges at its end (peft.merge); tests only read its
+    output_dir."""
+    args = base_args(assets.llama, assets.instruction, "--max_steps", "2", "--eval_fraction", "0")
+    return finetune(tmp_path_factory.mktemp("lora_run") / "run", *args, *LORA, "--peft.merge", "true")
+
+
+def test_continue_from_existing_adapter(assets, lora_run, tmp_path):
     second = finetune(
         tmp_path / "second",
         *base_args(assets.llama, assets.instruction, "--max_steps", "2", "--eval_fraction", "0"),
         "--peft.method",
         "lora",
         "--peft.adapter",
-        str(first.output_dir / "final"),
+        str(lora_run.output_dir / "final"),
     )
-    assert second.losses()[0] < first.losses()[0]  # starts where the first run left off
+    assert second.losses()[0] < lora_run.losses()[0]  # starts where the first run left off
     check_adapter(second.output_dir / "final", r=4)
+
+
+def test_merge_refuses_a_base_model_with_other_weights(assets, lora_run, tmp_path, capsys):
+    """An adapter merged into a model of the same architecture and shapes but other weights (one trained on
+    Llama-3.1-8B-Instruct into Llama-3.1-8B) fits every module: the merge wrote a silently wrong model. The run's
+    final/ now holds base_model.json, a fingerprint of the base model's files (finetune/fingerprint.py), and `finetune
+    merge` refuses a base whose weights differ: exit 2 naming --base_model, the base the adapter was trained on and
+    --allow_other_base, nothing written. The same weights pass re-saved in shards or in bfloat16 (the same at
+    bfloat16 precision), and so does the run's own merge (peft.merge); --allow_other_base merges into other weights
+    on purpose; a base saved only as pytorch_model.bin merges, said not verified."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune import demo
+    from finetune.commands.merge import main as merge
+
+    final = lora_run.output_dir / "final"
+    said = json.loads((final / "base_model.json").read_text())
+    base_file = load_file(str(Path(assets.llama) / "model.safetensors"))
+    assert said["base_model"] == assets.llama and said["tensors"].keys() == base_file.keys(), said
+    assert said["tensors"]["model.embed_tokens.weight"].startswith(f"{len(assets.tokenizer)}x64:"), said
+    marker = json.loads((final / "merged" / "finetune_merge.json").read_text())
+    assert marker["base_weights"] == f"the weights the adapter was trained on ({len(base_file)} tensors compared)"
+
+    net = AutoModelForCausalLM.from_pretrained(assets.llama)
+    copies = {"sharded": (tmp_path / "sharded", torch.float32), "bf16": (tmp_path / "bf16", torch.bfloat16)}
+    for name, (path, dtype) in copies.items():
+        net.to(dtype).save_pretrained(path, max_shard_size="200KB" if name == "sharded" else "50GB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    other = demo.build_model("llama", tmp_path / "other", assets.tokenizer, seed=1)  # the same shapes
+    before = {p: p.read_bytes() for p in lora_run.output_dir.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert merge([str(final), "--base_model", other, "--output", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert f"  - --base_model: the weights of the base model {other!r} are not the ones the adapter in" in err, err
+    assert f"was trained on ({assets.llama!r}, fingerprinted in its base_model.json): " in err, err
+    assert "tensors compared differ (e.g. " in err and "give --base_model that model's directory or Hub id" in err
+    assert "add --allow_other_base" in err and "Traceback" not in err, err
+    assert not (tmp_path / "m").exists() and not list(tmp_path.glob(".merging-*"))
+
+    for name, base in (("sharded", tmp_path / "sharded"), ("bf16", tmp_path / "bf16"), ("other", other)):
+        flag = ["--allow_other_base"] if name == "other" else []
+        assert merge([str(final), "--base_model", str(base), "--output", str(tmp_path / name / "m"), *flag]) == 0
+        note = json.loads((tmp_path / name / "m" / "finetune_merge.json").read_text())["base_weights"]
+        assert f"base model weights: {note}" in capsys.readouterr().out
+        if name == "other":
+            assert note.startswith(f"not the weights the adapter was trained on ({assets.llama}): "), note
+            assert note.endswith("; merged with allow_other_base"), note
+        else:
+            assert note == f"the weights the adapter was trained on ({len(base_file)} tensors compared)", name
+    assert {p: p.read_bytes() for p in lora_run.output_dir.rglob("*") if p.is_file()} == before
+
+    bin_only = tmp_path / "bin_only"  # no safetensors to read a fingerprint from
+    shutil.copytree(assets.llama, bin_only, ignore=shutil.ignore_patterns("model.safetensors"))
+    torch.save(base_file, bin_only / "pytorch_model.bin")
+    assert merge([str(final), "--base_model", str(bin_only), "--output", str(tmp_path / "mb")]) == 0
+    note = json.loads((tmp_path / "mb" / "finetune_merge.json").read_text())["base_weights"]
+    assert note.startswith(f"not verified: no fingerprint of {str(bin_only)!r}: no model.safetensors"), note
 
 
 def test_qlora_refused_without_cuda(assets, tmp_path):
@@ -583,6 +643,30 @@ def merged_by_hand(base_model: str, adapter: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+def test_the_fingerprint_of_a_hub_model_is_read_from_the_local_cache(assets, tmp_path, monkeypatch):
+    """A run of a Hub id records the fingerprint of its files in the local Hugging Face cache (a lookup, never a
+    download: HF_HUB_OFFLINE here), the same as a local copy's; a Hub id not in the cache has none, and says it may
+    come (found False: a merge looks again once the load has downloaded it)."""
+    from huggingface_hub import constants
+
+    from finetune import fingerprint
+
+    repo = tmp_path / "hub" / "models--someorg--tiny-llama"
+    shutil.copytree(assets.llama, repo / "snapshots" / ("0" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    fingerprint.record(str(tmp_path), "someorg/tiny-llama")
+    said = json.loads((tmp_path / fingerprint.BASE_FILE).read_text())
+    assert said["base_model"] == "someorg/tiny-llama" and len(said["tensors"]) == 21, said
+    assert fingerprint.check(str(tmp_path), assets.llama).same is True
+    missing = fingerprint.check(str(tmp_path), "someorg/not-cached")
+    assert (missing.same, missing.found) == (None, False), missing
+    assert "no model.safetensors or complete model.safetensors.index.json for it in the local Hugging Face cache" in (
+        missing.note
+    )
+
+
 def test_merge_into_a_base_model_given_with_base_model(assets, tmp_path):
     """An adapter whose adapter_config.json names a base model that is not here (trained on another machine): `finetune
     merge --base_model` merges it into a copy of that base in another directory, with the weights of a merge into the
@@ -604,6 +688,8 @@ def test_merge_into_a_base_model_given_with_base_model(assets, tmp_path):
     assert max_tensor_diff(merged, want) <= 1e-6
     assert any((merged[k] - load_file(str(base / "model.safetensors"))[k]).abs().max() > 1e-3 for k in merged)
     marker = json.loads((tmp_path / "m" / "finetune_merge.json").read_text())
+    not_verified = "not verified: the adapter records no fingerprint of its base model's weights (no base_model.json"
+    assert marker.pop("base_weights").startswith(not_verified), marker  # lora_adapter writes none
     assert marker == {"adapter": str(adapter), "base_model": str(base), "dtype": "float32"}, marker
     assert {p: p.read_bytes() for p in adapter.rglob("*") if p.is_file()} == before
 
