@@ -107,6 +107,24 @@ def newly_initialised(net, missing_keys) -> list[str]:
     return found
 
 
+def _say_if_trained_on_other_weights(adapter: str, base: str) -> None:
+    """peft.adapter continued on a base model whose weights are not those it was trained on (its base_model.json:
+    fingerprint.check): PEFT loads an adapter into any base of the same shapes without a word. Carrying an adapter
+    to a sibling fine-tune can be meant, so the run goes on, saying so at start."""
+    from finetune import fingerprint
+
+    verdict = fingerprint.check(adapter, base)
+    if verdict.same is False:
+        logger.warning(
+            "peft.adapter %s was trained on other weights than the model's, %s (%s; its base: %s): it continues on "
+            "this model as asked; if that was not meant, set model to the adapter's base",
+            adapter,
+            base,
+            verdict.note,
+            fingerprint.recorded_base(adapter).get("base_model"),
+        )
+
+
 def apply_peft(net, pe: PeftArgs, task: str, new_modules: list[str] = ()):
     """Wrap the model with a LoRA/DoRA adapter (new, or continued from pe.adapter). new_modules (newly_initialised)
     are trained in full and saved with the adapter, as PEFT does a classifier's head: frozen, they would stay random
@@ -116,6 +134,7 @@ def apply_peft(net, pe: PeftArgs, task: str, new_modules: list[str] = ()):
     from peft import LoraConfig, PeftModel, TaskType, get_peft_model
 
     if pe.adapter:
+        _say_if_trained_on_other_weights(pe.adapter, net.name_or_path)
         return PeftModel.from_pretrained(net, pe.adapter, is_trainable=True)
     targets = pe.target_modules[0] if pe.target_modules == ["all-linear"] else pe.target_modules
     keep = list(pe.modules_to_save or [])

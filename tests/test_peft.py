@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -319,14 +320,15 @@ def test_continue_from_existing_adapter(assets, lora_run, tmp_path):
     check_adapter(second.output_dir / "final", r=4)
 
 
-def test_merge_refuses_a_base_model_with_other_weights(assets, lora_run, tmp_path, capsys):
+def test_merge_refuses_a_base_model_with_other_weights(assets, lora_run, tmp_path, capsys, caplog):
     """An adapter merged into a model of the same architecture and shapes but other weights (one trained on
     Llama-3.1-8B-Instruct into Llama-3.1-8B) fits every module: the merge wrote a silently wrong model. The run's
     final/ now holds base_model.json, a fingerprint of the base model's files (finetune/fingerprint.py), and `finetune
     merge` refuses a base whose weights differ: exit 2 naming --base_model, the base the adapter was trained on and
     --allow_other_base, nothing written. The same weights pass re-saved in shards or in bfloat16 (the same at
     bfloat16 precision), and so does the run's own merge (peft.merge); --allow_other_base merges into other weights
-    on purpose; a base saved only as pytorch_model.bin merges, said not verified."""
+    on purpose; a base saved only as pytorch_model.bin merges, said not verified. A run continuing the adapter
+    (peft.adapter) on other weights says so at start."""
     from transformers import AutoModelForCausalLM
 
     from finetune import demo
@@ -355,6 +357,16 @@ def test_merge_refuses_a_base_model_with_other_weights(assets, lora_run, tmp_pat
     assert "tensors compared differ (e.g. " in err and "give --base_model that model's directory or Hub id" in err
     assert "add --allow_other_base" in err and "Traceback" not in err, err
     assert not (tmp_path / "m").exists() and not list(tmp_path.glob(".merging-*"))
+    # continued on those other weights (peft.adapter), the adapter trains on, as asked, said at start
+    from finetune.config import PeftArgs
+    from finetune.model import apply_peft
+
+    for base, warned in ((other, True), (assets.llama, False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="finetune"):
+            apply_peft(AutoModelForCausalLM.from_pretrained(base), PeftArgs(method="lora", adapter=str(final)), "x")
+        said = f"peft.adapter {final} was trained on other weights than the model's, {other} ("
+        assert (said in caplog.text) == warned and (f"its base: {assets.llama})" in caplog.text) == warned, base
 
     for name, base in (("sharded", tmp_path / "sharded"), ("bf16", tmp_path / "bf16"), ("other", other)):
         flag = ["--allow_other_base"] if name == "other" else []
