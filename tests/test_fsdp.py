@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 from conftest import (
+    ROOT,
     base_args,
     crash_after,
     finetune,
@@ -108,12 +109,28 @@ def fsdp_args(assets, model: str) -> list[str]:
     return base_args(model, assets.instruction, "--max_steps", "4", "--save_steps", "2", "--eval_fraction", "0.1")
 
 
-def test_fsdp2_equals_one_process_and_resumes_exactly(assets, tmp_path):
+def hsdp_config(tmp_path) -> str:
+    """accelerate_configs/fsdp2.yaml as HSDP on 4 processes (parallelism_config dp_replicate 2 x dp_shard 2: two
+    copies of the model, each sharded over 2 ranks); its path, for finetune(launcher=...)."""
+    import yaml
+
+    acc = yaml.safe_load((ROOT / "accelerate_configs" / "fsdp2.yaml").read_text())
+    acc["num_processes"] = 4
+    acc["parallelism_config"] = {"parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 2}
+    (tmp_path / "hsdp.yaml").write_text(yaml.safe_dump(acc))
+    return str(tmp_path / "hsdp.yaml")
+
+
+def test_fsdp2_and_hsdp_equal_one_process_and_resume_exactly(assets, tmp_path):
     """2 ranks x GA 2, fp32: per-step losses within 1e-5 relative of one process, exported weights within 1e-5;
     each rank really holds half the model (FSDP2 DTensors); 2 steps + resume + 2 steps equals 4 steps.
     (fsdp2_offload against one process: tests/test_deepspeed.py::test_parity_over_every_single_node_backend.)
     A Llama whose LM head is tied to its input embeddings: final/ holds the one tensor under one name, as one
-    process exports it (FSDP2's gathered state dict has it twice; max_weight_diff compares the names)."""
+    process exports it (FSDP2's gathered state dict has it twice; max_weight_diff compares the names).
+    HSDP (hsdp_config: 4 data-parallel ranks x GA 1, the same global batch) takes the fsdp2 run over at its step-2
+    checkpoint (converted by name): steps 3-4, the eval loss (40 rows: a round of 4 ranks x 8, then 8 rows on one
+    rank) and final/ as one process's, within 1e-5, each rank holding half the model; its own step-3 checkpoint
+    resumes under HSDP exactly, and in one process (converted, the log naming HSDP: topology.describe_layout)."""
     launcher, model = "fsdp2", assets.llama_tied
     single = single_ga4(assets, tmp_path / "single", model)
     run = finetune(
@@ -142,6 +159,37 @@ def test_fsdp2_equals_one_process_and_resumes_exactly(assets, tmp_path):
     assert "converted" not in resumed.output and [r["step"] for r in resumed.train_rows] == [1, 2, 3, 4]
     assert max_rel_diff(run.losses(), resumed.losses()) <= 1e-6
     assert max_weight_diff(run.output_dir / "final", part / "final") <= 1e-6
+
+    hsdp, more = hsdp_config(tmp_path), ["--resume_from_checkpoint", "latest", "--save_steps", "1"]
+    taken_over = tmp_path / "hsdp"  # fsdp2 -> HSDP at step 2, checkpoints at 3 and 4
+    shutil.copytree(run.output_dir, taken_over)
+    crash_after(taken_over, 2)
+    ga1 = [*fsdp_args(assets, model), "--gradient_accumulation_steps", "1"]
+    over = finetune(taken_over, *ga1, *more, launcher=hsdp, timeout=600)
+    assert "written by FSDP FSDP2 on 2 process(es), converted" in over.output
+    assert "data parallel 4 (2 replicas x 2 shards)" in over.output
+    rows = over.train_rows[2:]  # (steps 1-2 are the fsdp2 run's)
+    assert [(r["step"], r["distributed_type"], r["world_size"], r["fsdp_version"]) for r in rows] == [
+        (3, "FSDP", 4, 2),
+        (4, "FSDP", 4, 2),
+    ]
+    assert all(0.45 <= r["parameter_shard"] <= 0.55 for r in rows), rows  # each replica's 2 ranks hold half each
+    assert max_rel_diff(single.losses(), over.losses()) <= 1e-5, (single.losses(), over.losses())
+    assert max_weight_diff(single.output_dir / "final", taken_over / "final") <= 1e-5
+    assert abs(eval_a - over.eval_rows[-1]["eval_loss"]) / eval_a <= 1e-5, (eval_a, over.eval_rows[-1])
+    for name, launcher, accumulation in (("hsdp_resumed", hsdp, "1"), ("hsdp_to_one", "python", "4")):
+        again = tmp_path / name  # HSDP's step-3 checkpoint, resumed natively / in one process
+        shutil.copytree(taken_over, again)
+        crash_after(again, 3)
+        ga = ["--gradient_accumulation_steps", accumulation]
+        resumed = finetune(again, *fsdp_args(assets, model), *ga, *more, launcher=launcher, timeout=600)
+        if launcher == hsdp:
+            assert "converted" not in resumed.output and [r["step"] for r in resumed.train_rows] == [1, 2, 3, 4]
+        else:
+            assert "written by FSDP FSDP2 HSDP (2 replicas x 2 shards) on 4 process(es), converted" in resumed.output
+        assert max_rel_diff(over.losses(), resumed.losses()) <= 1e-6, (name, over.losses(), resumed.losses())
+        assert max_weight_diff(taken_over / "final", again / "final") <= 1e-6, name
+        assert resumed.eval_rows[-1]["eval_loss"] == pytest.approx(over.eval_rows[-1]["eval_loss"], rel=1e-6), name
 
 
 def test_tp2_x_fsdp2_on_four_processes_equals_one_process(assets, tmp_path):

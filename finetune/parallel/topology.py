@@ -385,7 +385,9 @@ def distributed_type_name(state) -> str:
 
 def describe_layout(layout: dict) -> str:
     """A checkpoint's recorded layout in words: "DEEPSPEED ZeRO-3 on 2 process(es)", "MEGATRON_LM TP 2 x PP 1 x DP 1,
-    distributed optimizer, mixed precision bf16 on 2 process(es)"."""
+    distributed optimizer, mixed precision bf16 on 2 process(es)", "FSDP FSDP2 HSDP (2 replicas x 2 shards) on 4
+    process(es)" (HSDP named: a resume from it under fsdp2.yaml on as many processes converts, and the words must say
+    from what)."""
     detail = [f"ZeRO-{layout['zero_stage']}" if layout.get("zero_stage") else ""]
     detail += [f"FSDP{layout['fsdp_version']}" if layout.get("fsdp_version") else ""]
     if layout.get("family") == "megatron":
@@ -394,6 +396,8 @@ def describe_layout(layout: dict) -> str:
         detail += [f", mixed precision {layout['mixed_precision']}" if "mixed_precision" in layout else ""]
     else:
         detail += [f"TP {layout['tp']}" if layout.get("tp", 1) > 1 else ""]
+        replicas = layout.get("dp_replicate", 1)
+        detail += [f"HSDP ({replicas} replicas x {layout['dp'] // replicas} shards)" if replicas > 1 else ""]
     what = " ".join([layout["distributed_type"], *[d for d in detail if d]]).replace(" ,", ",")
     return f"{what} on {layout['world_size']} process(es)"
 
