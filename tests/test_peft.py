@@ -40,8 +40,9 @@ def check_adapter(final, r: int, hidden: int = 64) -> dict[str, torch.Tensor]:
     assert lora, list(tensors)
     for k, v in lora.items():
         assert v.numel() > 0, k
-        rank = v.shape[0] if "lora_A" in k else v.shape[1]
-        assert (rank % r == 0 if ".mlp.experts." in k else rank == r) and v.numel() > rank, (k, v.shape)
+        if "lora_A" in k or "lora_B" in k:  # (DoRA's lora_magnitude_vector: one value per output)
+            rank = v.shape[0] if "lora_A" in k else v.shape[1]
+            assert (rank % r == 0 if ".mlp.experts." in k else rank == r) and v.numel() > rank, (k, v.shape)
     assert any("q_proj.lora_A" in k and tuple(v.shape) == (r, hidden) for k, v in lora.items())
     return tensors
 
