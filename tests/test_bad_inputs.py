@@ -631,6 +631,26 @@ CASES = [
         problems=2,  # and a mesh of 4 processes in one (in two under accelerate launch)
     ),
     Case(
+        # accelerate 1.15 refused it at Accelerator() on CPU ranks (MULTI_CPU) in a traceback on every rank; on GPUs it
+        # ran plain DDP, sharding nothing
+        "ddp_with_parallelism_config_dp_shard",
+        lambda c: (
+            c.env.update(ACCELERATE_USE_PARALLELISM_CONFIG="true", PARALLELISM_CONFIG_DP_SHARD_SIZE="2"),
+            c.yaml(),
+        )[1],
+        "parallelism_config_dp_shard_size",
+        "use accelerate_configs/fsdp2.yaml",
+    ),
+    Case(
+        "ddp_with_parallelism_config_dp_replicate",  # the same traceback on CPU ranks; on GPUs DDP as without it
+        lambda c: (
+            c.env.update(ACCELERATE_USE_PARALLELISM_CONFIG="true", PARALLELISM_CONFIG_DP_REPLICATE_SIZE="2"),
+            c.yaml(),
+        )[1],
+        "parallelism_config_dp_replicate_size",
+        "drop the parallelism_config for DDP",
+    ),
+    Case(
         "parallelism_config_size_under_1",
         lambda c: (
             c.env.update(ACCELERATE_USE_PARALLELISM_CONFIG="true", PARALLELISM_CONFIG_DP_SHARD_SIZE="0"),

@@ -101,12 +101,20 @@ class ModelShape:
     layer_params: int  # one decoder layer
     root_params: int  # outside the decoder layers: embeddings, final norm, head
     largest_module: int  # the largest module's own parameters (what ZeRO-3 gathers at once)
-    tp_splittable: int  # parameters of the decoder layers' linears and the head (split by tensor parallelism)
+    # What tensor parallelism splits, each tensor once (a tied head is the input embeddings): the decoder layers'
+    # weight matrices, the input embeddings and the head. transformers 5.23 adds the input embeddings (embed_tokens)
+    # to every model's tp_plan (distributed/mixin.py init_parallel_plans, "embedding_rowwise": split over the
+    # vocabulary), beside the plan's linears and lm_head ("colwise_gather_output"); Megatron-LM splits its vocabulary
+    # embedding (VocabParallelEmbedding), output layer (ColumnParallelLinear) and the layers' matrices alike. Norms,
+    # biases and learned position embeddings stay whole on every rank.
+    tp_splittable: int
     weight_bytes: int  # bytes per weight as loaded (torch_dtype)
     tensor_sizes: tuple[int, ...] = ()
     model_type: str = ""  # config.model_type (whether the chunked loss applies)
     quantized: int = 0  # of total, the weights stored in 4 bits (QLoRA's base linears; sharding.NF4_BYTES each)
     num_labels: int = 0  # a classifier's outputs (its logits are rows x num_labels); 0: an LM head over the vocabulary
+    input_embeddings: int = 0  # of tp_splittable, the input embeddings (the first pipeline stage's end)
+    head: int = 0  # of tp_splittable, the head's own weights (the last stage's end); 0 when tied to the embeddings
     decoder_layers: int = 0  # an encoder-decoder's decoder blocks (of `layers`, which counts both stacks' blocks)
     position_bias: bool = False  # attention adds a learned bias (T5's relative positions): a trainable float mask
     dropout: float = 0.0  # the model config's dropout on hidden states (encoder-decoders; see seq2seq_activations)
@@ -140,8 +148,6 @@ class ModelShape:
         in_layers = sum(numel(p) for p in layers.parameters())
         total = sum(numel(p) for p in params)
         linears = [m for m in layers.modules() if isinstance(m, torch.nn.Linear)]
-        head = net.get_output_embeddings() if hasattr(net, "get_output_embeddings") else None
-        splittable = sum(numel(m.weight) for m in linears) + (numel(head.weight) if head is not None else 0)
         own = [sum(numel(p) for p in m.parameters(recurse=False)) for m in net.modules()]
         text = getattr(config, "get_text_config", lambda: config)()
         hidden = _first(text, "hidden_size", "n_embd", "d_model")
@@ -164,7 +170,7 @@ class ModelShape:
             layer_params=layer_params,
             root_params=total - in_layers,
             largest_module=max(own, default=0),
-            tp_splittable=splittable,
+            **_tp_split(net, layers, numel),
             weight_bytes=weight_bytes,
             tensor_sizes=tuple(sorted(numel(p) for p in params)),
             model_type=getattr(config, "model_type", ""),
@@ -178,6 +184,27 @@ class ModelShape:
             ),
             activation_dropout=_probability(text, "activation_dropout", "dropout_rate"),
         )
+
+
+def _tp_split(net, layers, numel) -> dict[str, int]:
+    """ModelShape's tp_splittable (what tensor parallelism splits, and why, is said there), input_embeddings and
+    head, each tensor counted once: a tied head is the embeddings' Parameter."""
+    import torch
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linears (Megatron-LM splits them as any other)
+
+    def weight(module) -> torch.nn.Parameter | None:
+        return getattr(module, "weight", None) if module is not None else None
+
+    embeddings = weight(net.get_input_embeddings()) if hasattr(net, "get_input_embeddings") else None
+    head = weight(net.get_output_embeddings()) if hasattr(net, "get_output_embeddings") else None
+    matrices = [m.weight for m in layers.modules() if isinstance(m, (torch.nn.Linear, Conv1D))]
+    split = {id(p): p for p in [*matrices, embeddings, head] if p is not None}
+    own_head = head is not None and head is not embeddings
+    return {
+        "tp_splittable": sum(numel(p) for p in split.values()),
+        "input_embeddings": numel(embeddings) if embeddings is not None else 0,
+        "head": numel(head) if own_head else 0,
+    }
 
 
 def _stacks(net, config):

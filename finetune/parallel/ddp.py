@@ -42,10 +42,48 @@ def environment(cfg: RunConfig) -> None:
 
 
 def problems(cfg: RunConfig, env: Mapping[str, str] = os.environ, here: bool = True) -> list[tuple[str, str]]:
-    """A parallelism_config beside a DDP config (accelerate's MULTI_GPU) that splits the sequence, or has a size
-    under 1."""
+    """A parallelism_config beside a DDP config (accelerate's MULTI_GPU) that splits the sequence, asks for data
+    parallel sizes, or has a size under 1."""
     launcher = Launcher.read(env)
-    return parallelism_size_problems(launcher) + sequence_split_problems(launcher)
+    return (
+        parallelism_size_problems(launcher) + sequence_split_problems(launcher) + data_parallel_mesh_problems(launcher)
+    )
+
+
+def data_parallel_mesh_problems(launcher: Launcher) -> list[tuple[str, str]]:
+    """parallelism_config_dp_shard_size or _dp_replicate_size > 1 beside a DDP (or one-process) config. accelerate
+    1.15 launches it (utils/launch.py prepare_extend_env_parallelism_config) and builds a ParallelismConfig from it
+    (accelerator.py:459), then:
+    - without a GPU the ranks come up MULTI_CPU (environment() above), which is no Accelerator.multi_device
+      (accelerator.py:659), and ParallelismConfig._validate_accelerator raises on every rank at Accelerator()
+      (parallelism_config.py:390: "only compatible DistributedType.FSDP (version 2) or ..."; seen on 2 CPU
+      processes, for either size); one process raises too (parallelism_config.py:372: total_size != num_processes);
+    - on GPUs (MULTI_GPU) it passes, and prepare_model wraps the whole model in DDP on every rank all the same
+      (accelerator.py:1883: multi_device without tp), the loaders dealing each dp_replicate x dp_shard rank its own
+      batches (data_loader.py:1160-1164): plain DDP, so dp_shard shards nothing, and the same file fails on CPUs."""
+    fixes = {
+        "dp_shard": (
+            "sharding, which accelerate 1.15 does only under FSDP: beside a DDP config it shards nothing (on GPUs every "
+            "rank holds the whole model in DDP all the same)",
+            "use accelerate_configs/fsdp2.yaml (distributed_type FSDP) to shard the model over the processes, or drop "
+            "the parallelism_config for DDP",
+        ),
+        "dp_replicate": (
+            "replicas, which DDP already makes of every process (on GPUs it adds nothing)",
+            "drop the parallelism_config for DDP, or use accelerate_configs/fsdp2.yaml with it and "
+            "parallelism_config_dp_shard_size for HSDP (replicas of a sharded model)",
+        ),
+    }
+    out = []
+    for dim, (what, fix) in fixes.items():
+        if (size := launcher.parallelism(dim)) > 1:
+            why = (
+                f"is {size} beside a DDP config (distributed_type MULTI_GPU, or one process): {what}; and accelerate "
+                "1.15 refuses it at Accelerator() without GPUs (MULTI_CPU) or in one process, in a traceback on "
+                "every rank"
+            )
+            out.append((f"parallelism_config_{dim}_size", f"{why}; {fix}"))
+    return out
 
 
 def accelerator_kwargs(cfg: RunConfig) -> dict:

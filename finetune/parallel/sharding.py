@@ -37,9 +37,12 @@ FSDP2, while DDP keeps its buckets). With gradient accumulation the gradients li
                       processes, but HSDP's dp_replicate groups each hold the whole model); gathered: the root
                       module (embeddings, head) for the whole step, the layer computing now and the one
                       prefetched, and one layer's full gradient before its reduce-scatter
-  TP (tp ranks)       the model's tp_plan layers (decoder linears, head) split tp ways, the rest replicated
-  Megatron-LM         layers split tp x pp ways; fp32 main gradients; distributed optimizer: moments and master
-                      sharded over data parallel
+  TP (tp ranks)       what the model's tp_plan splits (ModelShape.tp_splittable: the decoder layers' linears,
+                      the input embeddings, the head; a tied head is the embeddings, one tensor) split tp ways, the
+                      norms and biases whole (under TP x FSDP2 the tp rank's part is then cut dp_shard ways)
+  Megatron-LM         the same split tp ways (its vocabulary embedding and output layer too), the layers pp ways
+                      (the first stage holds the embeddings, the last the head); fp32 main gradients; distributed
+                      optimizer: moments and master sharded over data parallel
 Mixed precision through accelerate (autocast) keeps fp32 weights and adds their 16-bit casts (autocast's
 cache: 2 bytes per weight for the forward and backward).
 QLoRA (peft.load_in_4bit; one process, DDP, ZeRO-1/2): the base's decoder linears are stored in NF4, NF4_BYTES per
@@ -146,15 +149,26 @@ def frozen_copy(topology: Topology, shape: Any) -> Part:
     weights, placed as the layout places it: sharded under ZeRO-3 and FSDP2 (offloaded where the parameters are),
     whole on each rank elsewhere (one process, DDP, ZeRO-1/2, whose reference engine runs at stage 0)."""
     t, w = topology, shape.weight_bytes
-    if t.family == "fsdp" or (t.family == "deepspeed" and t.zero_stage == 3):
-        ways = fsdp_shards(t) if t.family == "fsdp" else t.num_processes
-        return Part("reference", shape.total * w / ways, t.offload_params, "live reference, sharded")
+    if t.family == "fsdp":
+        return Part("reference", _split(shape, t.tp)[0] * w / t.dp_shard, t.offload_params, "live reference, sharded")
+    if t.family == "deepspeed" and t.zero_stage == 3:
+        return Part("reference", shape.total * w / t.num_processes, t.offload_params, "live reference, sharded")
     return Part("reference", _split(shape, t.tp, t.pp)[0] * w, note="live reference: a frozen copy")
 
 
 def _split(shape, tp: int, pp: int = 1) -> tuple[float, float]:
-    """(total, trainable) parameters a rank holds when the tp_plan layers are split tp ways, the layers pp ways."""
-    total = (shape.tp_splittable / tp + (shape.total - shape.tp_splittable)) / pp
+    """(total, trainable) parameters the fullest rank holds when what tensor parallelism splits (shape.tp_splittable:
+    the layers' matrices, the input embeddings and the head) is split tp ways and the decoder layers pp ways. With
+    pp > 1 the first stage holds the input embeddings, the last the head (a tied one: a copy of the embeddings,
+    Megatron-LM's shared_embedding), the final norm and anything else outside the layers counted on the fullest."""
+    rest = shape.total - shape.tp_splittable  # whole on every rank: norms, biases, learned position embeddings
+    if pp == 1:
+        total = shape.tp_splittable / tp + rest
+    else:
+        ends = shape.input_embeddings + shape.head
+        outside = shape.root_params - ends  # the final norm (position embeddings: GPT-2's)
+        layers = (shape.tp_splittable - ends) / tp + rest - outside
+        total = layers / pp + max(shape.input_embeddings, shape.head or shape.input_embeddings) / tp + outside
     trainable = shape.trainable * total / max(shape.total, 1)
     return total, trainable
 
@@ -238,31 +252,33 @@ def fsdp_shards(t: Topology) -> int:
     """The pieces FSDP2 cuts a rank's model states into: dp_shard x tp, which is every process but under HSDP, whose
     dp_replicate groups each hold the whole model (accelerate 1.15 shards over the mesh's dp_replicate and
     dp_shard_cp dimensions, utils/fsdp_utils.py fsdp2_prepare_model, and torch's fully_shard replicates over the
-    first). Under TP x FSDP2 the tp_plan splits every weight but the norms tp ways first (transformers 5.23 adds the
-    input embeddings to every plan: distributed/mixin.py init_parallel_plans), then fully_shard dp_shard ways; the
-    norms, Replicate on the "tp" mesh (accelerate's _prepare_tp), only dp_shard ways (a few thousand weights)."""
+    first). Under TP x FSDP2 the tp_plan splits what ModelShape.tp_splittable counts tp ways first (every weight
+    but the norms: transformers 5.23 adds the input embeddings to every plan, distributed/mixin.py
+    init_parallel_plans), then fully_shard cuts a tp rank's part dp_shard ways: the norms, Replicate on the "tp" mesh
+    (accelerate's _prepare_tp), only dp_shard ways (_fsdp counts them so)."""
     return t.dp_shard * t.tp
 
 
 def _fsdp(t: Topology, shape, half: bool) -> list[Part]:
-    n = fsdp_shards(t)
+    held, trainable = _split(shape, t.tp)  # a tp rank's part of the model, which fully_shard cuts dp_shard ways
+    n = t.dp_shard
     w = shape.weight_bytes
     host = t.offload_params
     gw = 2 if half else w  # FSDP2's MixedPrecisionPolicy gathers in the 16-bit dtype
-    over = f"sharded {n} ways" + (f", x {t.dp_replicate} replicas" if t.dp_replicate > 1 else "")
+    over = f"sharded {fsdp_shards(t)} ways" + (f", x {t.dp_replicate} replicas" if t.dp_replicate > 1 else "")
     parts = [
-        Part("parameters", shape.total * w / n, host, over),
-        Part("gradients", shape.trainable * w / n, host, f"{over}, freed after the step", phase=STEP),
-        Part("optimizer", 2 * shape.trainable * w / n, host, f"AdamW moments, {over}"),
+        Part("parameters", held * w / n, host, over),
+        Part("gradients", trainable * w / n, host, f"{over}, freed after the step", phase=STEP),
+        Part("optimizer", 2 * trainable * w / n, host, f"AdamW moments, {over}"),
     ]
     layer = shape.layer_params / t.tp
-    parts.append(
-        Part("buffers", (shape.root_params + 2 * layer) * gw, note="root module + 2 layers gathered", phase=BACKWARD)
-    )
+    ends = shape.input_embeddings + shape.head  # gathered over dp_shard only: still split tp ways
+    root = shape.root_params - ends + ends / t.tp
+    parts.append(Part("buffers", (root + 2 * layer) * gw, note="root module + 2 layers gathered", phase=BACKWARD))
     parts.append(
         Part(
             "buffers",
-            (shape.root_params + layer) * gw,
+            (root + layer) * gw,
             note="unsharded gradients before reduce-scatter",
             phase=BACKWARD,
         )
@@ -273,8 +289,6 @@ def _fsdp(t: Topology, shape, half: bool) -> list[Part]:
 def _megatron(t: Topology, shape, half: bool, b: Buckets) -> list[Part]:
     w = 2 if half else shape.weight_bytes
     total, trainable = _split(shape, t.tp, t.pp)
-    total += shape.root_params / t.tp * (1 - 1 / t.pp)  # the first and last stages hold the embeddings/head
-    trainable = shape.trainable * total / max(shape.total, 1)
     shard = t.dp if b.megatron_distributed_optimizer else 1
     parts = [
         Part("parameters", total * w),
