@@ -46,6 +46,8 @@ EXPECTED = {
     "fsdp2_offload": ("FSDP", 2, {"fsdp_version": 2, "offload_params": True, "parameter_shard": HALF}),
     # 2 x 2: tensor parallel linears hold a quarter, the rest half
     "tp2_fsdp2": ("FSDP", 4, {"fsdp_version": 2, "offload_params": False, "parameter_shard": (0.25, 0.45)}),
+    # torch TP on CPU ranks is accelerate's MULTI_CPU: only the share each rank holds tells it from DDP (norms whole)
+    "tp2": ("MULTI_CPU", 2, {"parameter_shard": (0.45, 0.6)}),
 }
 
 

@@ -25,10 +25,7 @@ UPDATE_RTOL = 0.06
 # Every layout of the promise, with the distributed type and world size each must come up as. By default not ZeRO-1
 # (ZeRO-2's bf16 path without gradient partitioning), ZeRO-2 and FSDP2 with offload (ZeRO-3 offload's CPU optimizer
 # runs): FINETUNE_CONFIG_GRID=1 runs them too (about a minute of a 2-core machine; suite time).
-LAYOUTS = {
-    **{name: facts[:2] for name, facts in EXPECTED.items()},
-    "tp2": ("MULTI_CPU", 2),
-}
+LAYOUTS = {name: facts[:2] for name, facts in EXPECTED.items()}
 if not os.environ.get("FINETUNE_CONFIG_GRID"):
     LAYOUTS = {
         name: facts for name, facts in LAYOUTS.items() if name not in ("zero1", "zero2_offload", "fsdp2_offload")
