@@ -160,6 +160,15 @@ def assets(tmp_path_factory) -> Assets:
     )
 
 
+def qwen3_moe_model(tokenizer, path) -> str:
+    """A tiny Qwen3-MoE (finetune.demo's qwen3 shape): tied head, q/k/v biases, a dense first layer, then 4 experts,
+    2 per token (test_megatron's TP test; its share under TP: test_memory)."""
+    from finetune import demo
+
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[0])
+    return demo.build_model("qwen3_moe", path, tokenizer, tie_word_embeddings=True, attention_bias=True, **moe)
+
+
 @dataclass
 class Result:
     returncode: int

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import ROOT, base_args, crash_after, finetune, max_rel_diff, max_weight_diff
+from conftest import ROOT, base_args, crash_after, finetune, max_rel_diff, max_weight_diff, qwen3_moe_model
 
 from finetune.config import ConfigError, build_config
 from finetune.parallel import megatron, tensor
@@ -599,12 +599,7 @@ def test_tp2_on_cpu_equals_one_process_and_resumes_exactly(assets, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from finetune import demo
-
-    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[0])
-    model = demo.build_model(
-        "qwen3_moe", tmp_path / "qwen3_moe", assets.tokenizer, tie_word_embeddings=True, attention_bias=True, **moe
-    )
+    model = qwen3_moe_model(assets.tokenizer, tmp_path / "qwen3_moe")
     args = base_args(model, assets.instruction, "--max_steps", "4", "--save_steps", "2", "--eval_fraction", "0.1")
     args += ["--gradient_accumulation_steps", "2"]
     single = finetune(tmp_path / "single", *args)

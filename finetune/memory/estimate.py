@@ -198,6 +198,9 @@ def _tp_split(net, layers, numel) -> dict[str, int]:
     embeddings = weight(net.get_input_embeddings()) if hasattr(net, "get_input_embeddings") else None
     head = weight(net.get_output_embeddings()) if hasattr(net, "get_output_embeddings") else None
     matrices = [m.weight for m in layers.modules() if isinstance(m, (torch.nn.Linear, Conv1D))]
+    # a mixture of experts' fused experts (transformers 5.23: mlp.experts.gate_up_proj and down_proj, one 3D tensor
+    # each, split by the plan's moe_tp_experts: packed by columns, by rows)
+    matrices += [p for p in layers.parameters() if p.dim() >= 3]
     split = {id(p): p for p in [*matrices, embeddings, head] if p is not None}
     own_head = head is not None and head is not embeddings
     return {
