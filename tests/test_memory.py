@@ -241,7 +241,7 @@ def test_a_live_reference_copy_is_counted_as_the_layout_places_it(assets):
 
 
 def test_fsdp2_shards_over_dp_shard_x_tp_and_hsdp_replicas_hold_it_whole(assets, tmp_path):
-    """FSDP2 cuts a rank's model states dp_shard x tp ways (sharding.fsdp_shards): under HSDP (parallelism_config
+    """FSDP2 cuts a rank's model states dp_shard x tp ways (sharding._fsdp): under HSDP (parallelism_config
     dp_replicate_size 2 x dp_shard_size 2 on 4 processes) each dp_replicate group holds the whole model over its 2
     dp_shard ranks (seen: parameter_shard 0.5 on 4 CPU processes; 0.2505 under HSDP x TP, 2 x 2 x 2 on 8: the norms,
     which TP leaves whole, cut dp_shard ways only), so a rank holds what it holds under FSDP2 on 2 processes; the

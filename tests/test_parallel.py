@@ -671,7 +671,7 @@ def test_topology_counts_the_batches_accelerate_deals_under_hsdp(sizes):
     for rank, rows in enumerate(dealt):
         topology = fsdp_topology(pc, rank)
         assert (topology.dp, topology.tp) == (pc.data_parallel_size, pc.tp_size)
-        # what FSDP2 shards over (sharding.fsdp_shards): each dp_replicate group holds the whole model
+        # what FSDP2 shards over (sharding._fsdp): each dp_replicate group holds the whole model
         assert (topology.dp_replicate, topology.dp_shard) == (pc.dp_replicate_size, pc.dp_shard_size)
         assert rows == [j * topology.dp + topology.dp_rank for j in range(len(rows))], (rank, rows)
 

@@ -33,7 +33,7 @@ whatever the model's dtype, zero.Init building in the DeepSpeed config's dtype):
 Each part also says when it exists (`Part.phase`): always; during forward and backward only; or from the end
 of backward through the optimizer step (gradients the backend frees after every step: DeepSpeed ZeRO-1/2 and
 FSDP2, while DDP keeps its buckets). With gradient accumulation the gradients live across micro batches.
-  FSDP2               weights T*w/N, gradients P*w/N, moments 2P*w/N, N = dp_shard x tp (fsdp_shards: the
+  FSDP2               weights T*w/N, gradients P*w/N, moments 2P*w/N, N = dp_shard x tp (_fsdp: the
                       processes, but HSDP's dp_replicate groups each hold the whole model); gathered: the root
                       module (embeddings, head) for the whole step, the layer computing now and the one
                       prefetched, and one layer's full gradient before its reduce-scatter
@@ -248,24 +248,20 @@ def _deepspeed(t: Topology, shape, half: bool, b: Buckets) -> list[Part]:
     return parts
 
 
-def fsdp_shards(t: Topology) -> int:
-    """The pieces FSDP2 cuts a rank's model states into: dp_shard x tp, which is every process but under HSDP, whose
-    dp_replicate groups each hold the whole model (accelerate 1.15 shards over the mesh's dp_replicate and
-    dp_shard_cp dimensions, utils/fsdp_utils.py fsdp2_prepare_model, and torch's fully_shard replicates over the
-    first). Under TP x FSDP2 the tp_plan splits what ModelShape.tp_splittable counts tp ways first (every weight
-    but the norms: transformers 5.23 adds the input embeddings to every plan, distributed/mixin.py
-    init_parallel_plans), then fully_shard cuts a tp rank's part dp_shard ways: the norms, Replicate on the "tp" mesh
-    (accelerate's _prepare_tp), only dp_shard ways (_fsdp counts them so)."""
-    return t.dp_shard * t.tp
-
-
 def _fsdp(t: Topology, shape, half: bool) -> list[Part]:
+    """FSDP2 cuts a rank's model states dp_shard x tp ways, which is every process but under HSDP: its dp_replicate
+    groups each hold the whole model (accelerate 1.15 shards over the mesh's dp_replicate and dp_shard_cp dimensions,
+    utils/fsdp_utils.py fsdp2_prepare_model, and torch's fully_shard replicates over the first). Under TP x FSDP2
+    the tp_plan first splits what ModelShape.tp_splittable counts tp ways (every weight but the norms: transformers
+    5.23 adds the input embeddings to every plan, distributed/mixin.py init_parallel_plans), then fully_shard cuts
+    a tp rank's part dp_shard ways; the norms, Replicate on the "tp" mesh (accelerate's _prepare_tp), only
+    dp_shard ways."""
     held, trainable = _split(shape, t.tp)  # a tp rank's part of the model, which fully_shard cuts dp_shard ways
     n = t.dp_shard
     w = shape.weight_bytes
     host = t.offload_params
     gw = 2 if half else w  # FSDP2's MixedPrecisionPolicy gathers in the 16-bit dtype
-    over = f"sharded {fsdp_shards(t)} ways" + (f", x {t.dp_replicate} replicas" if t.dp_replicate > 1 else "")
+    over = f"sharded {t.dp_shard * t.tp} ways" + (f", x {t.dp_replicate} replicas" if t.dp_replicate > 1 else "")
     parts = [
         Part("parameters", held * w / n, host, over),
         Part("gradients", trainable * w / n, host, f"{over}, freed after the step", phase=STEP),
