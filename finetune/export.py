@@ -31,7 +31,7 @@ from finetune.cluster import host_gather, host_wait
 from finetune.config import AUTO_CLASSES, ConfigError
 from finetune.config.preflight import looks_local
 from finetune.faults import fault_point
-from finetune.fingerprint import BASE_FILE, recorded_base
+from finetune.fingerprint import BASE_FILE
 from finetune.fingerprint import check as check_base
 from finetune.fingerprint import record as record_base
 from finetune.formats import at_rest
@@ -213,13 +213,13 @@ def _base_weights(adapter_dir: str, base: MergeBase, allow_other_base: bool, loa
         return f"not verified: {verdict.note}"
     if verdict.same:
         return verdict.note
-    trained = recorded_base(adapter_dir).get("base_model")
     if allow_other_base:
-        return f"not the weights the adapter was trained on ({trained}): {verdict.note}; merged with allow_other_base"
+        trained = f"not the weights the adapter was trained on ({verdict.trained_on})"
+        return f"{trained}: {verdict.note}; merged with allow_other_base"
     why = (
         f"the weights of the base model {base.name!r} are not the ones the adapter in {adapter_dir} was trained on "
-        f"({trained!r}, fingerprinted in its {BASE_FILE}): {verdict.note}. Merged into other weights, an adapter "
-        "makes a silently wrong model. Merge it into the model it was trained on: "
+        f"({verdict.trained_on!r}, fingerprinted in its {BASE_FILE}): {verdict.note}. Merged into other weights, an "
+        "adapter makes a silently wrong model. Merge it into the model it was trained on: "
         + base.fix("that model's directory or Hub id")
         + "; or, to merge it into this one on purpose (a sibling fine-tune), add --allow_other_base"
     )

@@ -19,6 +19,7 @@ pytorch_model.bin has no fingerprint: a merge into it says it could not verify.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -39,12 +40,14 @@ SAFE_WEIGHTS_INDEX = "model.safetensors.index.json"
 class Verdict:
     """A base model against the fingerprint an adapter records. same: True (the weights it was trained on), False
     (other weights), None (not verified: note says why); found: False where the base's safetensors files are not on
-    disk (a Hub id not yet in the cache: a later look may find them); reshaped: some tensor has another shape."""
+    disk (a Hub id not yet in the cache: a later look may find them); reshaped: some tensor has another shape;
+    trained_on: the base model the adapter's BASE_FILE names (None without one)."""
 
     same: bool | None
     note: str
     found: bool = True
     reshaped: bool = False
+    trained_on: str | None = None
 
 
 def record(directory: str, base_model: str) -> None:
@@ -58,7 +61,18 @@ def record(directory: str, base_model: str) -> None:
     write_atomic(os.path.join(directory, BASE_FILE), json.dumps(said, indent=1) + "\n")
 
 
-def recorded_base(adapter_dir: str) -> dict:
+def check(adapter_dir: str, base_model: str) -> Verdict:
+    """base_model's weights against those the adapter in adapter_dir was trained on (its BASE_FILE): the tensors
+    both hold are compared (a copy saved without a tied lm_head still compares the rest)."""
+    said = _recorded(adapter_dir)
+    if not said:
+        return Verdict(None, f"the adapter records no fingerprint of its base model's weights (no {BASE_FILE}: "
+                             "written by an older finetune or another tool)")  # fmt: skip
+    verdict = _compare(said, base_model)
+    return dataclasses.replace(verdict, trained_on=said.get("base_model"))
+
+
+def _recorded(adapter_dir: str) -> dict:
     """What the adapter's BASE_FILE says ({} without a readable one: an older finetune's adapter, another tool's)."""
     try:
         with open(os.path.join(adapter_dir, BASE_FILE)) as f:
@@ -68,13 +82,8 @@ def recorded_base(adapter_dir: str) -> dict:
     return said if isinstance(said, dict) else {}
 
 
-def check(adapter_dir: str, base_model: str) -> Verdict:
-    """base_model's weights against those the adapter in adapter_dir was trained on (its BASE_FILE): the tensors
-    both hold are compared (a copy saved without a tied lm_head still compares the rest)."""
-    said = recorded_base(adapter_dir)
-    if not said:
-        return Verdict(None, f"the adapter records no fingerprint of its base model's weights (no {BASE_FILE}: "
-                             "written by an older finetune or another tool)")  # fmt: skip
+def _compare(said: dict, base_model: str) -> Verdict:
+    """base_model's fingerprint against the one BASE_FILE records (said)."""
     recorded = said.get("tensors") if said.get("scheme") == SCHEME else None
     if not isinstance(recorded, dict) or not recorded:
         why = said.get("no_fingerprint") or f"its {BASE_FILE} has another scheme than {SCHEME}"

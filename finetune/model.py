@@ -121,7 +121,7 @@ def _say_if_trained_on_other_weights(adapter: str, base: str) -> None:
             adapter,
             base,
             verdict.note,
-            fingerprint.recorded_base(adapter).get("base_model"),
+            verdict.trained_on,
         )
 
 
