@@ -148,7 +148,6 @@ def weights_writer(
         if cfg.peft.method == "none":  # the whole model, as the checkpoint holds it
             args = dataclasses.replace(cfg.model, model=resume.model_dir(), gradient_checkpointing=False)
             net = model.build_model(args, tokenizer, label_names, cfg.data.max_seq_length)
-            model.saves_as_its_base(net)
         else:  # the run's base model and the adapter's trained weights by name
             args = dataclasses.replace(cfg.model, gradient_checkpointing=False)
             # The base as the adapter's carrier, never in 4 bits (QLoRA): bitsandbytes' weights cannot be cast.

@@ -19,6 +19,8 @@ adapter's weights by name. Full tensors are in one of two forms:
     optimizer.bin, and optimizer_param_names.json naming optimizer.bin's entries;
   - portable/ (DeepSpeed, FSDP): a from_pretrained directory plus optimizer.safetensors
     (param/NAME, exp_avg/NAME, exp_avg_sq/NAME).
+Either from_pretrained directory holds the run's tokenizer too: it loads whole, as final/ does (a new run's model,
+an eval, a server).
 """
 
 from __future__ import annotations
@@ -123,8 +125,10 @@ class Checkpointer:
         layout: dict,
         save_total_limit: int | None,
         writes: bool,
+        tokenizer,
     ):
         self.acc, self.backend, self.model, self.optimizer = accelerator, backend, model, optimizer
+        self.tokenizer = tokenizer  # beside the weights: a checkpoint's from_pretrained directory loads whole
         self.output_dir, self.run_config, self.layout = output_dir, run_config, layout
         self.save_total_limit = save_total_limit
         self.writes = writes  # this process makes and names the directories (cluster.Storage.writes)
@@ -213,6 +217,7 @@ class Checkpointer:
                 net.config.save_pretrained(tmp)
                 if getattr(net, "generation_config", None) is not None:  # models that generate
                     net.generation_config.save_pretrained(tmp)
+                self.tokenizer.save_pretrained(tmp)
                 name_of = {id(p): n for n, p in net.named_parameters()}
                 inner = getattr(self.optimizer, "optimizer", self.optimizer)  # optimizer.bin's order
                 names = [name_of[id(p)] for group in inner.param_groups for p in group["params"]]
@@ -226,6 +231,7 @@ class Checkpointer:
             out = os.path.join(tmp, PORTABLE)
             # a copy: save_pretrained removes entries from the dict it is given (tied names; every one it writes)
             save_from_this_process(net, out, state_dict=dict(weights), safe_serialization=True)
+            self.tokenizer.save_pretrained(out)
             # The fp32 masters are the full state dict's trainable weights (gathered once, not again with the moments)
             tensors = {f"param/{n}": weights[n].detach().float().cpu().contiguous() for n in moments}
             tensors |= {

@@ -15,6 +15,7 @@ import torch
 
 from finetune import chunked_loss
 from finetune.config import AUTO_CLASSES, ConfigError, ModelArgs, PeftArgs
+from finetune.config.preflight import STATE_FILE
 from finetune.config.rules import encoder_decoder_problems, position_problems
 
 logger = logging.getLogger("finetune")
@@ -46,6 +47,7 @@ def load_tokenizer(m: ModelArgs):
         tok = AutoTokenizer.from_pretrained(m.model, trust_remote_code=m.trust_remote_code)
     except (OSError, ValueError, KeyError) as e:
         raise load_error("tokenizer", m.model, e) from None
+    _refuse_a_tokenizer_from_nothing(m.model, tok)
     if tok.pad_token is None:
         if tok.eos_token is None:
             raise ConfigError(
@@ -62,6 +64,27 @@ def load_tokenizer(m: ModelArgs):
     if m.chat_template:
         tok.chat_template = open(m.chat_template).read() if os.path.isfile(m.chat_template) else m.chat_template
     return tok
+
+
+def _refuse_a_tokenizer_from_nothing(path: str, tok) -> None:
+    """transformers 5 builds a tokenizer of the config's class from a directory that holds no tokenizer files (a
+    checkpoint written by an earlier finetune; weights copied alone): its special tokens only, every word unknown or
+    nothing (seen: GPT-2's, 1 token; BERT's, 5), and training went on with examples "truncated to nothing"."""
+    if not os.path.isdir(path):
+        return
+    files = {"tokenizer.json", "tokenizer_config.json", *type(tok).vocab_files_names.values()}
+    if not any(os.path.isfile(os.path.join(path, f)) for f in files):
+        raise ConfigError(
+            [
+                (
+                    "model",
+                    f"{path!r} holds no tokenizer files ({', '.join(sorted(files))}): transformers would build a "
+                    "tokenizer of its special tokens only. Add the base model's tokenizer to it "
+                    "(AutoTokenizer.from_pretrained(BASE).save_pretrained(DIR)); a checkpoint written by an "
+                    "earlier finetune holds none",
+                )
+            ]
+        )
 
 
 def peft_missing(key: str = "peft.method") -> list[tuple[str, str]]:
@@ -188,8 +211,7 @@ def build_model(
     """Load the model for the task; a classifier gets a head sized to the labels in the data; adapters on top.
     load_weights False: the architecture only, on the meta device (the backend brings its own weights).
     micro_batch_tokens, eval_batch_tokens: the most tokens a training micro batch and an eval batch hold (the
-    chunked loss cuts every one alike).
-    numel: a parameter's full size (the backend's: ZeRO-3 partitions at load).
+    chunked loss cuts every one alike). numel: a parameter's full size (the backend's: ZeRO-3 partitions at load).
     mixed_precision: the run's (no, bf16, fp16): what QLoRA's 4-bit layers compute in."""
     import transformers
     from transformers import AutoConfig
@@ -206,6 +228,7 @@ def build_model(
         if load_weights:
             model, info = cls.from_pretrained(m.model, **kwargs, **(extra_kwargs or {}), output_loading_info=True)
             missing = info["missing_keys"]
+            _saves_as_its_base(model, m.model)
         else:
             config = AutoConfig.from_pretrained(m.model, trust_remote_code=m.trust_remote_code)
             with torch.device("meta"):
@@ -310,9 +333,10 @@ def masks_without_host_sync() -> None:
     mu._finetune_without_host_sync = True
 
 
-def saves_as_its_base(net) -> None:
-    """A whole model loaded from a finetune checkpoint's weights (a resume converted from another layout, final/ from
-    the best checkpoint) saves in the layout its base model came in, as every other export of the run does.
+def _saves_as_its_base(net, path: str) -> None:
+    """A whole model loaded from a finetune checkpoint's weights (checkpoint.Resume.model_dir: a resume converted from
+    another layout, final/ from the best checkpoint, or a checkpoint named as a new run's model) saves in the layout
+    its base model came in, as every other export does.
 
     A checkpoint holds transformers' in-memory names (a mixture of experts' fused mlp.experts.gate_up_proj, where
     Mixtral's and Qwen-MoE's Hub checkpoints hold each expert's own linears), so loading it uses none of the model's
@@ -320,7 +344,12 @@ def saves_as_its_base(net) -> None:
     (core_model_loading.py:1876) and final/ kept the fused names (seen: a tiny Qwen3-MoE resumed in one process from
     a TP checkpoint). With no record of a load, save_pretrained reverts the model class's own conversions, as for a
     model made from its config (revert_weight_conversion)."""
-    net._weight_conversions = None
+    from finetune.checkpoint import PORTABLE
+
+    path = os.path.abspath(path)
+    holder = os.path.dirname(path) if os.path.basename(path) == PORTABLE else path
+    if os.path.isfile(os.path.join(holder, STATE_FILE)):
+        net._weight_conversions = None
 
 
 def masks_converted_once() -> None:

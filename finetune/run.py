@@ -81,7 +81,16 @@ def _run(cfg: RunConfig, acc, backend, storage) -> dict:
     run_config = cfg.to_flat()
     t = cfg.train
     ckpt = checkpoint.Checkpointer(
-        acc, backend, parts.model, parts.optimizer, t.output_dir, run_config, layout, t.save_total_limit, storage.writes
+        acc,
+        backend,
+        parts.model,
+        parts.optimizer,
+        t.output_dir,
+        run_config,
+        layout,
+        t.save_total_limit,
+        storage.writes,
+        tokenizer,
     )
     r = build_loop(cfg, acc, backend, parts, ds, plan, facts, ckpt, eval_metrics, generation)
     facts = report.RunFacts(
@@ -232,8 +241,6 @@ def build_model(cfg: RunConfig, backend, tokenizer, ds: data.Datasets, resume: c
     )
     if resume and resume.portable and peft_on:  # the run's own base model; the adapter's weights by name
         checkpoint.restore_adapter(backend, net, resume)
-    elif resume and resume.portable:
-        model.saves_as_its_base(net)
     net = backend.place_model(net)
     half = {str(p.dtype).removeprefix("torch.") for p in net.parameters() if p.requires_grad and p.element_size() == 2}
     if half and not backend.fp32_master_weights():

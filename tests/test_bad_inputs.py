@@ -163,6 +163,13 @@ def tiny_opt(c: Ctx) -> str:
     return str(c.tmp / "opt")
 
 
+def weights_only(c: Ctx) -> str:
+    """The tiny GPT-2's config and weights, without its tokenizer files."""
+    path = c.mkdir("weights_only")
+    shutil.copytree(c.assets.gpt2, path, dirs_exist_ok=True, ignore=shutil.ignore_patterns("tokenizer*", "chat_*"))
+    return path
+
+
 def roberta_config_dir(c: Ctx) -> str:
     """A RoBERTa-base-shaped config.json (514 positions, pad id 1) beside the tiny llama's tokenizer."""
     path = c.mkdir("roberta")
@@ -288,6 +295,15 @@ CASES = [
     Case("model_dir_missing", lambda c: c.yaml(model=str(c.tmp / "no_model")), "model", "no_model"),
     Case("model_dir_without_config", lambda c: c.yaml(model=c.mkdir("empty_model")), "model", "config.json"),
     Case("model_hub_id_offline", lambda c: c.yaml(model="someorg/tiny-model"), "model", "local", stage=DATA),
+    # transformers 5 builds a tokenizer that encodes nothing from a directory without tokenizer files (a checkpoint
+    # of an earlier finetune): without the refusal every example was "truncated to nothing"
+    Case(
+        "model_dir_without_tokenizer",
+        lambda c: c.yaml(model=weights_only(c)),
+        "model",
+        "holds no tokenizer",
+        stage=DATA,
+    ),
     Case("dataset_file_missing", lambda c: c.yaml(dataset=str(c.tmp / "no.jsonl")), "dataset", "no.jsonl"),
     Case(
         "dataset_unsupported_extension",

@@ -271,7 +271,7 @@ def test_best_checkpoint_early_stopping_pruning_and_resume(assets, tmp_path):
 def test_the_best_checkpoint_of_a_mixture_of_experts_is_exported_in_its_base_models_layout(assets, tmp_path):
     """A checkpoint holds transformers' in-memory names (the experts fused: mlp.experts.gate_up_proj); final/ from
     the best checkpoint holds each expert's own linears, as the base model (and the Hub's checkpoints) do, and
-    reloads to exactly the checkpoint's weights."""
+    reloads to exactly the checkpoint's weights. So does final/ of a new run whose model is that checkpoint."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -293,6 +293,11 @@ def test_the_best_checkpoint_of_a_mixture_of_experts_is_exported_in_its_base_mod
     )
     reloaded = AutoModelForCausalLM.from_pretrained(run.output_dir / "final").state_dict()
     assert all((reloaded[k] == v).all() for k, v in at_best.items())
+    ckpt = str(run.output_dir / "checkpoints" / f"step_{best}")
+    again = finetune(tmp_path / "again", *base_args(ckpt, assets.instruction, "--max_steps", "1"))
+    assert set(load_file(str(again.output_dir / "final" / "model.safetensors"))) == set(
+        load_file(f"{base}/model.safetensors")
+    )
 
 
 @pytest.mark.slow
