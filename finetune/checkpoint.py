@@ -39,7 +39,9 @@ import yaml
 from finetune.cluster import host_gather, host_wait
 from finetune.config import ROW_FIELDS, ConfigError
 from finetune.config.preflight import (
+    CONFIG_FILE,
     LATEST,
+    PORTABLE,
     STATE_FILE,
     checkpoints_dir,
     list_checkpoints,
@@ -57,8 +59,6 @@ from finetune.parallel.topology import (
     writes_whole_tensors,
 )
 
-CONFIG_FILE = "run_config.yaml"
-PORTABLE = "portable"
 PARAM_NAMES = "optimizer_param_names.json"
 MANIFEST = "manifest.json"
 

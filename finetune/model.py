@@ -15,7 +15,7 @@ import torch
 
 from finetune import chunked_loss
 from finetune.config import AUTO_CLASSES, ConfigError, ModelArgs, PeftArgs
-from finetune.config.preflight import STATE_FILE
+from finetune.config.preflight import PORTABLE, STATE_FILE
 from finetune.config.rules import encoder_decoder_problems, position_problems
 
 logger = logging.getLogger("finetune")
@@ -344,8 +344,6 @@ def _saves_as_its_base(net, path: str) -> None:
     (core_model_loading.py:1876) and final/ kept the fused names (seen: a tiny Qwen3-MoE resumed in one process from
     a TP checkpoint). With no record of a load, save_pretrained reverts the model class's own conversions, as for a
     model made from its config (revert_weight_conversion)."""
-    from finetune.checkpoint import PORTABLE
-
     path = os.path.abspath(path)
     holder = os.path.dirname(path) if os.path.basename(path) == PORTABLE else path
     if os.path.isfile(os.path.join(holder, STATE_FILE)):

@@ -163,6 +163,17 @@ def tiny_opt(c: Ctx) -> str:
     return str(c.tmp / "opt")
 
 
+def checkpoint_of(c: Ctx, method: str, model_in: str) -> str:
+    """A finetune checkpoint's files as a run's model: trainer_state.json, run_config.yaml (peft.method) and the
+    tiny llama where the layout writes its from_pretrained copy ("." the checkpoint, "portable" DeepSpeed's and
+    FSDP2's); test_peft's adapter-run checkpoint test reads a real one."""
+    path = c.tmp / f"ckpt_{method}"
+    shutil.copytree(c.assets.llama, path / model_in)
+    c.write(f"ckpt_{method}/trainer_state.json", json.dumps({"step": 2, "layout": {}}))
+    c.write(f"ckpt_{method}/run_config.yaml", f"model: base\npeft:\n  method: {method}\n")
+    return str(path)
+
+
 def weights_only(c: Ctx) -> str:
     """The tiny GPT-2's config and weights, without its tokenizer files."""
     path = c.mkdir("weights_only")
@@ -294,9 +305,21 @@ CASES = [
     Case("dataset_not_given", lambda c: c.yaml(dataset=DROP), "dataset", "local data files"),
     Case("model_dir_missing", lambda c: c.yaml(model=str(c.tmp / "no_model")), "model", "no_model"),
     Case("model_dir_without_config", lambda c: c.yaml(model=c.mkdir("empty_model")), "model", "config.json"),
+    Case(
+        "model_is_an_adapter_runs_checkpoint",
+        lambda c: c.yaml(model=checkpoint_of(c, "lora", ".")),
+        "model",
+        "resume_from_checkpoint: ",
+    ),
+    Case(
+        "model_is_a_zero3_checkpoint",
+        lambda c: c.yaml(model=checkpoint_of(c, "none", "portable")),
+        "model",
+        "whole model is in portable/: set model to ",
+    ),
     Case("model_hub_id_offline", lambda c: c.yaml(model="someorg/tiny-model"), "model", "local", stage=DATA),
-    # transformers 5 builds a tokenizer that encodes nothing from a directory without tokenizer files (a checkpoint
-    # of an earlier finetune): without the refusal every example was "truncated to nothing"
+    # transformers 5 builds a tokenizer of its special tokens only from a directory without tokenizer files (a
+    # checkpoint of an earlier finetune): GPT-2's encoded every example to nothing
     Case(
         "model_dir_without_tokenizer",
         lambda c: c.yaml(model=weights_only(c)),

@@ -302,10 +302,27 @@ def test_adapter_resume_equals_uninterrupted(assets, tmp_path):
 
 @pytest.fixture(scope="module")
 def lora_run(assets, tmp_path_factory):
-    """A LoRA run of the tiny Llama (one process, 2 steps) that merges at its end (peft.merge); tests only read its
-    output_dir."""
-    args = base_args(assets.llama, assets.instruction, "--max_steps", "2", "--eval_fraction", "0")
+    """A LoRA run of the tiny Llama (one process, 2 steps, a checkpoint at the end) that merges at its end
+    (peft.merge); tests only read its output_dir."""
+    args = base_args(assets.llama, assets.instruction, "--max_steps", "2", "--eval_fraction", "0", "--save_steps", "2")
     return finetune(tmp_path_factory.mktemp("lora_run") / "run", *args, *LORA, "--peft.merge", "true")
+
+
+def test_an_adapter_runs_checkpoint_is_refused_as_a_model(lora_run):
+    """An adapter run's checkpoint holds its base's weights under PEFT's names (base_model.model.*) beside the
+    adapter's: from_pretrained uses none of them and draws every weight anew (said in one log line), so naming it
+    as a run's model is refused at the edge (test_bad_inputs' model_is_an_adapter_runs_checkpoint, launched). When
+    the first assertion fails, transformers reads such a checkpoint: look again at the refusal."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.config.preflight import model_dir_problems
+
+    checkpoints = sorted((lora_run.output_dir / "checkpoints").glob("step_*"))
+    assert checkpoints
+    net, info = AutoModelForCausalLM.from_pretrained(checkpoints[-1], output_loading_info=True)
+    assert {n for n, _ in net.named_parameters()} <= set(info["missing_keys"]), info
+    problems = model_dir_problems(str(checkpoints[-1]), 64, "causal_lm")
+    assert [k for k, _ in problems] == ["model"] and "is a checkpoint of an adapter run" in problems[0][1], problems
 
 
 def test_continue_from_existing_adapter(assets, lora_run, tmp_path):

@@ -206,22 +206,56 @@ def filesystem_problems(cfg: RunConfig) -> list[tuple[str, str]]:
 
 
 def model_dir_problems(model: str, max_seq_length: int, task: str) -> list[tuple[str, str]]:
-    p: list[tuple[str, str]] = []
     if model and looks_local(model) and not os.path.isdir(os.path.expanduser(model)):
-        p.append(
-            ("model", f"directory {model!r} does not exist; give a model directory (with config.json) or a Hub id")
-        )
-    elif model and os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json")):
+        return [("model", f"directory {model!r} does not exist; give a model directory (with config.json) or a Hub id")]
+    if not (model and os.path.isdir(model)):
+        return []  # a Hub id
+    p: list[tuple[str, str]] = []
+    if os.path.isfile(os.path.join(model, STATE_FILE)):  # a finetune checkpoint
+        p += _checkpoint_as_model_problems(model)
+    elif not os.path.isfile(os.path.join(model, "config.json")):
         p.append(("model", f"{model!r} has no config.json; point at a directory saved with save_pretrained"))
-    elif model and os.path.isdir(model):
+    if not p:
         check_model_config(p, model, max_seq_length, task)
     return p
+
+
+def _checkpoint_as_model_problems(path: str) -> list[tuple[str, str]]:
+    """A finetune checkpoint named as a run's model: a whole-model run's loads through from_pretrained (the
+    checkpoint, or its PORTABLE copy); an adapter run's holds PEFT's names for its base's weights beside the
+    adapter's, which from_pretrained leaves unused (every weight drawn anew, said in one log line)."""
+    import yaml
+
+    try:
+        with open(os.path.join(path, CONFIG_FILE)) as f:
+            saved = yaml.safe_load(f) or {}
+        method, base = (saved.get("peft") or {}).get("method", "none"), saved.get("model")
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+        method, base = "none", None  # what from_pretrained makes of it says the rest
+    resume = f"continue it with resume_from_checkpoint: {path} (in a new output_dir, a run of its own)"
+    if method != "none":
+        why = (
+            f"{path!r} is a checkpoint of an adapter run (peft.method {method}): from_pretrained would use none of "
+            f"its weights. To train on from it, {resume}; to start from an adapter, give a run's final/ as "
+            f"peft.adapter with model: its base model ({base!r})"
+        )
+        return [("model", why)]
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return []
+    portable = os.path.join(path, PORTABLE)
+    if os.path.isfile(os.path.join(portable, "config.json")):
+        return [("model", f"{path!r} is a checkpoint whose whole model is in {PORTABLE}/: set model to {portable}")]
+    return [
+        ("model", f"{path!r} is a checkpoint whose layout alone reads its weights (no from_pretrained copy); {resume}")
+    ]
 
 
 # ---------------------------------------------------------------- resume_from_checkpoint and output_dir
 
 LATEST = "latest"  # checkpoints/latest names the newest complete checkpoint
 STATE_FILE = "trainer_state.json"  # written last into a checkpoint: it marks the checkpoint complete
+CONFIG_FILE = "run_config.yaml"  # the run's config, in each checkpoint, final/ and output_dir
+PORTABLE = "portable"  # a checkpoint's from_pretrained copy of the whole model under DeepSpeed and FSDP2
 
 
 def checkpoints_dir(output_dir: str) -> str:
@@ -276,7 +310,7 @@ def restarts_its_start(output_dir: str, spec: str) -> bool:
     import yaml
 
     try:
-        with open(os.path.join(output_dir, "run_config.yaml")) as f:
+        with open(os.path.join(output_dir, CONFIG_FILE)) as f:
             started = (yaml.safe_load(f) or {}).get("resume_from_checkpoint")
     except (OSError, yaml.YAMLError, AttributeError):
         return False
@@ -359,7 +393,7 @@ def finished_run(cfg: RunConfig) -> Finished | None:
     try:
         with open(os.path.join(final, MODEL_CARD)) as f:
             card = f.read()
-        with open(os.path.join(final, "run_config.yaml")) as f:
+        with open(os.path.join(final, CONFIG_FILE)) as f:
             saved = yaml.safe_load(f)
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return None
