@@ -163,6 +163,17 @@ def tiny_opt(c: Ctx) -> str:
     return str(c.tmp / "opt")
 
 
+def adapter_dir(c: Ctx) -> str:
+    """What a LoRA run's final/ holds: adapter_config.json (naming its base), the adapter's weights, the tokenizer."""
+    path = c.mkdir("adapter")
+    shutil.copytree(
+        c.assets.llama, path, dirs_exist_ok=True, ignore=shutil.ignore_patterns("config.json", "*.safetensors")
+    )
+    c.write("adapter/adapter_config.json", json.dumps({"peft_type": "LORA", "base_model_name_or_path": c.assets.llama}))
+    c.write("adapter/adapter_model.safetensors", b"")
+    return path
+
+
 def checkpoint_of(c: Ctx, method: str, model_in: str) -> str:
     """A finetune checkpoint's files as a run's model: trainer_state.json, run_config.yaml (peft.method) and the
     tiny llama where the layout writes its from_pretrained copy ("." the checkpoint, "portable" DeepSpeed's and
@@ -305,6 +316,7 @@ CASES = [
     Case("dataset_not_given", lambda c: c.yaml(dataset=DROP), "dataset", "local data files"),
     Case("model_dir_missing", lambda c: c.yaml(model=str(c.tmp / "no_model")), "model", "no_model"),
     Case("model_dir_without_config", lambda c: c.yaml(model=c.mkdir("empty_model")), "model", "config.json"),
+    Case("model_is_an_adapter", lambda c: c.yaml(model=adapter_dir(c)), "model", "peft.adapter to "),
     Case(
         "model_is_an_adapter_runs_checkpoint",
         lambda c: c.yaml(model=checkpoint_of(c, "lora", ".")),

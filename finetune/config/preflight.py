@@ -214,10 +214,25 @@ def model_dir_problems(model: str, max_seq_length: int, task: str) -> list[tuple
     if os.path.isfile(os.path.join(model, STATE_FILE)):  # a finetune checkpoint
         p += _checkpoint_as_model_problems(model)
     elif not os.path.isfile(os.path.join(model, "config.json")):
-        p.append(("model", f"{model!r} has no config.json; point at a directory saved with save_pretrained"))
+        adapter = os.path.isfile(os.path.join(model, "adapter_config.json"))  # a LoRA run's final/
+        why = f"{model!r} has no config.json; point at a directory saved with save_pretrained"
+        p.append(("model", _adapter_as_model(model) if adapter else why))
     if not p:
         check_model_config(p, model, max_seq_length, task)
     return p
+
+
+def _adapter_as_model(path: str) -> str:
+    """An adapter directory (a LoRA run's final/) named as the model: where its base is, and the two ways on."""
+    try:
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            base = json.load(f).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    return (
+        f"{path!r} is an adapter (adapter_config.json), not a model: set model to its base model ({base!r}) and "
+        f"peft.adapter to {path} to train the adapter on, or give its merge (finetune merge {path}) as model"
+    )
 
 
 def _checkpoint_as_model_problems(path: str) -> list[tuple[str, str]]:
