@@ -308,11 +308,14 @@ def lora_run(assets, tmp_path_factory):
     return finetune(tmp_path_factory.mktemp("lora_run") / "run", *args, *LORA, "--peft.merge", "true")
 
 
-def test_an_adapter_runs_checkpoint_is_refused_as_a_model(lora_run):
+def test_an_adapter_runs_checkpoint_is_refused_as_a_model_and_its_adapter_exported_by_a_resume(lora_run, tmp_path):
     """An adapter run's checkpoint holds its base's weights under PEFT's names (base_model.model.*) beside the
     adapter's: from_pretrained uses none of them and draws every weight anew (said in one log line), so naming it
     as a run's model is refused at the edge (test_bad_inputs' model_is_an_adapter_runs_checkpoint, launched). When
-    the first assertion fails, transformers reads such a checkpoint: look again at the refusal."""
+    the first assertion fails, transformers reads such a checkpoint: look again at the refusal. The way on it names:
+    resumed into a new output_dir with max_steps at its step, a run trains nothing and its final/ is the
+    checkpoint's adapter."""
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from finetune.config.preflight import model_dir_problems
@@ -323,6 +326,13 @@ def test_an_adapter_runs_checkpoint_is_refused_as_a_model(lora_run):
     assert {n for n, _ in net.named_parameters()} <= set(info["missing_keys"]), info
     problems = model_dir_problems(str(checkpoints[-1]), 64, "causal_lm")
     assert [k for k, _ in problems] == ["model"] and "is a checkpoint of an adapter run" in problems[0][1], problems
+    config, step = lora_run.output_dir / "run_config.yaml", checkpoints[-1].name.removeprefix("step_")
+    export = finetune(tmp_path / "export", "--config", str(config), "--resume_from_checkpoint", str(checkpoints[-1]),
+                      "--max_steps", step, "--peft.merge", "false", expect_ok=False)  # fmt: skip
+    assert export.returncode == 0 and not export.train_rows, export.output[-3000:]  # (no rows: conftest's check)
+    ours = load_file(str(export.output_dir / "final" / "adapter_model.safetensors"))
+    theirs = load_file(str(lora_run.output_dir / "final" / "adapter_model.safetensors"))
+    assert ours and ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 def test_continue_from_existing_adapter(assets, lora_run, tmp_path):

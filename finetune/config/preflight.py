@@ -251,8 +251,8 @@ def _checkpoint_as_model_problems(path: str) -> list[tuple[str, str]]:
     if method != "none":
         why = (
             f"{path!r} is a checkpoint of an adapter run (peft.method {method}): from_pretrained would use none of "
-            f"its weights. To train on from it, {resume}; to start from an adapter, give a run's final/ as "
-            f"peft.adapter with model: its base model ({base!r})"
+            f"its weights. To train on from it, {resume}; with max_steps at its step that run trains nothing and "
+            f"its final/ is the checkpoint's adapter, to give as peft.adapter with model: its base ({base!r})"
         )
         return [("model", why)]
     if os.path.isfile(os.path.join(path, "config.json")):
