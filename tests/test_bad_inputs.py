@@ -163,15 +163,24 @@ def tiny_opt(c: Ctx) -> str:
     return str(c.tmp / "opt")
 
 
-def adapter_dir(c: Ctx) -> str:
+def adapter_dir(c: Ctx, name: str = "adapter") -> str:
     """What a LoRA run's final/ holds: adapter_config.json (naming its base), the adapter's weights, the tokenizer."""
-    path = c.mkdir("adapter")
+    path = c.mkdir(name)
     shutil.copytree(
         c.assets.llama, path, dirs_exist_ok=True, ignore=shutil.ignore_patterns("config.json", "*.safetensors")
     )
-    c.write("adapter/adapter_config.json", json.dumps({"peft_type": "LORA", "base_model_name_or_path": c.assets.llama}))
-    c.write("adapter/adapter_model.safetensors", b"")
+    c.write(f"{name}/adapter_config.json", json.dumps({"peft_type": "LORA", "base_model_name_or_path": c.assets.llama}))
+    c.write(f"{name}/adapter_model.safetensors", b"")
     return path
+
+
+def output_dir_of(c: Ctx, method: str) -> str:
+    """A finished run's output_dir: run_config.yaml, and final/ holding the model (method none) or the adapter."""
+    if method == "none":
+        shutil.copytree(c.assets.llama, c.tmp / f"run_{method}" / "final")
+    else:
+        adapter_dir(c, f"run_{method}/final")
+    return c.write(f"run_{method}/run_config.yaml", f"peft:\n  method: {method}\n").removesuffix("/run_config.yaml")
 
 
 def checkpoint_of(c: Ctx, method: str, model_in: str) -> str:
@@ -317,6 +326,13 @@ CASES = [
     Case("model_dir_missing", lambda c: c.yaml(model=str(c.tmp / "no_model")), "model", "no_model"),
     Case("model_dir_without_config", lambda c: c.yaml(model=c.mkdir("empty_model")), "model", "config.json"),
     Case("model_is_an_adapter", lambda c: c.yaml(model=adapter_dir(c)), "model", "peft.adapter to "),
+    Case("model_is_a_runs_output_dir", lambda c: c.yaml(model=output_dir_of(c, "none")), "model", "its final/ ("),
+    Case(
+        "model_is_an_adapter_runs_output_dir",
+        lambda c: c.yaml(model=output_dir_of(c, "lora")),
+        "model",
+        "output_dir of an adapter run, not a model: set model to its base model",
+    ),
     Case(
         "model_is_an_adapter_runs_checkpoint",
         lambda c: c.yaml(model=checkpoint_of(c, "lora", ".")),

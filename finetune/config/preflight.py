@@ -214,24 +214,38 @@ def model_dir_problems(model: str, max_seq_length: int, task: str) -> list[tuple
     if os.path.isfile(os.path.join(model, STATE_FILE)):  # a finetune checkpoint
         p += _checkpoint_as_model_problems(model)
     elif not os.path.isfile(os.path.join(model, "config.json")):
-        adapter = os.path.isfile(os.path.join(model, "adapter_config.json"))  # a LoRA run's final/
-        why = f"{model!r} has no config.json; point at a directory saved with save_pretrained"
-        p.append(("model", _adapter_as_model(model) if adapter else why))
+        p.append(("model", _not_a_model(model)))
     if not p:
         check_model_config(p, model, max_seq_length, task)
     return p
 
 
-def _adapter_as_model(path: str) -> str:
-    """An adapter directory (a LoRA run's final/) named as the model: where its base is, and the two ways on."""
+def _not_a_model(path: str) -> str:
+    """Why a directory without config.json is no model, and what to give: an adapter (a LoRA run's final/), a
+    finetune run's output_dir (its final/ is), or anything else."""
+    final = os.path.join(path, "final")
+    run = os.path.isfile(os.path.join(path, CONFIG_FILE))
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        return f"{path!r} is an adapter (adapter_config.json), not a model: {_ways_on_with(path)}"
+    if run and os.path.isfile(os.path.join(final, "adapter_config.json")):
+        return f"{path!r} is the output_dir of an adapter run, not a model: {_ways_on_with(final)}"
+    if run and os.path.isfile(os.path.join(final, "config.json")):
+        return f"{path!r} is a finetune run's output_dir, not a model: set model to its final/ ({final})"
+    return f"{path!r} has no config.json; point at a directory saved with save_pretrained"
+
+
+def _ways_on_with(adapter: str) -> str:
+    """How to train on from an adapter directory: on its base (adapter_config.json's), or its merge."""
     try:
-        with open(os.path.join(path, "adapter_config.json")) as f:
+        with open(os.path.join(adapter, "adapter_config.json")) as f:
             base = json.load(f).get("base_model_name_or_path")
     except (OSError, ValueError, AttributeError):
         base = None
+    merged = os.path.join(adapter, "merged")  # peft.merge's, or finetune merge's by default
+    merge = merged if os.path.isdir(merged) else f"finetune merge {adapter} writes it to {merged}"
     return (
-        f"{path!r} is an adapter (adapter_config.json), not a model: set model to its base model ({base!r}) and "
-        f"peft.adapter to {path} to train the adapter on, or give its merge (finetune merge {path}) as model"
+        f"set model to its base model ({base!r}) and peft.adapter to {adapter} to train the adapter on, or give its "
+        f"merge ({merge}) as model"
     )
 
 
