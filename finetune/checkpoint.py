@@ -50,6 +50,7 @@ from finetune.config.preflight import (
 )
 from finetune.config.schema import config_differences
 from finetune.faults import fault_point
+from finetune.formats import at_rest
 from finetune.parallel.base import save_from_this_process, unwrap
 from finetune.parallel.topology import (
     describe_layout,
@@ -217,7 +218,7 @@ class Checkpointer:
                 net.config.save_pretrained(tmp)
                 if getattr(net, "generation_config", None) is not None:  # models that generate
                     net.generation_config.save_pretrained(tmp)
-                self.tokenizer.save_pretrained(tmp)
+                at_rest(self.tokenizer).save_pretrained(tmp)
                 name_of = {id(p): n for n, p in net.named_parameters()}
                 inner = getattr(self.optimizer, "optimizer", self.optimizer)  # optimizer.bin's order
                 names = [name_of[id(p)] for group in inner.param_groups for p in group["params"]]
@@ -231,7 +232,7 @@ class Checkpointer:
             out = os.path.join(tmp, PORTABLE)
             # a copy: save_pretrained removes entries from the dict it is given (tied names; every one it writes)
             save_from_this_process(net, out, state_dict=dict(weights), safe_serialization=True)
-            self.tokenizer.save_pretrained(out)
+            at_rest(self.tokenizer).save_pretrained(out)
             # The fp32 masters are the full state dict's trainable weights (gathered once, not again with the moments)
             tensors = {f"param/{n}": weights[n].detach().float().cpu().contiguous() for n in moments}
             tensors |= {

@@ -266,7 +266,7 @@ def test_classification_reaches_high_accuracy(assets, tmp_path, arch):
         "--max_seq_length",
         "32",
         "--save_steps",
-        "null",
+        "60",
         launcher="ddp",
     )
     first, last = res.eval_rows[0], res.eval_rows[-1]
@@ -274,6 +274,9 @@ def test_classification_reaches_high_accuracy(assets, tmp_path, arch):
     assert last["eval_accuracy"] >= 0.9 and last["eval_f1"] >= 0.9
     config = json.loads((res.output_dir / "final" / "config.json").read_text())
     assert config["id2label"] == {"0": "food", "1": "sports", "2": "tech", "3": "weather"}
+    # the checkpoint's tokenizer as final/'s: none of the truncation to max_seq_length the run's calls left set
+    saved = json.loads((res.output_dir / "checkpoints" / "step_60" / "tokenizer.json").read_text())
+    assert saved["truncation"] is None and saved["padding"] is None, (saved["truncation"], saved["padding"])
 
 
 BASE_LABELS = ["weather", "tech", "food", "sports"]  # a base classifier's head, in an order no label sorts to
