@@ -35,7 +35,16 @@ from finetune.fingerprint import BASE_FILE
 from finetune.fingerprint import check as check_base
 from finetune.fingerprint import record as record_base
 from finetune.formats import at_rest
-from finetune.model import DTYPES, head_kwargs, load_error, model_config, peft_missing, quantized_base, save_dtype
+from finetune.model import (
+    DTYPES,
+    head_kwargs,
+    load_error,
+    model_config,
+    peft_missing,
+    quantized_base,
+    save_dtype,
+    saves_as_its_base,
+)
 
 LABELS_FILE = "labels.json"
 
@@ -289,6 +298,7 @@ def _adapted_model(adapter_dir: str, adapter_config: dict, base: MergeBase, voca
         raise _base_load_error(base, e) from None
     except ValueError as e:  # a kind of model the adapter's Auto class does not load (an encoder-decoder's, ...)
         raise _misfit(adapter_dir, base, f"{auto} does not load it ({_first_line(e)})") from None
+    saves_as_its_base(net, base.name)
     if vocab > net.get_input_embeddings().num_embeddings:
         net.resize_token_embeddings(vocab)
     config = PeftConfig.from_pretrained(adapter_dir)

@@ -229,7 +229,7 @@ def build_model(
         if load_weights:
             model, info = cls.from_pretrained(m.model, **kwargs, **(extra_kwargs or {}), output_loading_info=True)
             missing = info["missing_keys"]
-            _saves_as_its_base(model, m.model)
+            saves_as_its_base(model, m.model)
         else:
             config = AutoConfig.from_pretrained(m.model, trust_remote_code=m.trust_remote_code)
             with torch.device("meta"):
@@ -334,10 +334,10 @@ def masks_without_host_sync() -> None:
     mu._finetune_without_host_sync = True
 
 
-def _saves_as_its_base(net, path: str) -> None:
+def saves_as_its_base(net, path: str) -> None:
     """A whole model loaded from a finetune checkpoint's weights (checkpoint.Resume.model_dir: a resume converted from
-    another layout, final/ from the best checkpoint, or a checkpoint named as a new run's model) saves in the layout
-    its base model came in, as every other export does.
+    another layout, final/ from the best checkpoint, a checkpoint named as a new run's model, or as the base an
+    adapter is merged into) saves in the layout its base model came in, as every other export does.
 
     A checkpoint holds transformers' in-memory names (a mixture of experts' fused mlp.experts.gate_up_proj, where
     Mixtral's and Qwen-MoE's Hub checkpoints hold each expert's own linears), so loading it uses none of the model's

@@ -271,7 +271,8 @@ def test_best_checkpoint_early_stopping_pruning_and_resume(assets, tmp_path):
 def test_the_best_checkpoint_of_a_mixture_of_experts_is_exported_in_its_base_models_layout(assets, tmp_path):
     """A checkpoint holds transformers' in-memory names (the experts fused: mlp.experts.gate_up_proj); final/ from
     the best checkpoint holds each expert's own linears, as the base model (and the Hub's checkpoints) do, and
-    reloads to exactly the checkpoint's weights. So does final/ of a new run whose model is that checkpoint."""
+    reloads to exactly the checkpoint's weights. So do final/ of a new run whose model is that checkpoint, and the
+    merge of an adapter trained on it."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -296,6 +297,11 @@ def test_the_best_checkpoint_of_a_mixture_of_experts_is_exported_in_its_base_mod
     ckpt = str(run.output_dir / "checkpoints" / f"step_{best}")
     again = finetune(tmp_path / "again", *base_args(ckpt, assets.instruction, "--max_steps", "1"))
     assert set(load_file(str(again.output_dir / "final" / "model.safetensors"))) == set(
+        load_file(f"{base}/model.safetensors")
+    )
+    lora = ["--peft.method", "lora", "--peft.target_modules", "q_proj", "--peft.merge", "true"]
+    adapted = finetune(tmp_path / "lora", *base_args(ckpt, assets.instruction, "--max_steps", "1"), *lora)
+    assert set(load_file(str(adapted.output_dir / "final" / "merged" / "model.safetensors"))) == set(
         load_file(f"{base}/model.safetensors")
     )
 
