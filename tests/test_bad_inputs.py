@@ -180,7 +180,8 @@ def output_dir_of(c: Ctx, method: str) -> str:
         shutil.copytree(c.assets.llama, c.tmp / f"run_{method}" / "final")
     else:
         adapter_dir(c, f"run_{method}/final")
-    return c.write(f"run_{method}/run_config.yaml", f"peft:\n  method: {method}\n").removesuffix("/run_config.yaml")
+    c.write(f"run_{method}/run_config.yaml", f"peft:\n  method: {method}\n")
+    return str(c.tmp / f"run_{method}")
 
 
 def checkpoint_of(c: Ctx, method: str, model_in: str) -> str:
