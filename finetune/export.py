@@ -29,7 +29,7 @@ from finetune.checkpoint import (
 )
 from finetune.cluster import host_gather, host_wait
 from finetune.config import AUTO_CLASSES, ConfigError
-from finetune.config.preflight import looks_local
+from finetune.config.preflight import looks_local, run_config_in
 from finetune.faults import fault_point
 from finetune.fingerprint import BASE_FILE
 from finetune.fingerprint import check as check_base
@@ -253,18 +253,8 @@ def _write_merged(merged, tokenizer, marker: dict, out_dir: str) -> None:
 
 def _run_save_dtype(adapter_dir: str) -> str:
     """The save_dtype of the run that wrote adapter_dir (its run_config.yaml); auto without one."""
-    said = _run_config(adapter_dir).get("save_dtype", "auto")
+    said = run_config_in(adapter_dir).get("save_dtype", "auto")
     return said if isinstance(said, str) and said in DTYPES else "auto"
-
-
-def _run_config(adapter_dir: str) -> dict:
-    """The run config of the run that wrote adapter_dir (its run_config.yaml); {} without a readable one."""
-    try:
-        with open(os.path.join(adapter_dir, CONFIG_FILE)) as f:
-            said = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError):
-        return {}
-    return said if isinstance(said, dict) else {}
 
 
 def _adapter_tokenizer(adapter_dir: str):
@@ -341,7 +331,7 @@ def _first_line(e: Exception, containing: str = "") -> str:
 def _misfit(adapter_dir: str, base: MergeBase, why: str) -> ConfigError:
     """The adapter does not fit the base model: why, and the model it was trained on (the run's, where its
     run_config.yaml says)."""
-    trained = _run_config(adapter_dir).get("model")
+    trained = run_config_in(adapter_dir).get("model")
     on = f" (its run trained {trained!r})" if isinstance(trained, str) and trained else ""
     return ConfigError(
         [

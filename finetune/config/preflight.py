@@ -253,14 +253,9 @@ def _checkpoint_as_model_problems(path: str) -> list[tuple[str, str]]:
     """A finetune checkpoint named as a run's model: a whole-model run's loads through from_pretrained (the
     checkpoint, or its PORTABLE copy); an adapter run's holds PEFT's names for its base's weights beside the
     adapter's, which from_pretrained leaves unused (every weight drawn anew, said in one log line)."""
-    import yaml
-
-    try:
-        with open(os.path.join(path, CONFIG_FILE)) as f:
-            saved = yaml.safe_load(f) or {}
-        method, base = (saved.get("peft") or {}).get("method", "none"), saved.get("model")
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
-        method, base = "none", None  # what from_pretrained makes of it says the rest
+    saved = run_config_in(path)  # unreadable: what from_pretrained makes of it says the rest
+    peft = saved.get("peft")
+    method, base = peft.get("method", "none") if isinstance(peft, dict) else "none", saved.get("model")
     resume = f"continue it with resume_from_checkpoint: {path} (in a new output_dir, a run of its own)"
     if method != "none":
         why = (
@@ -285,6 +280,19 @@ LATEST = "latest"  # checkpoints/latest names the newest complete checkpoint
 STATE_FILE = "trainer_state.json"  # written last into a checkpoint: it marks the checkpoint complete
 CONFIG_FILE = "run_config.yaml"  # the run's config, in each checkpoint, final/ and output_dir
 PORTABLE = "portable"  # a checkpoint's from_pretrained copy of the whole model under DeepSpeed and FSDP2
+
+
+def run_config_in(directory: str) -> dict:
+    """The run config a run wrote into directory (its CONFIG_FILE: a checkpoint, final/, output_dir); {} without a
+    readable one."""
+    import yaml
+
+    try:
+        with open(os.path.join(directory, CONFIG_FILE)) as f:
+            said = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    return said if isinstance(said, dict) else {}
 
 
 def checkpoints_dir(output_dir: str) -> str:
@@ -336,13 +344,7 @@ def restarts_its_start(output_dir: str, spec: str) -> bool:
     """spec is the other run's checkpoint that the run in output_dir started from (its run_config.yaml says so): this
     is that run again, the same command (a launcher's restart, --max_restarts; a requeued job). It continues from its
     own newest checkpoint, or, having none, starts over from spec."""
-    import yaml
-
-    try:
-        with open(os.path.join(output_dir, CONFIG_FILE)) as f:
-            started = (yaml.safe_load(f) or {}).get("resume_from_checkpoint")
-    except (OSError, yaml.YAMLError, AttributeError):
-        return False
+    started = run_config_in(output_dir).get("resume_from_checkpoint")
     return (
         outside_checkpoints(output_dir, spec)
         and isinstance(started, str)
