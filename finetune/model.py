@@ -68,9 +68,9 @@ def load_tokenizer(m: ModelArgs):
 
 def _refuse_a_tokenizer_from_nothing(path: str, tok) -> None:
     """transformers 5 builds a tokenizer of the config's class from a directory that holds no tokenizer files (a
-    checkpoint written by an earlier finetune; weights copied alone): its special tokens only. GPT-2's (1 token)
-    encodes every text to nothing (the run stopped: 'no supervised token left after truncation'), BERT's (5) and
-    T5's to unknown tokens (a run would train on them)."""
+    checkpoint written by an earlier finetune; weights copied alone): its special tokens only. Qwen's and GPT-2's
+    (1 token) encode every text to nothing (a Qwen3-MoE run stopped: 'no supervised token left after truncation'),
+    BERT's (5) and T5's to unknown tokens (a run would train on them)."""
     if not os.path.isdir(path):
         return
     files = {"tokenizer.json", "tokenizer_config.json", *type(tok).vocab_files_names.values()}
