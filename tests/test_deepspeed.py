@@ -560,3 +560,37 @@ def test_zero3_starts_a_classifier_head_of_another_size_anew_as_one_process_does
     weights = [load_file(str(r.output_dir / "final" / "model.safetensors")) for r in (single, zero3)]
     assert weights[0]["classifier.weight"].shape == (4, 64)
     assert max_tensor_diff(*weights) <= 1e-5
+
+
+def test_the_cpu_adam_build_is_announced_when_deepspeeds_jit_will_compile_it(tmp_path, monkeypatch, capsys):
+    """An offloaded optimizer's first step waits minutes for DeepSpeed to compile cpu_adam, saying nothing: rank 0
+    says so, for an empty cache and for a build of other sources (torch's JIT rebuilds it: its build.ninja names them
+    by path), not for a build of this DeepSpeed's, nor without offload."""
+    import deepspeed
+
+    from finetune.parallel.deepspeed import announce_op_builds
+
+    cache = tmp_path / "torch_extensions"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(cache))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    source = Path(deepspeed.__file__).parent / "ops" / "csrc" / "adam" / "cpu_adam.cpp"
+    assert source.is_file(), source  # the path torch's build.ninja names (DeepSpeed's JIT builds from it)
+
+    def said(config: str) -> bool:
+        monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(ROOT / "ds_configs" / config))
+        capsys.readouterr()
+        announce_op_builds()
+        return "DeepSpeed compiles its CPU Adam" in capsys.readouterr().out
+
+    assert said("zero3_offload.json") and said("zero2_offload.json")  # nothing built yet
+    assert not said("zero3.json")
+    build = cache / "cpu_adam"
+    build.mkdir(parents=True)
+    (build / "cpu_adam.so").write_bytes(b"")
+    (build / "build.ninja").write_text(f"build cpu_adam.o: compile /elsewhere/venv/{source.name}\n")
+    assert said("zero3_offload.json")  # another install's build: recompiled
+    (build / "build.ninja").write_text(f"build cpu_adam.o: compile {source}\n")
+    assert not said("zero3_offload.json")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    (build / "cpu_adam.so").unlink()
+    assert not said("zero3_offload.json")  # rank 0 only
