@@ -28,7 +28,7 @@ from finetune.checkpoint import (
     write_atomic,
 )
 from finetune.cluster import host_gather, host_wait
-from finetune.config import AUTO_CLASSES, ConfigError
+from finetune.config import AUTO_CLASSES, ConfigError, ModelArgs
 from finetune.config.preflight import looks_local, run_config_in
 from finetune.faults import fault_point
 from finetune.fingerprint import BASE_FILE
@@ -184,9 +184,7 @@ def merge_adapter(
     weights check found is in MERGE_MARKER's base_weights.
 
     A classifier adapter's classes come from its labels.json (the base model is rebuilt with that head); an
-    encoder-decoder's adapter says so in its task_type."""
-    from finetune.config import ModelArgs
-
+    encoder-decoder's adapter says so in its task_type (one without, another tool's: the base's config does)."""
     with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
         adapter_config = json.load(f)
     base = _merge_base(adapter_dir, adapter_config, base_model)
@@ -278,7 +276,11 @@ def _adapted_model(adapter_dir: str, adapter_config: dict, base: MergeBase, voca
     from peft import PeftConfig, get_peft_model
 
     label_names = _label_names(adapter_dir)
-    seq2seq = adapter_config.get("task_type") == "SEQ_2_SEQ_LM"
+    task_type = adapter_config.get("task_type")
+    if task_type is None:  # another tool's adapter may not say: the base does (an encoder-decoder's, or not)
+        seq2seq = bool(getattr(model_config(ModelArgs(model=base.name)), "is_encoder_decoder", False))
+    else:
+        seq2seq = task_type == "SEQ_2_SEQ_LM"
     auto = AUTO_CLASSES["classification" if label_names else "seq2seq" if seq2seq else "causal_lm"]
     try:
         net = getattr(transformers, auto).from_pretrained(

@@ -774,3 +774,25 @@ def test_merge_refuses_a_base_model_the_adapter_does_not_fit(assets, tmp_path, c
             assert f"Merge it into the model it was trained on (its run trained {assets.llama!r})" in err, err
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["deep", "final", "narrow", "shallow"]
+
+
+def test_an_encoder_decoders_adapter_without_a_task_type_merges_as_one(assets, tmp_path, capsys):
+    """An adapter saved without task_type (another tool's: get_peft_model on a bare LoraConfig) says nothing of its
+    Auto class; merge reads it from the base: an encoder-decoder's (T5) merges as one, with the weights of a merge by
+    hand. Was refused: 'AutoModelForCausalLM does not load it'."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+    from finetune.commands.merge import main as merge
+
+    torch.manual_seed(0)
+    adapter = tmp_path / "adapter"
+    config = LoraConfig(r=2, lora_alpha=8, init_lora_weights=False, target_modules=["q", "v"])
+    get_peft_model(AutoModelForSeq2SeqLM.from_pretrained(assets.t5), config).save_pretrained(adapter)
+    AutoTokenizer.from_pretrained(assets.t5).save_pretrained(adapter)
+    assert json.loads((adapter / "adapter_config.json").read_text()).get("task_type") is None
+    assert merge([str(adapter), "--output", str(tmp_path / "m")]) == 0, capsys.readouterr().err
+    merged = load_file(str(tmp_path / "m" / "model.safetensors"))
+    want = merged_by_hand(assets.t5, adapter)
+    assert merged and max_tensor_diff(merged, want) <= 1e-6
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["architectures"] == ["T5ForConditionalGeneration"]
